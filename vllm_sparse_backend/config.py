@@ -1,0 +1,130 @@
+"""Global settings of the sparse-prefill backend.
+
+Sources, later wins: field defaults < JSON file named by ``VLLM_SPARSE_CONFIG`` < environment
+variables ``VLLM_SPARSE_<FIELD>`` (e.g. ``VLLM_SPARSE_VERTICAL_SIZE=1000``). Settings are read
+once per process, at backend construction, so every engine process sees the same values as
+long as it inherits the environment (true for fork and spawn). Bad values fail at start-up with
+the file or variable and the field named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from enum import Enum
+from typing import Annotated, Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+ENV_PREFIX = "VLLM_SPARSE_"
+CONFIG_FILE_ENV = "VLLM_SPARSE_CONFIG"
+# Variables with the prefix that are not settings: the settings file itself and the asset cache.
+NON_SETTING_ENV = frozenset({CONFIG_FILE_ENV, "VLLM_SPARSE_CACHE"})
+
+
+class PatternName(str, Enum):
+    """Prefill patterns. Names follow the papers: MInference's A-shape, vertical-slash and
+    block-sparse heads, FlexPrefill's adaptive heads, and plain dense attention."""
+
+    DENSE = "dense"
+    A_SHAPE = "a_shape"
+    VERTICAL_SLASH = "vertical_slash"
+    BLOCK_SPARSE = "block_sparse"
+    FLEX_PREFILL = "flex_prefill"
+
+
+class ConfigError(ValueError):
+    """A configuration file or variable is malformed; the message names where and which field."""
+
+
+class SparseSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
+    default_pattern: PatternName = Field(
+        PatternName.VERTICAL_SLASH, description="Pattern of heads that no head-config file covers.")
+    block_size: int = Field(64, description="Query and key block size of the sparse format (tokens).")
+    # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
+    vertical_size: int = Field(1000, ge=1, description="Vertical (column) budget per head.")
+    slash_size: int = Field(6096, ge=1, description="Slash (diagonal) budget per head.")
+    last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
+    keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
+    keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
+    # MInference block-sparse (Alg. 3).
+    topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
+    # A-shape (StreamingLLM-style sink + local window).
+    sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
+    local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
+    # FlexPrefill.
+    gamma: float = Field(0.95, gt=0.0, le=1.0, description="FlexPrefill cumulative attention to cover.")
+    tau: float = Field(0.1, ge=0.0, le=1.0, description="FlexPrefill sqrt-JSD threshold for query-aware heads.")
+    flex_block_size: int = Field(128, description="FlexPrefill block size (64 or 128).")
+    min_budget: int = Field(1024, ge=0, description="FlexPrefill minimum tokens per head (vertical and slash).")
+    max_budget: int | None = Field(None, ge=1, description="FlexPrefill maximum tokens per head, none = unbounded.")
+    # Gating: which rows go sparse.
+    min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
+    min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
+    # Files.
+    head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
+    stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> "SparseSettings":
+        for name in ("block_size", "flex_block_size"):
+            v = getattr(self, name)
+            if v < 16 or v > 256 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two between 16 and 256")
+        if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
+            raise ValueError("flex_block_size and block_size must divide one another")
+        if self.max_budget is not None and self.max_budget < self.min_budget:
+            raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
+        return self
+
+
+def _format_error(where: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "(settings)"
+        lines.append(f"{where}: field '{field}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
+    """Build settings from ``VLLM_SPARSE_CONFIG`` (JSON file) and ``VLLM_SPARSE_*`` variables."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = env.get(CONFIG_FILE_ENV)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ConfigError(f"{path} (from {CONFIG_FILE_ENV}): cannot read: {e}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} (from {CONFIG_FILE_ENV}): invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
+        try:
+            SparseSettings(**data)
+        except ValidationError as e:
+            raise ConfigError(_format_error(path, e)) from None
+        values.update(data)
+    fields = SparseSettings.model_fields
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key in NON_SETTING_ENV:
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in fields:
+            known = ", ".join(ENV_PREFIX + f.upper() for f in fields)
+            raise ConfigError(f"environment variable {key}: unknown setting (known: {known})")
+        values[name] = None if raw.strip().lower() in ("", "none", "null") else raw
+        field = fields[name]
+        try:  # the field alone, so the message names this variable
+            TypeAdapter(Annotated[field.annotation, field]).validate_python(values[name])
+        except ValidationError as e:
+            raise ConfigError(f"environment variable {key}={raw!r}: {e.errors()[0]['msg']}") from None
+    try:
+        return SparseSettings(**values)
+    except ValidationError as e:
+        where = " + ".join(filter(None, [path, "VLLM_SPARSE_* variables"]))
+        raise ConfigError(_format_error(where, e)) from None

@@ -1,0 +1,221 @@
+"""Per-model, per-layer, per-head pattern files (``head_configs/*.json``).
+
+Schema (JSON, validated with pydantic; see head_configs/README.md)::
+
+    {
+      "format": "vllm-sparse-head-config", "version": 1,
+      "model": "SmolLM2-135M-Instruct", "num_layers": 30, "num_heads": 9,
+      "produced_by": "how the file was made (tool, settings, data)",
+      "layers": [ {"heads": [ {"pattern": "vertical_slash", "vertical_size": 1000,
+                               "slash_size": 6096, "score": 0.93}, ... one per query head ]},
+                  ... one per layer ]
+    }
+
+Head numbers are global query-head indices; under tensor parallelism rank r uses heads
+``r * local_heads .. (r+1) * local_heads - 1``. A head entry names its pattern and may set that
+pattern's budgets; anything left out comes from the global settings.
+
+The MInference format (a list of layers, each ``{"<head>": [pattern, vertical, slash, score]}``
+with patterns ``vertical_and_slash``, ``stream_llm`` and ``block_sparse``) is converted by
+:func:`import_minference`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .config import ConfigError, PatternName, SparseSettings
+
+FORMAT_NAME = "vllm-sparse-head-config"
+
+
+class HeadPattern(BaseModel):
+    """Pattern of one query head. Unset budgets fall back to the global settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pattern: PatternName
+    vertical_size: int | None = Field(None, ge=1)
+    slash_size: int | None = Field(None, ge=1)
+    topk_blocks: int | None = Field(None, ge=1)
+    sink_tokens: int | None = Field(None, ge=0)
+    local_window: int | None = Field(None, ge=1)
+    gamma: float | None = Field(None, gt=0.0, le=1.0)
+    score: float | None = None
+
+
+class LayerHeads(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    heads: list[HeadPattern]
+
+
+class HeadConfigFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["vllm-sparse-head-config"]
+    version: Literal[1]
+    model: str
+    num_layers: int = Field(ge=1)
+    num_heads: int = Field(ge=1)
+    produced_by: str = ""
+    settings: dict[str, Any] = Field(default_factory=dict, description="Settings used when producing the file.")
+    layers: list[LayerHeads]
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> "HeadConfigFile":
+        if len(self.layers) != self.num_layers:
+            raise ValueError(f"'layers' has {len(self.layers)} entries but num_layers is {self.num_layers}")
+        for i, layer in enumerate(self.layers):
+            if len(layer.heads) != self.num_heads:
+                raise ValueError(f"layer {i}: 'heads' has {len(layer.heads)} entries but num_heads is {self.num_heads}")
+        return self
+
+
+def _describe_loc(loc: tuple) -> str:
+    """('layers', 3, 'heads', 5, 'slash_size') -> "layer 3, head 5, field 'slash_size'"."""
+    parts, rest = [], list(loc)
+    if len(rest) >= 2 and rest[0] == "layers" and isinstance(rest[1], int):
+        parts.append(f"layer {rest[1]}")
+        rest = rest[2:]
+        if len(rest) >= 2 and rest[0] == "heads" and isinstance(rest[1], int):
+            parts.append(f"head {rest[1]}")
+            rest = rest[2:]
+    if rest:
+        parts.append("field '" + ".".join(str(x) for x in rest) + "'")
+    return ", ".join(parts) or "file"
+
+
+def parse_head_config(data: Any, source: str) -> HeadConfigFile:
+    try:
+        return HeadConfigFile.model_validate(data)
+    except ValidationError as e:
+        msgs = [f"{source}: {_describe_loc(tuple(err['loc']))}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid head config\n" + "\n".join(msgs)) from None
+
+
+def _read_json(path: str | Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read head config: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+
+
+def load_head_config(path: str | Path) -> HeadConfigFile:
+    """Read and validate a head-config file (plain JSON; nothing is ever unpickled)."""
+    return parse_head_config(_read_json(path), str(path))
+
+
+def save_head_config(cfg: HeadConfigFile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cfg.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
+
+
+_MINFERENCE_PATTERNS = {
+    "vertical_and_slash": PatternName.VERTICAL_SLASH,
+    "stream_llm": PatternName.A_SHAPE,
+    "block_sparse": PatternName.BLOCK_SPARSE,
+}
+
+
+def import_minference(data: Any, model: str, source: str = "<minference config>") -> HeadConfigFile:
+    """Convert MInference's per-head format to ours.
+
+    ``vertical_and_slash (v, s)`` keeps both budgets; ``stream_llm (v, s)`` becomes A-shape with
+    v sink tokens and an s-token local window; ``block_sparse`` becomes block-sparse with the
+    global ``topk_blocks`` (MInference's kernels ignore the stored numbers and use 100 blocks).
+    """
+    if not isinstance(data, list) or not data:
+        raise ConfigError(f"{source}: expected a non-empty JSON list of layers (MInference format)")
+    num_heads = None
+    layers = []
+    for li, layer in enumerate(data):
+        if not isinstance(layer, dict) or not layer:
+            raise ConfigError(f"{source}: layer {li}: expected an object mapping head index to [pattern, vertical, slash, score]")
+        try:
+            by_head = {int(h): v for h, v in layer.items()}
+        except ValueError:
+            raise ConfigError(f"{source}: layer {li}: head keys must be integers, got {sorted(layer)[:5]}") from None
+        if sorted(by_head) != list(range(len(by_head))):
+            raise ConfigError(f"{source}: layer {li}: heads must be numbered 0..{len(by_head) - 1}")
+        if num_heads is None:
+            num_heads = len(by_head)
+        elif len(by_head) != num_heads:
+            raise ConfigError(f"{source}: layer {li}: {len(by_head)} heads, layer 0 has {num_heads}")
+        heads = []
+        for h in range(num_heads):
+            entry = by_head[h]
+            where = f"{source}: layer {li}, head {h}"
+            if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+                raise ConfigError(f"{where}: expected [pattern, vertical_size, slash_size, score], got {entry!r}")
+            name, vert, slash, score = entry
+            if name not in _MINFERENCE_PATTERNS:
+                raise ConfigError(f"{where}, field 'pattern': unknown pattern {name!r} (known: {sorted(_MINFERENCE_PATTERNS)})")
+            for field, val in (("vertical_size", vert), ("slash_size", slash)):
+                if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                    raise ConfigError(f"{where}, field '{field}': expected a positive integer, got {val!r}")
+            if not isinstance(score, (int, float)) or isinstance(score, bool):
+                raise ConfigError(f"{where}, field 'score': expected a number, got {score!r}")
+            pattern = _MINFERENCE_PATTERNS[name]
+            if pattern is PatternName.VERTICAL_SLASH:
+                hp = HeadPattern(pattern=pattern, vertical_size=vert, slash_size=slash, score=float(score))
+            elif pattern is PatternName.A_SHAPE:
+                hp = HeadPattern(pattern=pattern, sink_tokens=vert, local_window=slash, score=float(score))
+            else:
+                hp = HeadPattern(pattern=pattern, score=float(score))
+            heads.append(hp)
+        layers.append(LayerHeads(heads=heads))
+    return HeadConfigFile(
+        format=FORMAT_NAME, version=1, model=model, num_layers=len(layers), num_heads=num_heads,
+        produced_by=f"imported from MInference format ({source})", layers=layers)
+
+
+@dataclass(frozen=True)
+class ResolvedHead:
+    """A head's pattern with every budget filled in (what the estimators consume)."""
+
+    pattern: PatternName
+    vertical_size: int
+    slash_size: int
+    topk_blocks: int
+    sink_tokens: int
+    local_window: int
+    gamma: float
+
+
+def resolve_head(hp: HeadPattern | None, settings: SparseSettings) -> ResolvedHead:
+    def pick(name):
+        v = getattr(hp, name) if hp is not None else None
+        return getattr(settings, name) if v is None else v
+
+    return ResolvedHead(
+        pattern=hp.pattern if hp is not None else settings.default_pattern,
+        vertical_size=pick("vertical_size"), slash_size=pick("slash_size"), topk_blocks=pick("topk_blocks"),
+        sink_tokens=pick("sink_tokens"), local_window=pick("local_window"), gamma=pick("gamma"))
+
+
+def layer_heads(
+    cfg: HeadConfigFile | None,
+    settings: SparseSettings,
+    layer_index: int,
+    num_local_heads: int,
+    tp_rank: int = 0,
+) -> list[ResolvedHead]:
+    """Patterns of this rank's query heads for one layer; the global default where no file applies."""
+    if cfg is None:
+        return [resolve_head(None, settings)] * num_local_heads
+    if not 0 <= layer_index < cfg.num_layers:
+        raise ConfigError(f"head config for {cfg.model!r} has {cfg.num_layers} layers; layer {layer_index} requested")
+    first = tp_rank * num_local_heads
+    if first + num_local_heads > cfg.num_heads:
+        raise ConfigError(
+            f"head config for {cfg.model!r} has {cfg.num_heads} heads per layer; rank {tp_rank} needs heads "
+            f"{first}..{first + num_local_heads - 1}")
+    return [resolve_head(h, settings) for h in cfg.layers[layer_index].heads[first:first + num_local_heads]]

@@ -1,0 +1,160 @@
+"""The one sparse format every pattern produces and every kernel consumes.
+
+Per query block of a row (``block_size`` consecutive queries of the chunk) and per query
+head: a list of whole key blocks (aligned to ``block_size`` absolute key positions) plus a
+list of single key columns outside those blocks. This is MInference's hybrid block+column
+format (Alg. 4/5), with key blocks aligned to absolute positions so that a key block never
+straddles two KV-cache pages of a multiple size. Causality is applied on top by whoever
+computes attention: a listed key is used by a query only if its position is <= the query's.
+
+Geometry of a row: ``q_len`` queries at absolute positions ``ctx_len .. ctx_len+q_len-1``
+attend to keys ``0 .. ctx_len+q_len-1`` (context already in the cache plus the chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SparseIndex:
+    """Sparse selection for one row, all query heads.
+
+    block_index / column_index are ascending within each (head, query block) and padded
+    with -1 past their counts. Columns never fall inside a listed block.
+    """
+
+    block_size: int
+    block_count: torch.Tensor  # int32 [H, NQB]
+    block_index: torch.Tensor  # int32 [H, NQB, MAXB] key-block ids (key position // block_size)
+    column_count: torch.Tensor  # int32 [H, NQB]
+    column_index: torch.Tensor  # int32 [H, NQB, MAXC] absolute key positions
+
+    @property
+    def num_heads(self) -> int:
+        return self.block_count.shape[0]
+
+    @property
+    def num_query_blocks(self) -> int:
+        return self.block_count.shape[1]
+
+    def to(self, device: torch.device | str) -> "SparseIndex":
+        return SparseIndex(
+            self.block_size,
+            *(t.to(device) for t in (self.block_count, self.block_index, self.column_count, self.column_index)),
+        )
+
+
+def num_blocks(n: int, block_size: int) -> int:
+    return (n + block_size - 1) // block_size
+
+
+def query_block_bounds(q_len: int, ctx_len: int, block_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute first and last (inclusive) query position of every query block: int64 [NQB]."""
+    starts = torch.arange(0, q_len, block_size, device=device, dtype=torch.int64)
+    last = torch.clamp(starts + block_size, max=q_len) - 1
+    return starts + ctx_len, last + ctx_len
+
+
+def causal_block_mask(q_len: int, ctx_len: int, block_size: int, device=None) -> torch.Tensor:
+    """bool [NQB, NKB]: key block kb can hold a key visible to some query of query block qb."""
+    _, q_last = query_block_bounds(q_len, ctx_len, block_size, device)
+    nkb = num_blocks(ctx_len + q_len, block_size)
+    kb = torch.arange(nkb, device=device, dtype=torch.int64)
+    return kb[None, :] * block_size <= q_last[:, None]
+
+
+def diagonal_block_mask(q_len: int, ctx_len: int, block_size: int, device=None) -> torch.Tensor:
+    """bool [NQB, NKB]: key blocks that hold the query block's own positions (always needed:
+    every query must at least see itself, otherwise its softmax row is empty)."""
+    q_first, q_last = query_block_bounds(q_len, ctx_len, block_size, device)
+    nkb = num_blocks(ctx_len + q_len, block_size)
+    kb = torch.arange(nkb, device=device, dtype=torch.int64)
+    return (kb[None, :] >= (q_first // block_size)[:, None]) & (kb[None, :] <= (q_last // block_size)[:, None])
+
+
+def compact(values: torch.Tensor, keep: torch.Tensor, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the kept entries of each last-dim row to the front, ascending.
+
+    values: int64 [..., N] (non-negative), keep: bool [..., N] -> (count int32 [...], index int32 [..., M])
+    with M = max count (or ``pad_to``) and -1 padding.
+    """
+    count = keep.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    if pad_to is not None:
+        width = max(width, pad_to)
+    big = torch.iinfo(torch.int64).max
+    key = torch.where(keep, values.to(torch.int64), torch.full_like(values, big, dtype=torch.int64))
+    key = key.sort(-1).values[..., :width]
+    if key.shape[-1] < width:  # fewer candidates than the requested padding
+        key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=big)
+    index = torch.where(key == big, torch.full_like(key, -1), key)
+    return count.to(torch.int32), index.to(torch.int32)
+
+
+def build_index(
+    block_mask: torch.Tensor,
+    block_size: int,
+    q_len: int,
+    ctx_len: int,
+    column_candidates: torch.Tensor | None = None,
+    column_keep: torch.Tensor | None = None,
+) -> SparseIndex:
+    """Assemble a SparseIndex from a key-block mask and optional column candidates.
+
+    block_mask: bool [H, NQB, NKB]; it is intersected with the causal block mask.
+    column_candidates: int64 [H, C] absolute key positions (any order), column_keep: bool [H, C]
+    (False marks padding). A column is listed for a query block when it is causally reachable
+    from that block and its key block is not already listed.
+    """
+    device = block_mask.device
+    h, nqb, nkb = block_mask.shape
+    block_mask = block_mask & causal_block_mask(q_len, ctx_len, block_size, device)[None]
+    kb = torch.arange(nkb, device=device, dtype=torch.int64).expand(h, nqb, nkb)
+    block_count, block_index = compact(kb, block_mask)
+
+    if column_candidates is None or column_candidates.shape[-1] == 0:
+        column_count = torch.zeros(h, nqb, dtype=torch.int32, device=device)
+        column_index = torch.zeros(h, nqb, 0, dtype=torch.int32, device=device)
+    else:
+        # Sort the candidates and drop repeats: a key listed twice would be counted twice.
+        big = torch.iinfo(torch.int64).max
+        cols = torch.where(column_keep, column_candidates.to(torch.int64), big).sort(-1).values  # [H, C]
+        unique = torch.ones_like(cols, dtype=torch.bool)
+        unique[:, 1:] = cols[:, 1:] != cols[:, :-1]
+        col_ok = (cols != big) & unique
+        cols = torch.where(col_ok, cols, 0)
+        _, q_last = query_block_bounds(q_len, ctx_len, block_size, device)
+        keep = col_ok[:, None, :] & (cols[:, None, :] <= q_last[None, :, None])  # [H, NQB, C]
+        covered = torch.gather(block_mask, 2, (cols // block_size).clamp(max=nkb - 1)[:, None, :].expand(h, nqb, -1))
+        keep = keep & ~covered
+        column_count, column_index = compact(cols[:, None, :].expand(h, nqb, -1), keep)
+    return SparseIndex(block_size, block_count, block_index, column_count, column_index)
+
+
+def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
+    """bool [H, q_len, kv_len] of the (query, key) pairs the index allows, causality applied.
+
+    Materialises the full mask: for tests and small inputs only.
+    """
+    b = index.block_size
+    kv_len = ctx_len + q_len
+    h, nqb = index.block_count.shape
+    device = index.block_count.device
+    mask = torch.zeros(h, nqb, num_blocks(kv_len, b) * b, dtype=torch.bool, device=device)
+    for j in range(index.block_index.shape[-1]):
+        kb = index.block_index[..., j].to(torch.int64)
+        valid = kb >= 0
+        pos = kb.clamp(min=0)[..., None] * b + torch.arange(b, device=device)
+        mask.scatter_(2, pos, valid[..., None].expand(-1, -1, b) | torch.gather(mask, 2, pos))
+    for j in range(index.column_index.shape[-1]):
+        c = index.column_index[..., j].to(torch.int64)
+        valid = c >= 0
+        pos = c.clamp(min=0)[..., None]
+        mask.scatter_(2, pos, valid[..., None] | torch.gather(mask, 2, pos))
+    mask = mask[..., :kv_len].repeat_interleave(b, dim=1)[:, :q_len]
+    qpos = torch.arange(q_len, device=device) + ctx_len
+    return mask & (torch.arange(kv_len, device=device)[None, :] <= qpos[:, None])[None]
+

@@ -1,0 +1,92 @@
+"""Pieces shared by the pattern estimators (all batched over heads; no per-head loops)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..index import num_blocks
+
+
+@dataclass
+class PatternSelection:
+    """What an estimator selects for a subset of heads, before assembly into a SparseIndex.
+
+    block_mask: bool [h, NQB, NKB]; columns: int64 [h, C] absolute key positions with
+    column_keep: bool [h, C] (False = padding). C may be 0.
+    """
+
+    block_mask: torch.Tensor
+    columns: torch.Tensor
+    column_keep: torch.Tensor
+
+    @staticmethod
+    def blocks_only(block_mask: torch.Tensor) -> "PatternSelection":
+        h = block_mask.shape[0]
+        empty = torch.zeros(h, 0, dtype=torch.int64, device=block_mask.device)
+        return PatternSelection(block_mask, empty, empty.bool())
+
+
+def last_queries_probs(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int, n: int,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax of the last ``n`` queries of the chunk against all keys (fp32).
+
+    Returns (probs [h, n', kv_len], absolute positions of those queries [n']).
+    """
+    q_len = q.shape[0]
+    kv_len = k.shape[0]
+    n = min(n, q_len)
+    qs = q[q_len - n:].transpose(0, 1).float()  # [h, n, D]
+    ks = k.transpose(0, 1).float()[kvh]  # [h, kv_len, D]; estimation-sized gather only
+    s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+    qpos = torch.arange(q_len - n, q_len, device=q.device) + ctx_len
+    s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1), qpos
+
+
+def vertical_and_slash_sums(probs: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column sums [h, kv_len] and diagonal sums [h, kv_len] (index d = query pos - key pos)."""
+    h, n, kv_len = probs.shape
+    vertical = probs.sum(1)
+    d = qpos[:, None] - torch.arange(kv_len, device=probs.device)[None, :]  # [n, kv_len]
+    d = d.clamp(min=0)  # masked (future) keys have probability 0, so where they land is irrelevant
+    slash = torch.zeros(h, kv_len, dtype=probs.dtype, device=probs.device)
+    slash.scatter_add_(1, d.reshape(1, -1).expand(h, -1), probs.reshape(h, -1))
+    return vertical, slash
+
+
+def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool mask of the ``counts[h]`` highest entries of each row of scores [h, N]."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
+    return ranks < counts.to(scores.device)[:, None]
+
+
+def cumulative_budget(scores: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
+    """Smallest k per row such that the k largest normalised scores sum to >= gamma. [h] int64."""
+    total = scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
+    sorted_scores = (scores / total).sort(-1, descending=True).values
+    csum = sorted_scores.cumsum(-1)
+    gamma = torch.as_tensor(gamma, dtype=csum.dtype, device=csum.device).reshape(-1, 1)
+    # number of prefixes still below gamma, plus the one that reaches it
+    k = (csum < gamma).sum(-1) + 1
+    return k.clamp(max=scores.shape[-1])
+
+
+def mean_pool_queries(q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[q_len, h, D] -> [h, NQB, D]: mean of each block of the chunk (last block may be short)."""
+    q_len, h, d = q.shape
+    nqb = num_blocks(q_len, block_size)
+    pad = nqb * block_size - q_len
+    x = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(nqb, block_size, h, d).sum(1)
+    counts = torch.full((nqb,), float(block_size), device=q.device)
+    counts[-1] = block_size - pad
+    return (x / counts[:, None, None]).transpose(0, 1)
+
+
+def mean_pool_keys(k: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[kv_len, Hkv, D] -> [Hkv, NKB, D]: mean of each absolute key block."""
+    return mean_pool_queries(k, block_size)
+

@@ -1,0 +1,116 @@
+"""FlexPrefill heads (Lai et al., 2025; Algorithms 1-4).
+
+Per head and per input: the last ``fb`` queries of the chunk are the representative queries.
+Their true block distribution (softmax, then sum over each key block, averaged over the queries)
+is compared with the pooled estimate (softmax of mean(Q_hat) . mean-pooled K) by the square root
+of the Jensen-Shannon divergence (natural log). Below ``tau`` the head is query-aware: pooled
+block scores for every query block, and the smallest set of blocks of the flattened, normalised
+map reaching ``gamma``. Otherwise the head is vertical-slash: the representative queries' column
+and diagonal sums, each cut at the smallest count reaching ``gamma``. Both keep at least
+``min_budget`` tokens (at most ``max_budget``) per query block, and always the first and the
+diagonal key blocks, as the paper's implementation does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..index import causal_block_mask, diagonal_block_mask, num_blocks
+from .common import (PatternSelection, cumulative_budget, keep_top, last_queries_probs, mean_pool_keys,
+                     mean_pool_queries, vertical_and_slash_sums)
+from .vertical_slash import vertical_slash_to_selection
+
+
+@dataclass
+class FlexDecision:
+    query_aware: torch.Tensor  # bool [h]
+    jsd: torch.Tensor  # float [h], sqrt of the Jensen-Shannon divergence
+
+
+def sqrt_js_divergence(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """sqrt(JSD(p || q)) over the last dim, natural log; p and q are distributions."""
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (torch.log(a.clamp_min(eps)) - torch.log(b.clamp_min(eps))),
+                           torch.zeros_like(a)).sum(-1)
+
+    return torch.sqrt((0.5 * (kl(p, m) + kl(q, m))).clamp_min(0.0))
+
+
+def _rescale_mask(mask: torch.Tensor, from_b: int, to_b: int, nqb: int, nkb: int) -> torch.Tensor:
+    """Block mask at block size from_b -> block size to_b (any-pooling when coarsening)."""
+    if from_b > to_b:
+        r = from_b // to_b
+        mask = mask.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
+    elif from_b < to_b:
+        r = to_b // from_b
+        h, a, b = mask.shape
+        mask = torch.nn.functional.pad(mask, (0, (-b) % r, 0, (-a) % r))
+        mask = mask.view(h, mask.shape[1] // r, r, mask.shape[2] // r, r).any(4).any(2)
+    return mask[:, :nqb, :nkb]
+
+
+def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
+                           gamma: torch.Tensor, *, tau: float, flex_block_size: int, min_budget: int,
+                           max_budget: int | None, block_size: int,
+                           scale: float) -> tuple[PatternSelection, FlexDecision]:
+    q_len, kv_len = q.shape[0], k.shape[0]
+    fb = flex_block_size
+    device = q.device
+    h = q.shape[1]
+    nkb_f = num_blocks(kv_len, fb)
+
+    # Representative queries: the last block of the chunk.
+    probs, qpos = last_queries_probs(q, k, kvh, ctx_len, fb, scale)  # [h, n, kv_len]
+    pad = nkb_f * fb - kv_len
+    true_blocks = torch.nn.functional.pad(probs, (0, pad)).view(h, probs.shape[1], nkb_f, fb).sum(-1).mean(1)
+    kp = mean_pool_keys(k, fb)[kvh]  # [h, NKBf, D]
+    q_hat = q[q_len - probs.shape[1]:].float().mean(0)  # [h, D]
+    est = torch.einsum("hd,hkd->hk", q_hat, kp) * scale
+    est = est.masked_fill(torch.arange(nkb_f, device=device)[None, :] * fb > qpos[-1], float("-inf"))
+    est = torch.softmax(est, dim=-1)
+    jsd = sqrt_js_divergence(est, true_blocks)
+    query_aware = jsd < tau
+
+    nqb = num_blocks(q_len, block_size)
+    nkb = num_blocks(kv_len, block_size)
+    min_blocks = -(-min_budget // fb)
+    max_blocks = None if max_budget is None else max(1, -(-max_budget // fb))
+
+    # Query-aware candidate: pooled block attention for every query block (Alg. 4, flattened).
+    qa_mask = torch.zeros(h, nqb, nkb, dtype=torch.bool, device=device)
+    if bool(query_aware.any()):
+        qp = mean_pool_queries(q, fb)  # [h, NQBf, D]
+        causal_f = causal_block_mask(q_len, ctx_len, fb, device)
+        s = torch.matmul(qp, kp.transpose(-1, -2)) * scale
+        a = torch.softmax(s.masked_fill(~causal_f, float("-inf")), dim=-1)  # [h, NQBf, NKBf]
+        flat = a.reshape(h, -1)
+        keep = keep_top(flat, cumulative_budget(flat, gamma)).view_as(a)
+        rows = a.reshape(-1, nkb_f)
+        n_rows = rows.shape[0]
+        keep |= keep_top(rows, torch.full((n_rows,), min_blocks, device=device)).view_as(a)
+        if max_blocks is not None:
+            keep &= keep_top(rows, torch.full((n_rows,), max_blocks, device=device)).view_as(a)
+        keep |= diagonal_block_mask(q_len, ctx_len, fb, device)[None]
+        keep[:, :, 0] = True
+        qa_mask = _rescale_mask(keep & causal_f, fb, block_size, nqb, nkb)
+
+    # Vertical-slash candidate from the representative queries (Alg. 3).
+    vertical, slash = vertical_and_slash_sums(probs, qpos)
+    lo = min(min_budget, kv_len)
+    hi = kv_len if max_budget is None else min(max_budget, kv_len)
+    kv_cnt = cumulative_budget(vertical, gamma).clamp(min=lo, max=hi)
+    ks_cnt = cumulative_budget(slash, gamma).clamp(min=lo, max=hi)
+    v_keep = keep_top(vertical, kv_cnt)
+    s_keep = keep_top(slash, ks_cnt)
+    s_keep[:, 0] = True  # the main diagonal: every query sees itself
+    vs = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size)
+    vs.block_mask[:, :, 0] = True  # the first key block (attention sinks)
+
+    qa = query_aware[:, None, None]
+    block_mask = torch.where(qa, qa_mask, vs.block_mask)
+    column_keep = vs.column_keep & ~query_aware[:, None]
+    return PatternSelection(block_mask, vs.columns, column_keep), FlexDecision(query_aware, jsd)

@@ -1,0 +1,60 @@
+"""Vertical-slash heads (MInference Alg. 2 and 4).
+
+Estimation: softmax of the last ``last_q`` queries against all keys; column sums give the
+vertical scores, diagonal sums the slash scores; the first ``keep_first_columns`` columns and the
+``keep_last_diagonals`` diagonals nearest the main one are always kept; top-k per head.
+Conversion: a slash line crosses each query block in a ``block_size``-long key range, so it is
+covered by (at most two) aligned key blocks; verticals become single columns unless such a block
+already covers them. Everything is batched over heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..index import compact, num_blocks, query_block_bounds
+from .common import PatternSelection, keep_top, last_queries_probs, vertical_and_slash_sums
+
+
+def slash_block_mask(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> torch.Tensor:
+    """bool [h, NQB, NKB]: key blocks crossed by a kept diagonal inside each query block.
+
+    Diagonal d (= query pos - key pos) meets key block kb inside a query block spanning
+    positions [P0, P1] iff d lies in [P0 - kb*B - B + 1, P1 - kb*B]; a prefix sum over the kept
+    diagonals answers "is any kept d in that range" for all (query block, key block) at once.
+    """
+    h, kv_len = slash_keep.shape
+    device = slash_keep.device
+    q_first, q_last = query_block_bounds(q_len, ctx_len, block_size, device)
+    kb0 = torch.arange(num_blocks(kv_len, block_size), device=device) * block_size
+    lo = (q_first[:, None] - kb0[None, :] - block_size + 1).clamp(min=0, max=kv_len)
+    hi = (q_last[:, None] - kb0[None, :]).clamp(max=kv_len - 1)
+    csum = torch.nn.functional.pad(slash_keep.to(torch.int32).cumsum(-1), (1, 0))  # [h, kv_len + 1]
+    nqb, nkb = lo.shape
+    hits = csum[:, (hi + 1).clamp(min=0).reshape(-1)] - csum[:, lo.reshape(-1)]
+    return ((hits > 0) & (hi >= lo).reshape(1, -1)).view(h, nqb, nkb)
+
+
+def vertical_slash_to_selection(vertical_keep: torch.Tensor, slash_keep: torch.Tensor, q_len: int, ctx_len: int,
+                                block_size: int) -> PatternSelection:
+    """Kept columns and diagonals (bool [h, kv_len] each) -> blocks + column candidates."""
+    kv_len = vertical_keep.shape[-1]
+    positions = torch.arange(kv_len, device=vertical_keep.device).expand_as(vertical_keep)
+    count, cols = compact(positions, vertical_keep)
+    cols = cols.to(torch.int64)
+    return PatternSelection(slash_block_mask(slash_keep, q_len, ctx_len, block_size), cols, cols >= 0)
+
+
+def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
+                             vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
+                             keep_first_columns: int, keep_last_diagonals: int, block_size: int,
+                             scale: float) -> PatternSelection:
+    """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
+    vertical, slash = vertical_and_slash_sums(probs, qpos)
+    vertical[:, :keep_first_columns] = float("inf")
+    slash[:, :max(1, keep_last_diagonals)] = float("inf")  # the main diagonal at least: no empty rows
+    v_keep = keep_top(vertical, vertical_size.clamp(max=kv_len))
+    s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
+    return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size)

@@ -1,0 +1,123 @@
+"""Exact sparse attention in plain PyTorch.
+
+Computes softmax(Q K^T * scale + mask) V where mask allows exactly the (query, key) pairs of a
+:class:`SparseIndex` that are causal. It is the CPU serving path and the ground truth the Triton
+kernels are tested against, so it favours clarity over speed, but it only touches the selected
+keys: work and memory grow with the selected area, not with the full n x n square.
+
+GQA is handled by indexing K/V with ``kv_head = q_head // group`` (no repeated KV tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .index import SparseIndex
+
+# Upper bound on gathered key elements per step (query blocks are processed in groups).
+_GATHER_BUDGET = 1 << 24
+
+
+def kv_head_map(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    return torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _selected_positions(index: SparseIndex, qb0: int, qb1: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key positions [G, H, K] and validity [G, H, K] for query blocks qb0..qb1-1."""
+    b = index.block_size
+    blocks = index.block_index[:, qb0:qb1].transpose(0, 1).to(torch.int64)  # [G, H, MAXB]
+    pos_b = blocks[..., None].clamp(min=0) * b + torch.arange(b, device=blocks.device)
+    ok_b = (blocks[..., None] >= 0) & (pos_b < kv_len)
+    cols = index.column_index[:, qb0:qb1].transpose(0, 1).to(torch.int64)  # [G, H, MAXC]
+    g, h = blocks.shape[:2]
+    ok = torch.cat([ok_b.reshape(g, h, -1), cols >= 0], dim=-1)
+    pos = torch.cat([pos_b.reshape(g, h, -1), cols], dim=-1).clamp(0, kv_len - 1)  # safe to gather
+    return pos, ok
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    index: SparseIndex,
+    ctx_len: int,
+    scale: float,
+    softcap: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """Sparse attention of one row.
+
+    q: [q_len, H, D]; k: [kv_len, Hkv, D]; v: [kv_len, Hkv, Dv] with kv_len = ctx_len + q_len.
+    Returns (out [q_len, H, Dv] in q's dtype, number of (query, key) pairs computed over all heads).
+    Rows whose selection is empty (impossible for indices built by this package, which always
+    keep the diagonal block) get a zero output.
+    """
+    q_len, h, d = q.shape
+    kv_len, hkv, dv = v.shape
+    if k.shape[0] != kv_len or kv_len != ctx_len + q_len:
+        raise ValueError(f"kv_len={kv_len} (k: {k.shape[0]}) must equal ctx_len + q_len = {ctx_len + q_len}")
+    b = index.block_size
+    ct = compute_dtype(q.dtype)
+    if out is None:
+        out = torch.empty(q_len, h, dv, dtype=q.dtype, device=q.device)
+    kvh = kv_head_map(h, hkv, q.device)
+    # Flattened [Hkv * kv_len, D] views so one gather serves all heads: row = kv_head * kv_len + pos.
+    k_flat = k.transpose(0, 1).reshape(hkv * kv_len, d)
+    v_flat = v.transpose(0, 1).reshape(hkv * kv_len, dv)
+    width = index.block_index.shape[-1] * b + index.column_index.shape[-1]
+    group = max(1, _GATHER_BUDGET // max(1, h * width * max(d, dv)))
+    nqb = index.num_query_blocks
+    computed = 0
+    for qb0 in range(0, nqb, group):
+        qb1 = min(nqb, qb0 + group)
+        r0, r1 = qb0 * b, min(q_len, qb1 * b)
+        pos, ok = _selected_positions(index, qb0, qb1, kv_len)  # [G, H, K]
+        g = qb1 - qb0
+        rows = torch.arange(r0, qb1 * b, device=q.device)  # may run past q_len in the last block
+        qpos = (rows + ctx_len).view(g, 1, b, 1)
+        allowed = ok[:, :, None, :] & (pos[:, :, None, :] <= qpos) & (rows < q_len).view(g, 1, b, 1)
+        flat = kvh.view(1, h, 1) * kv_len + pos
+        kg = k_flat[flat].to(ct)  # [G, H, K, D]
+        vg = v_flat[flat].to(ct)
+        qg = torch.zeros(g * b, h, d, dtype=ct, device=q.device)
+        qg[: r1 - r0] = q[r0:r1].to(ct)
+        qg = qg.view(g, b, h, d).transpose(1, 2)  # [G, H, B, D]
+        s = torch.matmul(qg, kg.transpose(-1, -2)) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~allowed, float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        denom = p.sum(-1, keepdim=True)
+        o = torch.matmul(p, vg) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        out[r0:r1] = o.transpose(1, 2).reshape(g * b, h, dv)[: r1 - r0].to(out.dtype)
+        computed += int(allowed.sum())
+    return out, computed
+
+
+def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:
+    """(query, key) pairs of dense causal attention for one row, over all heads."""
+    return num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
+
+
+def gather_paged_kv(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous K/V [kv_len, Hkv, D] of one sequence from vLLM's paged cache.
+
+    key_cache/value_cache: [num_blocks, block_size, Hkv, D] views with arbitrary strides (what
+    ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives on CUDA); block_table: [max_blocks].
+    Indexing goes through the tensors' own strides, so NHD and HND layouts both work.
+    """
+    page = key_cache.shape[1]
+    pages = block_table[: (kv_len + page - 1) // page].to(torch.int64)
+    k = key_cache[pages].reshape(-1, *key_cache.shape[2:])[:kv_len]
+    v = value_cache[pages].reshape(-1, *value_cache.shape[2:])[:kv_len]
+    return k, v
