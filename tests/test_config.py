@@ -129,3 +129,16 @@ def test_import_minference_format():
 def test_import_minference_errors(bad, needle):
     with pytest.raises(ConfigError, match=needle):
         import_minference(bad, "toy", source="mi.json")
+
+
+def test_cli_import_and_check(tmp_path, capsys):
+    from vllm_sparse_backend.cli import main
+    src = tmp_path / "mi.json"
+    src.write_text(json.dumps([{"0": ["vertical_and_slash", 100, 800, 0.5], "1": ["stream_llm", 64, 512, 0.1]}]))
+    out = tmp_path / "ours.json"
+    assert main(["import-minference", str(src), str(out), "--model", "toy"]) == 0
+    assert main(["check-head-config", str(out)]) == 0
+    assert "OK (toy, 1 layers x 2 heads)" in capsys.readouterr().out
+    src.write_text(json.dumps([{"0": ["vertical_and_slash", 100, 800]}]))
+    assert main(["import-minference", str(src), str(out), "--model", "toy"]) == 2
+    assert "layer 0, head 0" in capsys.readouterr().err
