@@ -33,11 +33,16 @@ import tempfile
 import time
 from typing import Any, Protocol, Sequence
 
-# Sparse settings for the demo server (the backend reads VLLM_SPARSE_* from the environment).
+# Sparse settings for the demo server (the backend reads VLLM_SPARSE_* from the environment;
+# variables already set by the caller take precedence). The library defaults (vertical-slash
+# 1000/6096, sparse from 4096 query tokens) target 32K-1M prompts; at the demo's 4K tokens they
+# would select everything, so the demo runs FlexPrefill, which sizes each head's budget from the
+# input (gamma 0.9, tau 0.1 as in the paper; a 256-token minimum instead of 1024 for 4K prompts).
 DEMO_SPARSE_ENV: dict[str, str] = {
     "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "1024",
-    "VLLM_SPARSE_VERTICAL_SIZE": "64",
-    "VLLM_SPARSE_SLASH_SIZE": "512",
+    "VLLM_SPARSE_DEFAULT_PATTERN": "flex_prefill",
+    "VLLM_SPARSE_GAMMA": "0.9",
+    "VLLM_SPARSE_MIN_BUDGET": "256",
 }
 
 SERVED_MODEL_NAME = "smollm2-135m"
@@ -495,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     server_tmp = workdir / "tmp"  # vLLM leaves socket files in TMPDIR; keep them in here
     server_tmp.mkdir()
     env = {"TMPDIR": str(server_tmp), "VLLM_SPARSE_STATS_FILE": str(stats_path)}
-    if not args.dense:
-        env.update(DEMO_SPARSE_ENV)
+    if not args.dense:  # the demo's defaults; VLLM_SPARSE_* set by the caller win
+        env.update({k: v for k, v in DEMO_SPARSE_ENV.items() if k not in os.environ})
     backend = "dense (vLLM default)" if args.dense else "sparse-prefill"
     device = "CUDA" if cuda else "CPU"
     print(f"server:  {backend} backend on {device}, log {workdir / 'server.log'}")
