@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
 from vllm_sparse_backend.patterns import estimate_index
@@ -67,8 +67,6 @@ def test_vertical_slash_finds_planted_lines(rng):
     h, d, q_len = 1, 64, 512
     q = torch.randn(q_len, h, d, generator=rng) * 0.1
     k = torch.randn(q_len, h, d, generator=rng) * 0.1
-    direction = torch.zeros(d)
-    direction[0] = 1.0
     q[:, 0, 0] += 3.0
     k[300, 0, 0] += 12.0  # every later query attends to key 300 (a vertical line)
     sel = vertical_slash_selection(q, k, torch.zeros(1, dtype=torch.long), 0, torch.tensor([31]),
@@ -113,7 +111,6 @@ def test_sqrt_jsd_hand_computed():
     q = torch.tensor([[0.0, 1.0], [0.5, 0.5], [0.75, 0.25]])
     got = sqrt_js_divergence(p, q)
     # JSD of disjoint distributions is ln 2; identical ones 0.
-    m = torch.tensor([0.5, 0.5])
     third = 0.5 * (0.25 * math.log(0.25 / 0.5) + 0.75 * math.log(0.75 / 0.5)) * 2
     torch.testing.assert_close(got, torch.tensor([math.sqrt(math.log(2)), 0.0, math.sqrt(third)]))
 

@@ -52,14 +52,16 @@ def seq_lens_host(cm) -> list[int]:
     return cm.seq_lens[:n].cpu().tolist()
 
 
-def slice_rows(cm, a: int, b: int):
-    """Rows [a, b) of a CommonAttentionMetadata as a standalone batch (fields common to 0.26-0.33)."""
+def slice_rows(cm, a: int, b: int, seq_lens: list[int]):
+    """Rows [a, b) of a CommonAttentionMetadata as a standalone batch (fields common to 0.26-0.33).
+
+    seq_lens: the step's host-side sequence lengths (from :func:`seq_lens_host`)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     qsl = cm.query_start_loc_cpu
     t0, t1 = int(qsl[a]), int(qsl[b])
     q = (qsl[a + 1:b + 1] - qsl[a:b])
-    seq = seq_lens_host(cm)[a:b]
+    seq = seq_lens[a:b]
     ub = getattr(cm, "seq_lens_cpu_upper_bound", None)
     is_prefilling = getattr(cm, "is_prefilling", None)
     return CommonAttentionMetadata(

@@ -121,7 +121,8 @@ def build_sparse_metadata(cm, allow_context: bool,
         return None
     n = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
-    plan = plan_step(qsl, seq_lens_host(cm), cfg, allow_context=allow_context)
+    seq_lens = seq_lens_host(cm)
+    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context)
     for reason, count in plan.dense_reasons.items():
         log_once("long rows with %s run dense", reason)
         STATS.dense_reasons[reason] += count
@@ -129,7 +130,7 @@ def build_sparse_metadata(cm, allow_context: bool,
         STATS.dump(cfg.stats_file)
     if not plan.has_sparse:
         return None
-    runs = [DenseRun(qsl[a], qsl[b], dense_build(slice_rows(cm, a, b), k == 0))
+    runs = [DenseRun(qsl[a], qsl[b], dense_build(slice_rows(cm, a, b, seq_lens), k == 0))
             for k, (a, b) in enumerate(plan.dense_runs)]
     return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
                                  cm.block_table_tensor)

@@ -51,9 +51,10 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
         groups.setdefault(hp.pattern, []).append(i)
     for pattern, ids_list in groups.items():
         ids = torch.tensor(ids_list, device=device)
+        group_heads = [heads[i] for i in ids_list]
 
-        def per_head(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(heads[i], name) for i in ids_list], device=device)
+        def per_head(name: str, group_heads=group_heads) -> torch.Tensor:
+            return torch.tensor([getattr(hp, name) for hp in group_heads], device=device)
 
         if pattern is PatternName.DENSE:
             sel = dense_selection(len(ids_list), q_len, ctx_len, b, device)

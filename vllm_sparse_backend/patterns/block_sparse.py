@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from ..index import causal_block_mask, diagonal_block_mask
-from .common import PatternSelection, keep_top, mean_pool_keys, mean_pool_queries
+from .common import PatternSelection, block_means, keep_top
 
 
 def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                            topk_blocks: torch.Tensor, *, block_size: int) -> PatternSelection:
     q_len = q.shape[0]
-    qp = mean_pool_queries(q, block_size)  # [h, NQB, D]
-    kp = mean_pool_keys(k, block_size)[kvh]  # [h, NKB, D]
+    qp = block_means(q, block_size)  # [h, NQB, D]
+    kp = block_means(k, block_size)[kvh]  # [h, NKB, D]
     scores = torch.matmul(qp, kp.transpose(-1, -2))
     causal = causal_block_mask(q_len, ctx_len, block_size, q.device)
     diag = diagonal_block_mask(q_len, ctx_len, block_size, q.device)

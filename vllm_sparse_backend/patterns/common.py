@@ -75,18 +75,14 @@ def cumulative_budget(scores: torch.Tensor, gamma: torch.Tensor | float) -> torc
     return k.clamp(max=scores.shape[-1])
 
 
-def mean_pool_queries(q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[q_len, h, D] -> [h, NQB, D]: mean of each block of the chunk (last block may be short)."""
-    q_len, h, d = q.shape
-    nqb = num_blocks(q_len, block_size)
-    pad = nqb * block_size - q_len
-    x = torch.nn.functional.pad(q.float(), (0, 0, 0, 0, 0, pad)).view(nqb, block_size, h, d).sum(1)
-    counts = torch.full((nqb,), float(block_size), device=q.device)
+def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n, h, D] -> [h, ceil(n / block_size), D]: mean of each block of ``block_size`` rows (the
+    last block may be short). Queries are blocked from the chunk start, keys from position 0."""
+    n, h, d = x.shape
+    nb = num_blocks(n, block_size)
+    pad = nb * block_size - n
+    sums = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, d).sum(1)
+    counts = torch.full((nb,), float(block_size), device=x.device)
     counts[-1] = block_size - pad
-    return (x / counts[:, None, None]).transpose(0, 1)
-
-
-def mean_pool_keys(k: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[kv_len, Hkv, D] -> [Hkv, NKB, D]: mean of each absolute key block."""
-    return mean_pool_queries(k, block_size)
+    return (sums / counts[:, None, None]).transpose(0, 1)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ..index import causal_block_mask
 from .common import PatternSelection
 

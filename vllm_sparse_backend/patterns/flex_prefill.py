@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
-from .common import (PatternSelection, cumulative_budget, keep_top, last_queries_probs, mean_pool_keys,
-                     mean_pool_queries, vertical_and_slash_sums)
+from .common import (PatternSelection, block_means, cumulative_budget, keep_top, last_queries_probs,
+                     vertical_and_slash_sums)
 from .vertical_slash import vertical_slash_to_selection
 
 
@@ -67,7 +67,7 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, fb, scale)  # [h, n, kv_len]
     pad = nkb_f * fb - kv_len
     true_blocks = torch.nn.functional.pad(probs, (0, pad)).view(h, probs.shape[1], nkb_f, fb).sum(-1).mean(1)
-    kp = mean_pool_keys(k, fb)[kvh]  # [h, NKBf, D]
+    kp = block_means(k, fb)[kvh]  # [h, NKBf, D]
     q_hat = q[q_len - probs.shape[1]:].float().mean(0)  # [h, D]
     est = torch.einsum("hd,hkd->hk", q_hat, kp) * scale
     est = est.masked_fill(torch.arange(nkb_f, device=device)[None, :] * fb > qpos[-1], float("-inf"))
@@ -83,7 +83,7 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     # Query-aware candidate: pooled block attention for every query block (Alg. 4, flattened).
     qa_mask = torch.zeros(h, nqb, nkb, dtype=torch.bool, device=device)
     if bool(query_aware.any()):
-        qp = mean_pool_queries(q, fb)  # [h, NQBf, D]
+        qp = block_means(q, fb)  # [h, NQBf, D]
         causal_f = causal_block_mask(q_len, ctx_len, fb, device)
         s = torch.matmul(qp, kp.transpose(-1, -2)) * scale
         a = torch.softmax(s.masked_fill(~causal_f, float("-inf")), dim=-1)  # [h, NQBf, NKBf]
