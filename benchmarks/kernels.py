@@ -1,0 +1,359 @@
+"""Kernel benchmark: dense SDPA (flash / cuDNN) vs our Triton kernel, dense and sparse.
+
+One table per model shape on the current device: n = 16K..256K, batch 1, bf16, paged KV
+(page 16, random page order), one layer's attention. Sparse indices are built (untimed) with the
+package's own torch code (``vertical_slash_to_selection`` + ``build_index``) from planted
+structure:
+
+* VS v/s: verticals = the first 30 columns + (v - 30) uniform random columns; slashes = the
+  30 diagonals nearest the main one + (s - 30) diagonals in contiguous bands of 256 (128 for
+  s < 2000) whose offsets are log-uniform in [64, n) — bands, not isolated lines, because that
+  is what top-k over diagonal sums picks on real attention (random Q/K would pick scattered
+  lines and make every method dense). Each head draws its own pattern.
+* BS top-k: the diagonal block + (k - 1) random causal key blocks per query block and head.
+
+Times: median of CUDA-event timings after a warm-up. TFLOP/s counts 4 * D * (query, key) pairs
+actually computed (causal pairs of the selection). Speedup: best dense SDPA time / ours.
+
+Run from the repo root: ``python benchmarks/kernels.py`` (``--sweep`` times launch variants,
+``--sizes 16,32`` picks n in K tokens, ``--json FILE`` writes all numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _load_kernels():
+    try:
+        from vllm_sparse_backend.triton_kernels import sparse_attention as sa
+        return sa
+    except ImportError:  # not pip-installed: load the file directly
+        name = "vllm_sparse_backend.triton_kernels.sparse_attention"
+        spec = importlib.util.spec_from_file_location(name, ROOT / "triton_kernels" / "sparse_attention.py")
+        sa = importlib.util.module_from_spec(spec)
+        sys.modules[name] = sa
+        spec.loader.exec_module(sa)
+        return sa
+
+
+sa = _load_kernels()
+from vllm_sparse_backend.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
+
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64)}
+PAGE = 16
+
+
+def bench(fn, budget_ms: float = 1500.0, max_reps: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    reps = int(max(3, min(max_reps, budget_ms / max(est, 1e-3))))
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def paged_cache(k, v, page, gen_device):
+    """[n, Hkv, D] K/V -> NHD-physical paged cache views [pages, page, Hkv, D] + block table."""
+    n, hkv, d = k.shape
+    pages = num_blocks(n, page)
+    kv = torch.empty(pages, page, hkv, 2 * d, dtype=k.dtype, device=k.device).transpose(1, 2)
+    key_cache, value_cache = kv.transpose(1, 2).split(d, -1)
+    perm = torch.randperm(pages, device=k.device)
+    pad = pages * page - n
+    kp = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(pages, page, hkv, d)
+    vp = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(pages, page, hkv, d)
+    key_cache[perm] = kp
+    value_cache[perm] = vp
+    return key_cache, value_cache, perm.to(torch.int32)[None].contiguous()
+
+
+def plant_vs(h, n, nv, ns, device, gen):
+    """bool [h, n] vertical and slash keeps (see module doc)."""
+    v = torch.zeros(h, n, dtype=torch.bool, device=device)
+    v[:, :30] = True
+    extra = torch.rand(h, n - 30, device=device, generator=gen).topk(min(nv - 30, n - 30), dim=-1).indices + 30
+    v.scatter_(1, extra, True)
+    s = torch.zeros(h, n, dtype=torch.bool, device=device)
+    s[:, :30] = True
+    band = 256 if ns >= 2000 else 128
+    nb = math.ceil((ns - 30) / band)
+    starts = torch.exp(torch.empty(h, nb, device=device).uniform_(math.log(64), math.log(n), generator=gen)).long()
+    pos = (starts[:, :, None] + torch.arange(band, device=device)).clamp(max=n - 1).view(h, -1)
+    s.scatter_(1, pos, True)
+    return v, s
+
+
+def vs_index(h, n, nv, ns, device, gen):
+    from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
+    v, s = plant_vs(h, n, nv, ns, device, gen)
+    sel = vertical_slash_to_selection(v, s, n, 0, 64)
+    del v, s
+    return build_index(sel.block_mask, 64, n, 0, sel.columns, sel.column_keep)
+
+
+def bs_index(h, n, topk, device, gen):
+    nqb = num_blocks(n, 64)
+    causal = causal_block_mask(n, 0, 64, device)
+    diag = diagonal_block_mask(n, 0, 64, device)
+    scores = torch.rand(h, nqb, nqb, device=device, generator=gen)
+    scores = scores.masked_fill(~causal, -1.0).masked_fill(diag, 2.0)
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep.scatter_(2, scores.topk(min(topk, nqb), dim=-1).indices, True)
+    del scores
+    return build_index(keep & causal, 64, n, 0)
+
+
+def index_pairs(ix, n) -> int:
+    """(query, key) pairs the index computes (causal), summed over heads; single row, ctx 0."""
+    h, nqb, maxb = ix.block_index.shape
+    q0 = torch.arange(nqb, device=ix.block_index.device) * 64
+    nq = (n - q0).clamp(max=64)
+    total = 0
+    for j0 in range(0, maxb, 64):
+        kb = ix.block_index[:, :, j0:j0 + 64].to(torch.int64)
+        a = q0[None, :, None] - kb * 64 + 1  # keys visible to the first query of the block
+        acc = torch.zeros_like(a)
+        for r in range(64):
+            acc += ((a + r).clamp(0, 64)) * (r < nq)[None, :, None]
+        total += int((acc * (kb >= 0)).sum())
+    for j0 in range(0, ix.column_index.shape[-1], 256):
+        c = ix.column_index[:, :, j0:j0 + 256].to(torch.int64)
+        last = (q0 + nq - 1)[None, :, None]
+        total += int((((last - c + 1).clamp(min=0)).minimum(nq[None, :, None]) * (c >= 0)).sum())
+    return total
+
+
+def vtag(var: dict) -> str:
+    short = {"heads_per_program": "gh", "num_warps": "w", "num_stages": "s", "block_n": "n", "kv_major": "kv",
+             "prefetch": "pf"}
+    return "[" + ",".join(f"{short[k]}{int(v)}" for k, v in var.items()) + "]" if var else ""
+
+
+def sdpa_times(q, k, v, group):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    qd = q.transpose(0, 1).unsqueeze(0)
+    kd = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vd = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    res = {}
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                fn = lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)  # noqa
+                res[name] = bench(fn)
+        except Exception as e:  # backend not available for this shape
+            res[name] = float("nan")
+            print(f"  sdpa {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    del kd, vd
+    return res
+
+
+def run_shape(shape, sizes, args, gen, results):
+    h, hkv, d = SHAPES[shape]
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    dev = "cuda"
+    for nk in sizes:
+        n = nk * 1024
+        rec = {"shape": shape, "n": n}
+        try:
+            q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            rec.update({f"sdpa_{kk}": vv for kk, vv in sdpa_times(q, k, v, group).items()})
+            key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+            del k, v
+            out = torch.empty_like(q)
+            rows = [(0, 0, n, 0)]
+            dense_pairs = h * n * (n + 1) // 2
+            rec["dense_pairs"] = dense_pairs
+
+            dense = sa.pack_rows(rows, None, device=dev)
+            variants = [dict()]
+            if args.sweep:
+                variants += [dict(heads_per_program=1, num_warps=4, num_stages=2, prefetch=False),
+                             dict(heads_per_program=1, num_warps=4, num_stages=2, prefetch=True),
+                             dict(heads_per_program=2, num_warps=8, num_stages=2, prefetch=False),
+                             dict(heads_per_program=4, num_warps=16, num_stages=2, prefetch=True)]
+            for var in variants:
+                tag = "ours_dense" + vtag(var)
+                try:
+                    rec[tag] = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, dense,
+                                                                        scale, out, **var))
+                except Exception as e:
+                    rec[tag] = float("nan")
+                    print(f"  {tag}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+            for name, make in (("vs1000_6096", lambda: vs_index(h, n, 1000, 6096, dev, gen)),
+                               ("vs100_800", lambda: vs_index(h, n, 100, 800, dev, gen)),
+                               ("bs100", lambda: bs_index(h, n, 100, dev, gen))):
+                try:
+                    ix = make()
+                    torch.cuda.empty_cache()
+                    bix = sa.pack_rows(rows, [ix], device=dev)
+                    rec[name + "_pairs"] = index_pairs(ix, n)
+                    rec[name + "_maxb"] = ix.block_index.shape[-1]
+                    rec[name + "_maxc"] = ix.column_index.shape[-1]
+                    del ix
+                    rec[name] = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix,
+                                                                         scale, out))
+                    if args.sweep and name != "vs100_800":
+                        for var in (dict(num_warps=4, num_stages=2, block_n=64, prefetch=True),
+                                    dict(num_warps=4, num_stages=2, block_n=128, prefetch=True),
+                                    dict(num_warps=4, num_stages=2, block_n=128, prefetch=False),
+                                    dict(num_warps=4, num_stages=1, block_n=64, prefetch=False),
+                                    dict(num_warps=4, num_stages=3, block_n=64, prefetch=True)):
+                            tag = name + vtag(var)
+                            rec[tag] = bench(lambda: sa.sparse_prefill_attention(
+                                q, key_cache, value_cache, table, rows, bix, scale, out, **var))
+                        for gm in ((4,) if args.merged else ()):
+                            if group % gm == 0:
+                                mix = sa.merge_group_heads(bix, gm)
+                                rec[f"{name}[merged{gm}]"] = bench(lambda: sa.sparse_prefill_attention(
+                                    q, key_cache, value_cache, table, rows, mix, scale, out))
+                                del mix
+                        if name == "vs1000_6096":  # where does the time go: blocks vs columns
+                            import dataclasses
+                            only_b = dataclasses.replace(bix, column_count=torch.zeros_like(bix.column_count))
+                            only_c = dataclasses.replace(bix, block_count=torch.zeros_like(bix.block_count))
+                            rec[name + "[blocks only]"] = bench(lambda: sa.sparse_prefill_attention(
+                                q, key_cache, value_cache, table, rows, only_b, scale, out))
+                            rec[name + "[columns only]"] = bench(lambda: sa.sparse_prefill_attention(
+                                q, key_cache, value_cache, table, rows, only_c, scale, out))
+                    del bix
+                except torch.cuda.OutOfMemoryError:
+                    rec[name] = float("nan")
+                    print(f"  {name} at n={n}: OOM building the index", flush=True)
+                torch.cuda.empty_cache()
+            del q, out, key_cache, value_cache
+        except torch.cuda.OutOfMemoryError:
+            print(f"  n={n}: OOM", flush=True)
+        torch.cuda.empty_cache()
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+
+
+def index_bench(n: int, gen) -> str:
+    """Vertical-slash index building at n (Llama shape), last 64 queries, VS 1000/6096:
+    the package's torch path vs triton_kernels/vs_index.py (estimation + top-k + conversion)."""
+    from vllm_sparse_backend.patterns.common import keep_top, last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
+    from vllm_sparse_backend.reference import kv_head_map
+    from vllm_sparse_backend.triton_kernels import vs_index as vsi
+    h, hkv, d = SHAPES["llama3-8b"]
+    scale = 1.0 / math.sqrt(d)
+    q = torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(n, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    key_cache, value_cache, table = paged_cache(k, k, PAGE, "cuda")
+    kvh = kv_head_map(h, hkv, "cuda")
+    nv = torch.full((h,), 1000, device="cuda")
+    ns = torch.full((h,), 6096, device="cuda")
+
+    def torch_scores():
+        probs, qpos = last_queries_probs(q, k, kvh, 0, 64, scale)
+        vert, slash = vertical_and_slash_sums(probs, qpos)
+        vert[:, :30] = float("inf")
+        slash[:, :30] = float("inf")
+        return vert, slash
+
+    def torch_path():
+        vert, slash = torch_scores()
+        sel = vertical_slash_to_selection(keep_top(vert, nv), keep_top(slash, ns), n, 0, 64)
+        return build_index(sel.block_mask, 64, n, 0, sel.columns, sel.column_keep)
+
+    def convert(vert, slash):
+        return vsi.vertical_slash_index(*vsi.vs_topk(vert, slash, nv, ns, 1000, 6096), n, 0)
+
+    def ours():
+        vert, slash = vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale)
+        vert[:, :30] = float("inf")
+        slash[:, :30] = float("inf")
+        return convert(vert, slash)
+
+    t_est = bench(lambda: vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale))
+    t_ours = bench(ours)
+    t_torch = bench(torch_path, budget_ms=500)
+    a, b = convert(*torch_scores()), torch_path()  # same scores: conversion must agree exactly
+    same = torch.equal(a.block_count, b.block_count) and torch.equal(a.column_count, b.column_count)
+    tv, ts = torch_scores()
+    ov, os_ = vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale)
+    err = max(((ov - tv)[:, 30:].norm() / tv[:, 30:].norm()).item(), ((os_ - ts)[:, 30:].norm() / ts[:, 30:].norm()).item())
+    return (f"index building, VS 1000/6096, n={n // 1024}K, Llama shape: torch path {t_torch:.1f} ms, "
+            f"vs_index.py {t_ours:.1f} ms (of which last-q estimation {t_est:.1f} ms); conversion identical to torch on the same scores: "
+            f"{same}; scores rel. err vs torch fp32: {err:.1e}")
+
+
+def fmt_table(shape, recs, d):
+    lines = [f"\n### {shape} (H/Hkv/D = {'/'.join(map(str, SHAPES[shape]))}), bf16, page {PAGE}, "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {sa.triton.__version__}",
+             "| n | SDPA flash ms | SDPA cuDNN ms | ours dense ms (vs best) | dense TFLOP/s best / ours | "
+             "VS 1000/6096 ms (x, TFLOP/s, density) | VS 100/800 ms (x, TFLOP/s, density) | BS top-100 ms (x, TFLOP/s, density) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        best = min(x for x in (r.get("sdpa_flash", float("nan")), r.get("sdpa_cudnn", float("nan"))) if x == x) \
+            if any(r.get(k, float("nan")) == r.get(k, float("nan")) for k in ("sdpa_flash", "sdpa_cudnn")) else float("nan")
+        ours = r.get("ours_dense", float("nan"))
+        tf = lambda pairs, ms: 4 * d * pairs / (ms * 1e-3) / 1e12  # noqa: E731
+        dp = r.get("dense_pairs", 0)
+        cells = [f"{r['n'] // 1024}K", f"{r.get('sdpa_flash', float('nan')):.2f}",
+                 f"{r.get('sdpa_cudnn', float('nan')):.2f}", f"{ours:.2f} ({ours / best:.2f}x)",
+                 f"{tf(dp, best):.0f} / {tf(dp, ours):.0f}"]
+        for name in ("vs1000_6096", "vs100_800", "bs100"):
+            ms = r.get(name, float("nan"))
+            pairs = r.get(name + "_pairs", 0)
+            cells.append(f"{ms:.2f} ({best / ms:.1f}x, {tf(pairs, ms):.0f}, {pairs / max(dp, 1):.1%})"
+                         if ms == ms else "n/a")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="16,32,64,128,256")
+    ap.add_argument("--shapes", default="llama3-8b,qwen2.5")
+    ap.add_argument("--sweep", action="store_true", help="also time launch variants")
+    ap.add_argument("--merged", action="store_true", help="with --sweep: also time merge_group_heads(4)")
+    ap.add_argument("--index-bench", type=int, default=0, help="only time index building at this n (K tokens)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.index_bench:
+        print(index_bench(args.index_bench * 1024, gen))
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    tables, results = [], []
+    for shape in args.shapes.split(","):
+        recs = []
+        run_shape(shape, sizes, args, gen, recs)
+        results += recs
+        tables.append(fmt_table(shape, recs, SHAPES[shape][2]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,508 @@
+"""Triton forward kernel for sparse prefill attention over vLLM's paged KV cache.
+
+Consumes the hybrid block + column format of :mod:`vllm_sparse_backend.index` (MInference
+Alg. 5): for each query block of 64 queries and each query head, first the listed whole key
+blocks (unmasked, except the at most two that reach the query block's own positions), then the
+listed single key columns, gathered ``BLOCK_N`` at a time through the block table. Online
+softmax in fp32 (exp2), bf16/fp16 (or fp32) inputs, optional tanh soft-capping and LSE output.
+Queries that select nothing get a zero output (LSE -inf), never NaN.
+
+A varlen batch of rows is described by :class:`BatchedSparseIndex` (:func:`pack_rows`): the rows'
+indices concatenated along the query-block axis, plus one metadata row per query block
+(block-table row, first token in q/out, valid queries, absolute position of the first query,
+the row's kv length). The grid is flat: one program per (list owner, query block), ordered KV
+head first, then query blocks from the last (heaviest) to the first, then the heads of the group,
+so programs that read the same KV head run together and share its K/V in L2.
+
+``pack_rows(rows, None)`` is the dense variant of the same kernel: every causal key block, no
+lists materialised (a constexpr flag), for comparing against cuDNN / FlashAttention.
+
+GQA: a program may stack ``heads_per_program`` query heads of one KV group along M
+(BLOCK_M = heads_per_program * 64), so each K/V tile is loaded once for all of them. This needs
+one key list for the stacked heads: the dense mode (no lists; padded stacks for groups like 7)
+and a merged index (:func:`merge_group_heads`: union of the heads' lists plus a per-entry head
+bitmask) qualify. Measured on H100 (benchmarks/KERNEL_NOTES.md): stacking wins for dense at head
+dim 128; for per-head sparse lists that differ between heads the union costs more than it saves,
+so sparse defaults to one head per program.
+
+K/V are read through the block table with the cache tensors' own strides
+(``[num_pages, page_size, Hkv, D]`` views, NHD or HND physical layout, any power-of-two page
+size; a 64-key block may span several pages).
+
+Imports nothing from vLLM; only :mod:`vllm_sparse_backend.index` from this package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_sparse_backend.index import SparseIndex
+
+# Columns of the per-query-block metadata table.
+META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = range(5)
+META_WIDTH = 5
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side packing
+# --------------------------------------------------------------------------------------------
+
+def _row_fields(r: Any) -> tuple[int, int, int, int]:
+    """(block-table row, tok_start, q_len, ctx_len) from a SparseRow-like object or a 4-tuple."""
+    if isinstance(r, (tuple, list)):
+        bt_row, tok, q_len, ctx = r
+        return int(bt_row), int(tok), int(q_len), int(ctx)
+    return int(r.row), int(r.tok_start), int(r.q_len), int(r.ctx_len)
+
+
+@dataclass
+class BatchedSparseIndex:
+    """Indices of several rows, concatenated along the query-block axis.
+
+    meta: int32 [TQB, 5]: block-table row, first token in q/out, valid queries, absolute
+    position of the first query, kv length of the row. The list tensors follow
+    :class:`SparseIndex` with the rows' query blocks concatenated (TQB = sum of NQB) and the
+    list widths padded to the widest row. ``list_heads`` is the number of list owners: the
+    query heads, or the stacked head groups of a merged index (then ``block_bits`` /
+    ``column_bits`` say which of the group's heads each entry belongs to).
+    ``dense=True``: no lists at all, every causal key block is used.
+    """
+
+    block_size: int
+    meta: torch.Tensor
+    block_count: torch.Tensor | None = None  # int32 [LH, TQB]
+    block_index: torch.Tensor | None = None  # int32 [LH, TQB, MAXB]
+    column_count: torch.Tensor | None = None  # int32 [LH, TQB]
+    column_index: torch.Tensor | None = None  # int32 [LH, TQB, MAXC]
+    heads_per_list: int = 1
+    block_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXB] (merged only)
+    column_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXC] (merged only)
+    dense: bool = False
+
+    @property
+    def num_query_blocks(self) -> int:
+        return self.meta.shape[0]
+
+    @property
+    def merged(self) -> bool:
+        return self.block_bits is not None
+
+
+def _meta_table(rows: Sequence[Any], block_size: int, device) -> torch.Tensor:
+    entries = []
+    for r in rows:
+        bt_row, tok, q_len, ctx = _row_fields(r)
+        for s in range(0, q_len, block_size):
+            entries.append((bt_row, tok + s, min(block_size, q_len - s), ctx + s, ctx + q_len))
+    meta = torch.tensor(entries, dtype=torch.int32).reshape(-1, META_WIDTH)
+    if torch.device(device).type == "cuda":
+        meta = meta.pin_memory().to(device, non_blocking=True)
+    return meta.to(device)
+
+
+def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[-1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1)
+
+
+def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device=None,
+              block_size: int = 64) -> BatchedSparseIndex:
+    """Build the batched index of ``rows`` (SparseRow-like: row, tok_start, q_len, ctx_len; or
+    4-tuples in that order). ``indices=None`` gives the dense (full causal) variant.
+    No device synchronisation: widths come from tensor shapes, metadata from host ints."""
+    if indices is None:
+        if device is None:
+            raise ValueError("device is needed for a dense batch")
+        return BatchedSparseIndex(block_size, _meta_table(rows, block_size, device), dense=True)
+    if len(indices) != len(rows):
+        raise ValueError(f"{len(indices)} indices for {len(rows)} rows")
+    block_size = indices[0].block_size
+    device = device if device is not None else indices[0].block_count.device
+    for r, ix in zip(rows, indices):
+        _, _, q_len, _ = _row_fields(r)
+        if ix.block_size != block_size or ix.num_query_blocks != (q_len + block_size - 1) // block_size:
+            raise ValueError("index does not match its row (block size or number of query blocks)")
+    maxb = max(1, max(ix.block_index.shape[-1] for ix in indices))
+    maxc = max(1, max(ix.column_index.shape[-1] for ix in indices))
+    cat = lambda ts: torch.cat([t.to(device) for t in ts], dim=1).contiguous()  # noqa: E731
+    return BatchedSparseIndex(
+        block_size,
+        _meta_table(rows, block_size, device),
+        cat([ix.block_count.to(torch.int32) for ix in indices]),
+        cat([_pad_last(ix.block_index.to(torch.int32), maxb) for ix in indices]),
+        cat([ix.column_count.to(torch.int32) for ix in indices]),
+        cat([_pad_last(ix.column_index.to(torch.int32), maxc) for ix in indices]),
+    )
+
+
+def merge_group_heads(bix: BatchedSparseIndex, heads_per_program: int) -> BatchedSparseIndex:
+    """Union of the lists of ``heads_per_program`` consecutive query heads (which must share a
+    KV head), with a bitmask per entry saying which of them use it. Blocks: sorted union.
+    Columns: the heads' lists concatenated (a column used by several heads appears once per
+    head; order does not matter to the kernel). Torch, on the index's device, no host sync."""
+    g = heads_per_program
+    if bix.dense or g == 1:
+        return bix
+    h, tqb, maxb = bix.block_index.shape
+    if h % g:
+        raise ValueError(f"{h} heads not divisible by {g}")
+    lh = h // g
+    dev = bix.block_index.device
+    # Blocks: membership as bits over a dense key-block axis, then compact.
+    bi = bix.block_index.view(lh, g, tqb, maxb).to(torch.int64)
+    nkb = int(bix.meta[:, META_KVLEN].max().item() + bix.block_size - 1) // bix.block_size \
+        if bix.meta.numel() else 1  # one sync; merging is an offline / benchmark-side helper
+    bits = torch.zeros(lh, tqb, nkb + 1, dtype=torch.int64, device=dev)
+    for j in range(g):
+        tgt = torch.where(bi[:, j] >= 0, bi[:, j], torch.full_like(bi[:, j], nkb))
+        bits.scatter_reduce_(2, tgt, torch.full_like(tgt, 1 << j), reduce="sum", include_self=True)
+    bits = bits[..., :nkb]
+    keep = bits > 0
+    count = keep.sum(-1)
+    width = max(1, int(count.max().item()))
+    big = torch.iinfo(torch.int64).max
+    kb = torch.arange(nkb, device=dev).expand(lh, tqb, nkb)
+    key = torch.where(keep, kb, torch.full_like(kb, big)).sort(-1).values[..., :width]
+    ok = key != big
+    block_index = torch.where(ok, key, torch.full_like(key, -1))
+    block_bits = torch.where(ok, torch.gather(bits, 2, key.clamp(max=nkb - 1)), torch.zeros_like(key))
+    # Columns: concatenate with each head's bit.
+    ci = bix.column_index.view(lh, g, tqb, -1)
+    column_index = ci.permute(0, 2, 1, 3).reshape(lh, tqb, -1)
+    hb = (1 << torch.arange(g, device=dev, dtype=torch.int32)).view(1, 1, g, 1).expand(lh, tqb, g, ci.shape[-1])
+    column_bits = torch.where(column_index >= 0, hb.reshape(lh, tqb, -1), torch.zeros_like(column_index))
+    # Move valid entries to the front (stable) so that counts describe a prefix.
+    order = (column_index < 0).to(torch.int8).argsort(dim=-1, stable=True)
+    column_index = torch.gather(column_index, 2, order)
+    column_bits = torch.gather(column_bits, 2, order)
+    column_count = (column_index >= 0).sum(-1).to(torch.int32)
+    return BatchedSparseIndex(bix.block_size, bix.meta, count.to(torch.int32), block_index.to(torch.int32).contiguous(),
+                              column_count, column_index.to(torch.int32).contiguous(), g,
+                              block_bits.to(torch.int32).contiguous(), column_bits.to(torch.int32).contiguous())
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE: tl.constexpr, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh):
+    """Row offsets (int64) of key positions kpos in the key and value caches."""
+    page = tl.load(bt_row_ptr + kpos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+    slot = (kpos % PAGE).to(tl.int64)
+    k_off = page * s_kp + slot * s_kt + kvh * s_kh
+    v_off = page * s_vp + slot * s_vt + kvh * s_vh
+    return k_off, v_off
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
+                 s_kd, s_vd, qk_scale, softcap,
+                 MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One BLOCK_N-wide key tile of the online softmax. k_off/v_off: [BLOCK_N] row offsets."""
+    if LOAD_MASKED:
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd, mask=kv_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd, mask=kv_ok[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd)
+    s = tl.dot(q, kt)
+    if SOFTCAP:
+        # softcap * tanh(s * scale / softcap), tanh through exp2; then to the log2 domain
+        x = s * (qk_scale / softcap)
+        e = tl.exp2(x * (2.0 * 1.4426950408889634))
+        s = softcap * (1.0 - 2.0 / (e + 1.0)) * 1.4426950408889634
+    else:
+        s = s * (qk_scale * 1.4426950408889634)
+    if MASKED:
+        s = tl.where(allow, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _sparse_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr,
+    s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
+    s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
+    s_bt, s_lh, s_lse_h,
+    num_qb, num_lists, maxb, maxc,
+    qk_scale, softcap,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
+    PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
+    KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = GH * BLOCK
+    KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
+    LPK: tl.constexpr = (GROUP + GH - 1) // GH  # programs (list owners) per KV head and query block
+    pid = tl.program_id(0)
+    if KV_MAJOR:
+        # programs sharing a KV head run together (their K/V stays in L2); late query blocks first
+        per_kv = num_qb * LPK
+        kvh_i = pid // per_kv
+        rem = pid % per_kv
+        qb = num_qb - 1 - rem // LPK
+        pid_h = kvh_i * LPK + rem % LPK
+    else:
+        pid_h = pid % num_lists
+        qb = num_qb - 1 - pid // num_lists
+    kvh_i = pid_h // LPK
+    kvh = kvh_i.to(tl.int64)
+
+    mrow = meta_ptr + qb * 5
+    bt_row = tl.load(mrow + 0)
+    tok0 = tl.load(mrow + 1)
+    nq = tl.load(mrow + 2)
+    qpos0 = tl.load(mrow + 3)
+    kv_len = tl.load(mrow + 4)
+    bt_row_ptr = bt_ptr + bt_row.to(tl.int64) * s_bt
+
+    offs_m = tl.arange(0, BLOCK_M)
+    r_in = offs_m % BLOCK  # query within the block
+    head_bit = offs_m // BLOCK
+    hg = (pid_h % LPK) * GH + head_bit  # head within the KV group (>= GROUP: padding, dense only)
+    head = kvh_i * GROUP + hg
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    if KPT == 1:
+        sub = pid * 0  # one listed block per tile: list entries and their masks stay scalars
+    else:
+        sub = offs_n // BLOCK  # which listed block of the tile a key column comes from
+    within = offs_n % BLOCK
+    zero_n = offs_n * 0
+    row_ok = r_in < nq
+    if GROUP % GH != 0:
+        row_ok = row_ok & (hg < GROUP)
+        head = tl.minimum(head, kvh_i * GROUP + GROUP - 1)
+    qpos = qpos0 + r_in
+    tok = (tok0 + r_in).to(tl.int64)
+
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # key blocks kb < kb_full end at or before the first query: no causal mask needed
+    kb_full = (qpos0 + 1) // BLOCK
+    lrow = pid_h.to(tl.int64) * s_lh + qb
+    blist = bidx_ptr + lrow * maxb
+    if DENSE:
+        n_full = kb_full
+        n_all = (qpos0 + nq - 1) // BLOCK + 1
+    else:
+        n_all = tl.load(bcnt_ptr + lrow)
+        last1 = tl.load(blist + n_all - 1, mask=n_all >= 1, other=-1)
+        last2 = tl.load(blist + n_all - 2, mask=n_all >= 2, other=-1)
+        n_full = n_all - (last1 >= kb_full).to(tl.int32) - (last2 >= kb_full).to(tl.int32)
+    n_full_tiles = n_full // KPT
+    n_tiles = (n_all + KPT - 1) // KPT
+
+    # 1) tiles of whole key blocks strictly below the diagonal: no masks (unless merged heads).
+    # With PREFETCH the next tile's list entries and page lookups are issued before this tile's
+    # math, so the K/V loads of a tile depend only on loop-carried offsets.
+    n_full_e = n_full_tiles * KPT
+    if PREFETCH:
+        if DENSE:
+            kb = sub
+        else:
+            kb = tl.load(blist + sub, mask=sub < n_full_e, other=0)
+        kpos = kb * BLOCK + within
+        k_off, v_off = _kv_offsets(bt_row_ptr, kpos, (sub + zero_n) < n_full_e, kvh, PAGE,
+                                   s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+    for t in range(0, n_full_tiles):
+        e = t * KPT + sub
+        if PREFETCH:
+            e_n = e + KPT
+            ok_n = e_n < n_full_e
+            if DENSE:
+                kb_n = e_n
+            else:
+                kb_n = tl.load(blist + e_n, mask=ok_n, other=0)
+            kpos_n = kb_n * BLOCK + within
+            k_off_n, v_off_n = _kv_offsets(bt_row_ptr, kpos_n, (e_n + zero_n) < n_full_e, kvh, PAGE,
+                                           s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+        else:
+            if DENSE:
+                kb = e
+            else:
+                kb = tl.load(blist + e)
+            kpos = kb * BLOCK + within
+            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kpos >= 0, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+        if MERGED:
+            bits = tl.load(bbits_ptr + lrow * maxb + e) + zero_n  # [BLOCK_N] whether e is a scalar or not
+            allow = ((bits[None, :] >> head_bit[:, None]) & 1) != 0
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0, allow,
+                                         s_kd, s_vd, qk_scale, softcap, True, False, SOFTCAP)
+        else:
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0,
+                                         within >= 0, s_kd, s_vd, qk_scale, softcap, False, False, SOFTCAP)
+        if PREFETCH:
+            k_off = k_off_n
+            v_off = v_off_n
+
+    # 2) the rest: the (at most two) blocks reaching the queries' own positions, an odd block left
+    for t in range(n_full_tiles, n_tiles):
+        e = t * KPT + sub
+        e_ok = e < n_all
+        if DENSE:
+            kb = e
+        else:
+            kb = tl.load(blist + e, mask=e_ok, other=0)
+        kpos = kb * BLOCK + within
+        kv_ok = ((e + zero_n) < n_all) & (kpos < kv_len)  # (vector form: the interpreter mis-types scalar & vector)
+        k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+        allow = (kpos[None, :] <= qpos[:, None]) & kv_ok[None, :]
+        if MERGED:
+            bits = tl.load(bbits_ptr + lrow * maxb + e, mask=e_ok, other=0) + zero_n
+            allow = allow & (((bits[None, :] >> head_bit[:, None]) & 1) != 0)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
+                                     s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
+
+    # 3) single columns, BLOCK_N at a time
+    if not DENSE:
+        n_col = tl.load(ccnt_ptr + lrow)
+        clist = cidx_ptr + lrow * maxc
+        for j in range(0, n_col, BLOCK_N):
+            c_ok = (j + offs_n) < n_col
+            kpos = tl.load(clist + j + offs_n, mask=c_ok, other=0)
+            c_ok = c_ok & (kpos >= 0) & (kpos < kv_len)
+            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, c_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+            allow = (kpos[None, :] <= qpos[:, None]) & c_ok[None, :]
+            if MERGED:
+                cbits = tl.load(cbits_ptr + lrow * maxc + j + offs_n, mask=c_ok, other=0)
+                allow = allow & (((cbits[None, :] >> head_bit[:, None]) & 1) != 0)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, c_ok, allow,
+                                         s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + head.to(tl.int64) * s_lse_h + tok, lse, mask=row_ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------
+
+def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1) -> dict:
+    """Launch parameters measured on H100 at 128K (benchmarks/KERNEL_NOTES.md, runs 2, 3 and 5).
+
+    Dense, head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each
+    K/V tile serves 4 heads; head dim 64: one head per program (stacking, padded or not, was
+    slower). Sparse, per-head lists: M = 64, 4 warps, next tile's offsets prefetched; head dim
+    64 takes two listed blocks per 128-wide key tile, head dim 128 one block and 3 stages.
+    """
+    if dense:
+        gh = 1
+        if head_dim >= 128:
+            gh = 4 if group % 4 == 0 else (2 if group % 2 == 0 else 1)
+        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 2, "block_n": 64, "kv_major": True,
+                "prefetch": False}
+    gh = merged_heads
+    if head_dim >= 128 or gh > 1:
+        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 3 if gh == 1 else 2, "block_n": 64,
+                "kv_major": True, "prefetch": True}
+    return {"heads_per_program": gh, "num_warps": 4, "num_stages": 2, "block_n": 128, "kv_major": True,
+            "prefetch": True}
+
+
+def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                             block_table: torch.Tensor, rows: Sequence[Any] | None,
+                             index: BatchedSparseIndex | Sequence[SparseIndex] | None, scale: float,
+                             out: torch.Tensor, softcap: float = 0.0, return_lse: bool = False,
+                             *, heads_per_program: int | None = None, num_warps: int | None = None,
+                             num_stages: int | None = None, block_n: int | None = None,
+                             kv_major: bool | None = None, prefetch: bool | None = None):
+    """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
+
+    q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
+    (any strides); block_table: int32 [num_reqs, max_pages]; rows: SparseRow-like objects (row,
+    tok_start, q_len, ctx_len) or 4-tuples, needed unless ``index`` is already packed;
+    index: a :class:`BatchedSparseIndex` (from :func:`pack_rows`, possibly merged with
+    :func:`merge_group_heads`), a list of per-row :class:`SparseIndex`, or None for dense causal.
+    Only the rows' tokens of ``out`` are written. Returns ``out``, or ``(out, lse)`` with lse
+    fp32 [H, T] (natural log; -inf where a query selected nothing, whose output is zero).
+    ``heads_per_program`` (dense only), ``num_warps``, ``num_stages``, ``block_n`` (keys per tile:
+    64, or 128 = two listed blocks per tile), ``kv_major`` (program order) and ``prefetch`` (issue
+    the next tile's list/page lookups early) override :func:`default_config`.
+    """
+    t, h, d = q.shape
+    page, hkv, dk = key_cache.shape[1:]
+    if dk != d or value_cache.shape[-1] != d:
+        raise ValueError("key/value head size must equal the query head size")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head size {d} not supported")
+    if page & (page - 1):
+        raise ValueError(f"page size {page} must be a power of two")
+    if h % hkv:
+        raise ValueError(f"{h} query heads not a multiple of {hkv} KV heads")
+    group = h // hkv
+    if index is None or not isinstance(index, BatchedSparseIndex):
+        if rows is None:
+            raise ValueError("rows are needed to pack the index")
+        index = pack_rows(rows, index, device=q.device)
+    bix = index
+    if bix.block_size != 64:
+        raise ValueError("the kernel is built for 64-wide blocks")
+    if bix.dense:
+        gh = heads_per_program or default_config(d, True, group)["heads_per_program"]
+    else:
+        gh = bix.heads_per_list
+        if heads_per_program not in (None, gh):
+            raise ValueError("a sparse index's heads per program is fixed by merge_group_heads")
+    if gh & (gh - 1) or (not bix.dense and group % gh):
+        raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when sparse)")
+    lists = hkv * ((group + gh - 1) // gh)
+    cfg = default_config(d, bix.dense, group, gh)
+    warps = num_warps or cfg["num_warps"]
+    stages = num_stages or cfg["num_stages"]
+    bn = block_n or cfg["block_n"]
+    kvm = cfg["kv_major"] if kv_major is None else kv_major
+    pf = cfg["prefetch"] if prefetch is None else prefetch
+    tqb = bix.num_query_blocks
+    lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if return_lse else out
+    if tqb == 0:
+        return (out, lse) if return_lse else out
+    if bix.dense:
+        bcnt = bidx = ccnt = cidx = bb = cb = bix.meta
+        maxb = maxc = 1
+    else:
+        bcnt, bidx, ccnt, cidx = bix.block_count, bix.block_index, bix.column_count, bix.column_index
+        bb = bix.block_bits if bix.merged else bcnt
+        cb = bix.column_bits if bix.merged else bcnt
+        maxb, maxc = bidx.shape[-1], cidx.shape[-1]
+        if tuple(bcnt.shape) != (lists, tqb):
+            raise ValueError(f"index has {tuple(bcnt.shape)} lists, expected {(lists, tqb)}")
+    grid = (lists * tqb,)
+    _sparse_fwd_kernel[grid](
+        q, key_cache, value_cache, out, lse, block_table, bix.meta,
+        bcnt, bidx, ccnt, cidx, bb, cb,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
+        block_table.stride(0), tqb, t if return_lse else 0,
+        tqb, lists, maxb, maxc,
+        float(scale), float(softcap) if softcap > 0 else 1.0,
+        GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
+        DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
+        num_warps=warps, num_stages=stages,
+    )
+    return (out, lse) if return_lse else out

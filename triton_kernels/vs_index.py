@@ -1,0 +1,243 @@
+"""GPU index building for vertical-slash heads, with no host synchronisation.
+
+Two steps, both batched over heads:
+
+1. :func:`vs_topk`: top-k of the vertical (column) and slash (diagonal) scores -> sorted index
+   lists of fixed width (``max_v`` / ``max_s``, host ints from the config) with per-head counts.
+2. :func:`vertical_slash_index` (Triton, MInference Alg. 4 in spirit): one program per (head,
+   query block) walks the kept diagonals from far to near, so the key blocks they cross come in
+   ascending order; it merges them (each diagonal crosses at most two aligned blocks, a block is
+   emitted once) with a prefix sum over 128 diagonals at a time, then keeps every vertical that is
+   causally reachable and whose key block no kept diagonal crosses (a vectorised binary search
+   over the sorted diagonals). Output is a :class:`SparseIndex` of fixed width, no dense
+   [H, NQB, NKB] mask, no ``.item()``.
+
+Semantics match ``vllm_sparse_backend.patterns.vertical_slash.vertical_slash_to_selection``
+followed by ``build_index`` (tests/test_triton_kernels.py checks it): diagonal d (query pos -
+key pos) of a query block spanning [P0, P1] covers key blocks (max(P0 - d, 0) // B) ..
+((P1 - d) // B) when d <= P1.
+
+Imports nothing from vLLM; only :mod:`vllm_sparse_backend.index` from this package.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_sparse_backend.index import SparseIndex, num_blocks
+
+_BIG = 2**30
+BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
+
+
+def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor | int, s_count: torch.Tensor | int,
+            max_v: int, max_s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top entries of the scores [h, kv_len] -> (v_idx int32 [h, max_v] ascending key positions,
+    v_cnt int32 [h], s_idx int32 [h, max_s] ascending diagonals, s_cnt int32 [h]); -1 padded.
+
+    Per-head sizes ``v_count`` / ``s_count`` (int or int tensor [h]) are clipped to
+    ``max_v`` / ``max_s`` (host ints) and to kv_len. Entries to keep unconditionally (first columns,
+    nearest diagonals) should carry +inf scores, as the torch estimator does.
+    """
+    h, kv_len = vertical.shape
+    dev = vertical.device
+
+    def pick(scores, count, width):
+        w = min(width, kv_len)
+        top = scores.topk(w, dim=-1, sorted=True).indices  # best first
+        cnt = torch.as_tensor(count, device=dev).expand(h).clamp(max=w).to(torch.int32)
+        keep = torch.arange(w, device=dev)[None, :] < cnt[:, None]
+        idx = torch.where(keep, top, torch.full_like(top, _BIG)).sort(-1).values
+        idx = torch.where(idx == _BIG, torch.full_like(idx, -1), idx).to(torch.int32)
+        if w < width:
+            idx = torch.nn.functional.pad(idx, (0, width - w), value=-1)
+        return idx.contiguous(), cnt.contiguous()
+
+    v_idx, v_cnt = pick(vertical, v_count, max_v)
+    s_idx, s_cnt = pick(slash, s_count, max_s)
+    return v_idx, v_cnt, s_idx, s_cnt
+
+
+@triton.jit
+def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
+                       bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr,
+                       q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
+                       BLOCK: tl.constexpr, CH: tl.constexpr, LOG_S: tl.constexpr):
+    h = tl.program_id(0)
+    qb = tl.program_id(1)
+    p0 = ctx_len + qb * BLOCK
+    p1 = ctx_len + tl.minimum(qb * BLOCK + BLOCK, q_len) - 1
+    ns = tl.load(s_cnt_ptr + h)
+    nv = tl.load(v_cnt_ptr + h)
+    s_row = s_idx_ptr + h.to(tl.int64) * max_s
+    v_row = v_idx_ptr + h.to(tl.int64) * max_v
+    out_row = h.to(tl.int64) * nqb + qb
+    b_out = bidx_ptr + out_row * max_b
+    c_out = cidx_ptr + out_row * max_c
+    lanes = tl.arange(0, CH)
+
+    # key blocks crossed by the kept diagonals, far diagonals first -> ascending key blocks
+    count = ns * 0
+    for j in range(0, ns, CH):
+        i = j + lanes
+        ok = i < ns
+        d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
+        d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)  # the element before in this order
+        hit = d <= p1
+        lo_b = tl.maximum(p0 - d, 0) // BLOCK
+        hi_b = tl.where(hit, (p1 - d) // BLOCK, -1)
+        prev_hi = tl.where(d_prev <= p1, (p1 - d_prev) // BLOCK, -1)
+        first = tl.maximum(lo_b, prev_hi + 1)
+        c = tl.where(hit, tl.maximum(hi_b - first + 1, 0), 0)
+        pos = count + tl.cumsum(c, 0) - c
+        tl.store(b_out + pos, first, mask=(c >= 1) & (pos < max_b))
+        tl.store(b_out + pos + 1, first + 1, mask=(c >= 2) & (pos + 1 < max_b))
+        count += tl.sum(c, 0)
+    tl.store(bcnt_ptr + out_row, tl.minimum(count, max_b))
+
+    # verticals: causal and not inside a crossed block
+    ccount = nv * 0
+    for j in range(0, nv, CH):
+        i = j + lanes
+        ok = i < nv
+        col = tl.load(v_row + i, mask=ok, other=0)
+        ok = ok & (col >= 0) & (col <= p1)
+        kb = col // BLOCK
+        lo_d = p0 - kb * BLOCK - BLOCK + 1  # diagonals crossing block kb inside this query block
+        hi_d = p1 - kb * BLOCK
+        lo = tl.zeros([CH], dtype=tl.int32)
+        hi = tl.zeros([CH], dtype=tl.int32) + ns
+        for _ in tl.static_range(LOG_S):  # first kept diagonal >= lo_d
+            active = lo < hi
+            mid = (lo + hi) // 2
+            v = tl.load(s_row + mid, mask=active & ok, other=BIG_K)
+            right = v < lo_d
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & (v >= lo_d), mid, hi)
+        dfirst = tl.load(s_row + lo, mask=ok & (lo < ns), other=BIG_K)
+        keep = ok & (dfirst > hi_d)
+        k = keep.to(tl.int32)
+        pos = ccount + tl.cumsum(k, 0) - k
+        tl.store(c_out + pos, col, mask=keep & (pos < max_c))
+        ccount += tl.sum(k, 0)
+    tl.store(ccnt_ptr + out_row, tl.minimum(ccount, max_c))
+
+
+def max_blocks_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64) -> int:
+    """Widest possible block list: every diagonal crosses at most two key blocks, and a query
+    block sees at most all causal key blocks."""
+    return max(1, min(num_blocks(ctx_len + q_len, block_size), 2 * max_s))
+
+
+def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor, s_cnt: torch.Tensor,
+                         q_len: int, ctx_len: int, block_size: int = 64, max_blocks: int | None = None,
+                         max_columns: int | None = None) -> SparseIndex:
+    """Sorted vertical positions / diagonals (from :func:`vs_topk`) -> SparseIndex of one row.
+
+    Widths are fixed from host ints (``max_blocks`` defaults to :func:`max_blocks_bound`,
+    ``max_columns`` to ``v_idx.shape[1]``); lists longer than a width given smaller than that are
+    cut (their counts say so). No host synchronisation.
+    """
+    h, max_v = v_idx.shape
+    max_s = s_idx.shape[1]
+    nqb = num_blocks(q_len, block_size)
+    dev = v_idx.device
+    max_b = max_blocks or max_blocks_bound(q_len, ctx_len, max_s, block_size)
+    max_c = max(1, max_columns if max_columns is not None else max_v)
+    block_index = torch.full((h, nqb, max_b), -1, dtype=torch.int32, device=dev)
+    column_index = torch.full((h, nqb, max_c), -1, dtype=torch.int32, device=dev)
+    block_count = torch.empty(h, nqb, dtype=torch.int32, device=dev)
+    column_count = torch.empty(h, nqb, dtype=torch.int32, device=dev)
+    if h and nqb:
+        _vs_convert_kernel[(h, nqb)](
+            v_idx.contiguous(), v_cnt.to(torch.int32).contiguous(), s_idx.contiguous(),
+            s_cnt.to(torch.int32).contiguous(), block_count, block_index, column_count, column_index,
+            q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
+            BLOCK=block_size, CH=128, LOG_S=max(1, int(max_s).bit_length()), num_warps=4)
+    return SparseIndex(block_size, block_count, block_index, column_count, column_index)
+
+
+# --------------------------------------------------------------------------------------------
+# Last-q estimation: softmax of the chunk's last queries against all keys, column and diagonal
+# sums, in two passes over the keys (row max / sum, then normalised sums). Reads K through the
+# paged cache like the attention kernel.
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
+                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split,
+                GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, SECOND: tl.constexpr):
+    h = tl.program_id(0)
+    sp = tl.program_id(1)
+    kvh = (h // GROUP).to(tl.int64)
+    rq = tl.arange(0, BLOCK_Q)
+    q_ok = rq < n_q
+    qpos = q0_pos + rq
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + rq[:, None].to(tl.int64) * s_qt + h * s_qh + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    if SECOND:
+        m = tl.load(stats_ptr + h * 2 * BLOCK_Q + rq)
+        inv_l = 1.0 / tl.load(stats_ptr + h * 2 * BLOCK_Q + BLOCK_Q + rq)
+    else:
+        m = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    k_end = tl.minimum(kv_len, (sp + 1) * SPLIT)
+    for j in range(sp * SPLIT, k_end, BLOCK_N):
+        kpos = j + offs_n
+        k_ok = kpos < k_end
+        page = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        k_off = page * s_kp + (kpos % PAGE).to(tl.int64) * s_kt + kvh * s_kh
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+        s = tl.dot(q, kt).to(tl.float32) * scale
+        allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
+        s = tl.where(allow, s, float("-inf"))
+        if SECOND:
+            p = tl.where(allow, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
+            tl.store(vert_ptr + h.to(tl.int64) * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
+            d = qpos[:, None] - kpos[None, :]
+            tl.atomic_add(slash_ptr + h.to(tl.int64) * kv_len + d, p, mask=allow)
+        else:
+            m_new = tl.maximum(m, tl.max(s, 1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m = m_new
+    if not SECOND:
+        base = part_ptr + (h * n_split + sp) * 2 * BLOCK_Q
+        tl.store(base + rq, m)
+        tl.store(base + BLOCK_Q + rq, l)
+
+
+def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
+                  scale: float, split: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical and slash scores [H, kv_len] (fp32) of the row's last queries.
+
+    q_last: [n, H, D] with n <= 64, the chunk's last n queries (absolute positions kv_len - n ..
+    kv_len - 1); key_cache: [pages, page, Hkv, D] view; block_table_row: int32 [max_pages].
+    Same sums as ``patterns.common.last_queries_probs`` + ``vertical_and_slash_sums``: pass 1
+    takes each key range's row max / sum (grid heads x key ranges), torch merges them, pass 2
+    writes normalised column sums and adds diagonal sums atomically.
+    """
+    n, h, d = q_last.shape
+    page, hkv = key_cache.shape[1], key_cache.shape[2]
+    if n > 64 or key_cache.stride(3) != 1 or q_last.stride(2) != 1:
+        raise ValueError("last_q_scores needs at most 64 queries and unit stride over the head dim")
+    dev = q_last.device
+    n_split = (kv_len + split - 1) // split
+    part = torch.empty(h, n_split, 2, 64, dtype=torch.float32, device=dev)
+    stats = torch.empty(h, 2, 64, dtype=torch.float32, device=dev)
+    vert = torch.zeros(h, kv_len, dtype=torch.float32, device=dev)
+    slash = torch.zeros(h, kv_len, dtype=torch.float32, device=dev)
+    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, q_last.stride(0), q_last.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
+            n_split)
+    meta = dict(GROUP=h // hkv, PAGE=page, BLOCK_Q=64, BLOCK_N=64, SPLIT=split, HEAD_DIM=d, num_warps=4)
+    _lastq_pass[(h, n_split)](*args, SECOND=False, **meta)
+    m_part, l_part = part[:, :, 0], part[:, :, 1]  # [h, n_split, 64]
+    m = m_part.amax(1)
+    stats[:, 0] = m
+    stats[:, 1] = (l_part * torch.exp(m_part - m[:, None])).sum(1).clamp_min(1e-30)
+    _lastq_pass[(h, n_split)](*args, SECOND=True, **meta)
+    return vert, slash
