@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tiny_llama import make_tiny_llama  # noqa: E402
-from vllm_sparse_backend.demo import start_server, wait_ready  # noqa: E402
+from vllm_sparse_backend.demo import ServerError, start_server, wait_ready  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -68,9 +68,8 @@ def full_server(model_dir, tmp_path_factory):
     h.stop()
 
 
-@pytest.fixture(scope="module")
-def mixed_server(model_dir, tmp_path_factory):
-    cfg = {
+def _mixed_head_config():
+    return {
         "format": "vllm-sparse-head-config", "version": 1, "model": "tiny-llama", "num_layers": 2,
         "num_heads": 4, "produced_by": "test_server_e2e.py (hand-written)",
         "layers": [
@@ -82,8 +81,12 @@ def mixed_server(model_dir, tmp_path_factory):
                        {"pattern": "dense"}, {"pattern": "block_sparse"}]},
         ],
     }
+
+
+@pytest.fixture(scope="module")
+def mixed_server(model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "tiny.json"
-    path.write_text(json.dumps(cfg))
+    path.write_text(json.dumps(_mixed_head_config()))
     h = _server(model_dir, tmp_path_factory, "sparse-mixed",
                 {"VLLM_SPARSE_HEAD_CONFIG": str(path), "VLLM_SPARSE_VERTICAL_SIZE": "100",
                  "VLLM_SPARSE_SLASH_SIZE": "300", "VLLM_SPARSE_MIN_BUDGET": "128"})
@@ -165,3 +168,19 @@ def test_chunked_prefill_context_chunks_stay_dense_on_cpu(mixed_server):
     after = _stats(mixed_server)
     assert after["sparse_query_tokens"] - before["sparse_query_tokens"] == 2 * 4096
     assert after["dense_reasons"].get("cached_context_on_cpu", 0) >= 1
+
+
+def test_malformed_head_config_stops_start_up_naming_file_and_field(model_dir, tmp_path):
+    cfg = _mixed_head_config()
+    cfg["layers"][1]["heads"][2] = {"pattern": "vertical_slash", "slash_size": 0}
+    path = tmp_path / "broken-heads.json"
+    path.write_text(json.dumps(cfg))
+    handle = start_server(model_dir, COMMON_ARGS + ["--attention-backend", "sparse-prefill"],
+                          {"VLLM_SPARSE_HEAD_CONFIG": str(path)}, tmp_path / "server.log")
+    try:
+        with pytest.raises(ServerError):
+            wait_ready(handle, timeout=400)
+    finally:
+        handle.stop()
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "broken-heads.json: layer 1, head 2, field 'slash_size'" in log

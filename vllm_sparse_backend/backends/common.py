@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import SparseSettings, load_settings
-from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads, load_head_config
+from ..config import ConfigError, SparseSettings, load_settings
+from ..head_configs import HeadConfigFile, layer_heads, load_head_config
 from ..plan import SparseRow, plan_step
 from ..stats import STATS
 
@@ -92,11 +92,18 @@ def unsupported_reason(impl) -> str | None:
     return None
 
 
-def group_supports_sparse(vllm_config, layer_names: list[str]) -> bool:
-    """Every layer of a KV-cache group must support the sparse path, or the whole group runs dense
-    (one metadata object serves all layers of a group)."""
+def prepare_group(vllm_config, layer_names: list[str]) -> bool:
+    """Decide at start-up whether a KV-cache group can run sparse, and give each of its layers
+    its head patterns (``impl.sparse_heads``).
+
+    Every layer of a group must support the sparse path, or the whole group runs dense (one
+    metadata object serves all layers of a group). Resolving the head-config file here makes a
+    file that does not fit the model fail at start-up, naming the file, not at the first long
+    request.
+    """
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.models.utils import extract_layer_index
 
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     for name, layer in layers.items():
@@ -104,6 +111,22 @@ def group_supports_sparse(vllm_config, layer_names: list[str]) -> bool:
         if reason is not None:
             log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
             return False
+    cfg, spec = head_config(), settings().head_config
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    tp_rank = 0
+    if tp_size > 1:
+        from vllm.distributed import get_tensor_model_parallel_rank
+        tp_rank = get_tensor_model_parallel_rank()
+    for name, layer in layers.items():
+        local_heads = layer.impl.num_heads
+        if cfg is not None and cfg.num_heads != local_heads * tp_size:
+            raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {name} has "
+                              f"{local_heads * tp_size} query heads")
+        try:
+            layer.impl.sparse_heads = layer_heads(cfg, settings(), extract_layer_index(name), local_heads,
+                                                  tp_rank)
+        except ConfigError as e:
+            raise ConfigError(f"{spec}: {e}") from None
     return True
 
 
@@ -134,29 +157,6 @@ def build_sparse_metadata(cm, allow_context: bool,
             for k, (a, b) in enumerate(plan.dense_runs)]
     return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
                                  cm.block_table_tensor)
-
-
-class LayerPatterns:
-    """Per-layer head patterns, resolved on first use (layer index from the layer's name)."""
-
-    def __init__(self) -> None:
-        self._heads: list[ResolvedHead] | None = None
-
-    def heads(self, layer, num_heads: int) -> list[ResolvedHead]:
-        if self._heads is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            cfg = head_config()
-            layer_index = extract_layer_index(layer.layer_name) if cfg is not None else 0
-            tp_rank = 0
-            if cfg is not None:
-                try:
-                    from vllm.distributed import get_tensor_model_parallel_rank
-                    tp_rank = get_tensor_model_parallel_rank()
-                except Exception:  # no distributed state (single process tools)
-                    tp_rank = 0
-            self._heads = layer_heads(cfg, settings(), layer_index, num_heads, tp_rank)
-        return self._heads
 
 
 def count_dense_tokens(md: SparsePrefillMetadata) -> None:

@@ -16,8 +16,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from .._compat import sparse_backend_selected
 from ..sparse_prefill import run_sparse_rows
-from .common import (LayerPatterns, SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens,
-                     group_supports_sparse, log_once, settings)
+from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, log_once, prepare_group,
+                     settings)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -31,7 +31,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
                 log_once("non-decoder or sliding-window layer group runs dense")
             else:
-                self.sparse_enabled = group_supports_sparse(vllm_config, layer_names)
+                self.sparse_enabled = prepare_group(vllm_config, layer_names)
             if self.sparse_enabled:
                 log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s)",
                          cfg.min_sparse_query_len, cfg.default_pattern.value)
@@ -47,9 +47,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._patterns = LayerPatterns()
+    sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -61,11 +59,10 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
             super().forward(layer, query[s], key[s], value[s], kv_cache, run.metadata, output[s],
                             output_scale, output_block_scale)
         count_dense_tokens(attn_metadata)
-        heads = self._patterns.heads(layer, self.num_heads)
         # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                        heads, settings(), self.scale, float(self.logits_soft_cap or 0.0))
+                        self.sparse_heads, settings(), self.scale, float(self.logits_soft_cap or 0.0))
         return output
 
 

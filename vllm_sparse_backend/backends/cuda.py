@@ -20,8 +20,8 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from .._compat import sparse_backend_selected
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows
-from .common import (LayerPatterns, SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens,
-                     group_supports_sparse, log_once, settings)
+from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, log_once, prepare_group,
+                     settings)
 
 
 class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -34,7 +34,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         cfg = settings()  # validated at start-up: a malformed config fails here, naming the field
         self.sparse_enabled = (cfg.enabled and sparse_backend_selected(vllm_config)
-                               and group_supports_sparse(vllm_config, layer_names))
+                               and prepare_group(vllm_config, layer_names))
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
@@ -62,9 +62,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._patterns = LayerPatterns()
+    sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -82,8 +80,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         block_table = attn_metadata.block_table
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                        self._patterns.heads(layer, self.num_heads), settings(), self.scale,
-                        float(self.logits_soft_cap or 0.0))
+                        self.sparse_heads, settings(), self.scale, float(self.logits_soft_cap or 0.0))
         return output
 
 
