@@ -40,7 +40,7 @@ def sqrt_js_divergence(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> 
     return torch.sqrt((0.5 * (kl(p, m) + kl(q, m))).clamp_min(0.0))
 
 
-def _rescale_mask(mask: torch.Tensor, from_b: int, to_b: int, nqb: int, nkb: int) -> torch.Tensor:
+def rescale_block_mask(mask: torch.Tensor, from_b: int, to_b: int, nqb: int, nkb: int) -> torch.Tensor:
     """Block mask at block size from_b -> block size to_b (any-pooling when coarsening)."""
     if from_b > to_b:
         r = from_b // to_b
@@ -96,7 +96,7 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
             keep &= keep_top(rows, torch.full((n_rows,), max_blocks, device=device)).view_as(a)
         keep |= diagonal_block_mask(q_len, ctx_len, fb, device)[None]
         keep[:, :, 0] = True
-        qa_mask = _rescale_mask(keep & causal_f, fb, block_size, nqb, nkb)
+        qa_mask = rescale_block_mask(keep & causal_f, fb, block_size, nqb, nkb)
 
     # Vertical-slash candidate from the representative queries (Alg. 3).
     vertical, slash = vertical_and_slash_sums(probs, qpos)

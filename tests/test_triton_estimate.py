@@ -1,0 +1,329 @@
+"""GPU index estimation (triton_kernels/estimate.py) vs the torch pattern estimators.
+
+Every case builds a row's K in a paged cache (pages in random order, NaN in the unused slots,
+garbage in the block table past the row), runs the torch estimator on the row's contiguous K and
+``build_index``, and requires the device path's SparseIndex to be identical: same counts, same
+lists (the widths may differ; -1 padding is compared).
+
+CPU: Triton's interpreter (TRITON_INTERPRET=1, set here before triton is imported when there is
+no CUDA), small sizes, fp32 / fp16. GPU: realistic sizes, bf16. Skipped where triton is missing.
+Random data: scores have no exact ties, which the device path may break differently (see the
+module docstring of estimate.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+triton = pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
+
+from vllm_sparse_backend.index import build_index, num_blocks  # noqa: E402
+from vllm_sparse_backend.patterns.a_shape import a_shape_selection  # noqa: E402
+from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection  # noqa: E402
+from vllm_sparse_backend.patterns.common import block_means  # noqa: E402
+from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection  # noqa: E402
+from vllm_sparse_backend.reference import kv_head_map  # noqa: E402
+
+est = pytest.importorskip("vllm_sparse_backend.triton_kernels.estimate",
+                          reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
+
+
+def gpu(fn):
+    skip = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")
+    return pytest.mark.gpu(skip(fn))
+
+
+def paged_row(k: torch.Tensor, page: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [kv_len, Hkv, D] -> (key_cache [pages, page, Hkv, D] strided view of a K|V cache, table row).
+
+    Pages are drawn in random order from a larger pool; unused slots hold NaN and the table past
+    the row holds an out-of-range page id: both must never be read."""
+    kv_len, hkv, d = k.shape
+    need = num_blocks(kv_len, page)
+    pool = need + 5
+    kv = torch.full((pool, page, hkv, 2 * d), float("nan"), dtype=k.dtype)
+    key_cache = kv[..., :d]  # a view with the K|V interleaving strides, as vLLM hands it over
+    pages = torch.randperm(pool, generator=gen)[:need]
+    table = torch.full((need + 3,), 10**6, dtype=torch.int32)
+    table[:need] = pages.to(torch.int32)
+    for j in range(need):
+        a, b = j * page, min(kv_len, (j + 1) * page)
+        key_cache[int(pages[j]), : b - a] = k[a:b]
+    kv = kv.to(device)
+    return kv[..., :d], table.to(device)
+
+
+def make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=0.0):
+    """Random q [q_len, H, D], k [kv_len, Hkv, D] and the paged copy of k. ``structure`` > 0 adds
+    a shared direction to some key blocks so that pooled scores have a clear winner structure."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = ctx_len + q_len
+    h = hkv * group
+    q = torch.randn(q_len, h, d, generator=gen)
+    k = torch.randn(kv_len, hkv, d, generator=gen)
+    if structure:
+        u = torch.randn(d, generator=gen)
+        hot = torch.rand(num_blocks(kv_len, 64), generator=gen) < 0.3
+        k += structure * hot.repeat_interleave(64)[:kv_len, None, None] * u
+        q += structure * 0.5 * u
+    q, k = q.to(dtype), k.to(dtype)
+    key_cache, table = paged_row(k, page, gen, device)
+    return q, k, key_cache, table
+
+
+_SYNCING = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+@contextlib.contextmanager
+def no_host_sync(device):
+    """The device path must queue its work without waiting for it. On CUDA, any synchronising
+    call inside the block raises (torch's sync debug mode). On the CPU, the tensor methods that
+    would read a device value back to the host raise instead."""
+    if torch.device(device).type != "cuda":
+        saved = {name: getattr(torch.Tensor, name) for name in _SYNCING}
+
+        def refuse(name):
+            def method(*args, **kwargs):
+                raise AssertionError(f"host synchronisation: Tensor.{name}")
+            return method
+
+        for name in _SYNCING:
+            setattr(torch.Tensor, name, refuse(name))
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(torch.Tensor, name, fn)
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _pad(t, w):
+    return torch.nn.functional.pad(t.to(torch.int64).cpu(), (0, w - t.shape[-1]), value=-1)
+
+
+def assert_same_index(got, ref, max_row_mismatch: float = 0.0):
+    """Identical indices; with ``max_row_mismatch`` > 0 (GPU sizes, where float summation order
+    can flip a selection at a cumulative-budget or top-k boundary), that fraction of (head, query
+    block) lists may differ."""
+    assert got.block_size == ref.block_size
+    if max_row_mismatch:
+        wb = max(got.block_index.shape[-1], ref.block_index.shape[-1])
+        wc = max(got.column_index.shape[-1], ref.column_index.shape[-1], 1)
+        same = (_pad(got.block_index, wb) == _pad(ref.block_index, wb)).all(-1)
+        same &= (_pad(got.column_index, wc) == _pad(ref.column_index, wc)).all(-1)
+        same &= got.block_count.cpu() == ref.block_count.cpu()
+        same &= got.column_count.cpu() == ref.column_count.cpu()
+        frac = 1.0 - same.double().mean().item()
+        assert frac <= max_row_mismatch, f"{frac:.2%} of the lists differ"
+        return
+    assert torch.equal(got.block_count.cpu().to(torch.int32), ref.block_count.cpu())
+    w = max(got.block_index.shape[-1], ref.block_index.shape[-1])
+    assert torch.equal(_pad(got.block_index, w), _pad(ref.block_index, w))
+    assert torch.equal(got.column_count.cpu().to(torch.int32), ref.column_count.cpu())
+    w = max(got.column_index.shape[-1], ref.column_index.shape[-1], 1)
+    assert torch.equal(_pad(got.column_index, w), _pad(ref.column_index, w))
+
+
+# ------------------------------------------------------------------------------------------
+# Checks (device-agnostic)
+# ------------------------------------------------------------------------------------------
+
+def check_pooled(q_len, ctx_len, hkv, d, page, dtype, block, seed, device):
+    _, k, key_cache, table = make_row(q_len, ctx_len, hkv, 1, d, page, dtype, seed, device)
+    with no_host_sync(device):
+        got = est.pooled_keys(key_cache, table, ctx_len + q_len, block)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got.cpu(), block_means(k, block), rtol=1e-5, atol=1e-5)
+
+
+def check_block_sparse(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, max_topk=None, tol=0.0):
+    q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=1.0)
+    h = hkv * group
+    gen = torch.Generator().manual_seed(seed + 1)
+    nkb = num_blocks(ctx_len + q_len, 64)
+    topk = torch.randint(1, max(2, min(nkb, max_topk or nkb)) + 1, (h,), generator=gen)
+    sel = block_sparse_selection(q, k, kv_head_map(h, hkv), ctx_len, topk, block_size=64)
+    ref = build_index(sel.block_mask, 64, q_len, ctx_len)
+    q_dev, topk_dev = q.to(device), topk.to(device)
+    with no_host_sync(device):
+        pk = est.pooled_keys(key_cache, table, ctx_len + q_len, 64)
+        got = est.block_sparse_index(q_dev, pk, ctx_len, topk_dev, 64, max_topk=max_topk)
+    assert_same_index(got, ref, tol)
+
+
+def check_a_shape(q_len, ctx_len, h, seed, device, max_blocks=None):
+    gen = torch.Generator().manual_seed(seed)
+    sink = torch.randint(0, 200, (h,), generator=gen)
+    window = torch.randint(1, 400, (h,), generator=gen)
+    sel = a_shape_selection(sink, window, q_len, ctx_len, 64)
+    ref = build_index(sel.block_mask, 64, q_len, ctx_len)
+    sink_dev, window_dev = sink.to(device), window.to(device)
+    with no_host_sync(device):
+        got = est.a_shape_index(sink_dev, window_dev, q_len, ctx_len, 64, max_blocks=max_blocks)
+    assert_same_index(got, ref)
+
+
+def _split_tau(jsd: torch.Tensor) -> float:
+    """A tau in the widest gap between the heads' sqrt-JSD values: some heads on each side, far
+    from the boundary (so float differences cannot flip a decision). Without a clear gap (e.g. a
+    row with a single flex key block: every sqrt-JSD is 0) all heads go query-aware."""
+    v = jsd.double().sort().values
+    gaps = v[1:] - v[:-1]
+    if gaps.numel() == 0 or gaps.max() < 1e-3:
+        return float(v.max()) + 0.05
+    i = int(gaps.argmax())
+    return float((v[i] + v[i + 1]) / 2)
+
+
+def check_flex(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, *, fb=128, tau="split", gamma=0.9,
+               min_budget=64, max_budget=None, max_columns=None, tol=0.0):
+    q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=1.5)
+    h = hkv * group
+    scale = 1.0 / math.sqrt(d)
+    gen = torch.Generator().manual_seed(seed + 2)
+    gammas = gamma * (0.8 + 0.2 * torch.rand(h, generator=gen))
+    kvh = kv_head_map(h, hkv)
+    kw = dict(flex_block_size=fb, min_budget=min_budget, max_budget=max_budget, block_size=64, scale=scale)
+    if tau == "split":
+        _, dec = flex_prefill_selection(q, k, kvh, ctx_len, gammas, tau=0.0, **kw)
+        tau = _split_tau(dec.jsd)
+    sel, dec = flex_prefill_selection(q, k, kvh, ctx_len, gammas, tau=tau, **kw)
+    ref = build_index(sel.block_mask, 64, q_len, ctx_len, sel.columns, sel.column_keep)
+    q_dev, gammas_dev = q.to(device), gammas.to(device)
+    with no_host_sync(device):
+        got, qa = est.flex_prefill_index(q_dev, key_cache, table, ctx_len, gammas_dev, tau=tau,
+                                         max_columns=max_columns, **kw)
+    assert torch.equal(qa.cpu(), dec.query_aware)
+    assert_same_index(got, ref, tol)
+    return dec.query_aware
+
+
+# ------------------------------------------------------------------------------------------
+# CPU (interpreter), small sizes
+# ------------------------------------------------------------------------------------------
+
+SHAPES = [(70, 0), (37, 45), (130, 100), (200, 333)]  # (q_len, ctx_len): none multiples of 64
+GEOM = [(1, 64, 16, torch.float32), (4, 64, 32, torch.float16), (7, 128, 16, torch.float32),
+        (4, 128, 32, torch.float32)]  # (group, D, page, dtype)
+
+
+@cpu_only
+@pytest.mark.parametrize("group,d,page,dtype", GEOM)
+@pytest.mark.parametrize("block", [64, 128])
+def test_interp_pooled_keys(group, d, page, dtype, block):
+    for i, (q_len, ctx) in enumerate(SHAPES):
+        check_pooled(q_len, ctx, 2, d, page, dtype, block, seed=i + d + page, device="cpu")
+
+
+@cpu_only
+@pytest.mark.parametrize("group,d,page,dtype", GEOM)
+def test_interp_block_sparse(group, d, page, dtype):
+    hkv = 1 if group == 7 else 2
+    for i, (q_len, ctx) in enumerate(SHAPES):
+        check_block_sparse(q_len, ctx, hkv, group, d, page, dtype, seed=10 * i + group, device="cpu")
+
+
+@cpu_only
+def test_interp_block_sparse_capped_width():
+    # max_topk bounds the list width to max_topk + 1; topk values drawn at most max_topk
+    check_block_sparse(300, 500, 2, 4, 64, 16, torch.float32, seed=5, device="cpu", max_topk=3)
+    check_block_sparse(37, 45, 1, 4, 64, 32, torch.float32, seed=6, device="cpu", max_topk=1)
+    check_block_sparse(150, 2500, 2, 4, 64, 16, torch.float32, seed=7, device="cpu", max_topk=8)
+
+
+@cpu_only
+@pytest.mark.parametrize("group,d,page,dtype", GEOM)
+def test_interp_flex_prefill_mixed(group, d, page, dtype):
+    hkv = 1 if group == 7 else 2
+    seen = torch.zeros(2, dtype=torch.long)
+    for i, (q_len, ctx) in enumerate(SHAPES[1:]):  # q_len >= 37; representative block = up to 128 queries
+        qa = check_flex(q_len, ctx, hkv, group, d, page, dtype, seed=100 + 10 * i + group, device="cpu")
+        seen += torch.stack([qa.sum(), (~qa).sum()])
+    if group > 1:
+        assert (seen > 0).all(), "both FlexPrefill branches should have been exercised"
+
+
+@cpu_only
+@pytest.mark.parametrize("fb,tau,gamma,min_budget,max_budget", [
+    (64, 1.0, 0.9, 64, None),     # all query-aware, flex block = block
+    (128, 1.0, 0.6, 128, 256),    # all query-aware, max budget cuts rows
+    (32, 1.0, 0.8, 0, None),      # flex block below the block: any-pooling to 64
+    (64, 0.0, 0.9, 64, None),     # all vertical-slash
+    (128, 0.0, 0.5, 200, 300),    # vertical-slash with both budget clamps
+    (256, "split", 0.95, 64, None),  # representative block of 256 queries (4 chunks of 64)
+])
+def test_interp_flex_prefill_settings(fb, tau, gamma, min_budget, max_budget):
+    check_flex(300, 211, 2, 2, 64, 16, torch.float32, seed=fb + min_budget, device="cpu", fb=fb, tau=tau,
+               gamma=gamma, min_budget=min_budget, max_budget=max_budget)
+
+
+@cpu_only
+@pytest.mark.parametrize("fb,tau,gamma,max_budget", [
+    (64, "split", 0.7, None), (128, "split", 0.6, None), (64, 0.0, 0.9, 150), (128, 1.0, 0.5, None)])
+def test_interp_flex_prefill_long_context(fb, tau, gamma, max_budget):
+    # 42 key blocks: selections well below dense; max_budget=150 leaves columns outside the slash blocks
+    check_flex(150, 2500, 2, 4, 64, 16, torch.float32, seed=fb + 7, device="cpu", fb=fb, tau=tau, gamma=gamma,
+               min_budget=64, max_budget=max_budget)
+
+
+@cpu_only
+def test_interp_flex_prefill_short_chunk():
+    # a chunk shorter than the flex block and than one 64-query chunk, at the start and mid-sequence
+    check_flex(20, 0, 1, 4, 64, 16, torch.float32, seed=3, device="cpu", tau=1.0)
+    check_flex(50, 300, 1, 4, 64, 32, torch.float32, seed=4, device="cpu", tau=0.0)
+
+
+@cpu_only
+@pytest.mark.parametrize("q_len,ctx_len", SHAPES + [(1, 0), (64, 64), (500, 1000)])
+def test_interp_a_shape(q_len, ctx_len):
+    check_a_shape(q_len, ctx_len, 5, seed=q_len + ctx_len, device="cpu")
+    check_a_shape(q_len, ctx_len, 5, seed=q_len + ctx_len, device="cpu", max_blocks=num_blocks(200, 64)
+                  + num_blocks(400, 64) + 2)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU, realistic sizes
+# ------------------------------------------------------------------------------------------
+
+@gpu
+def test_gpu_pooled_keys():
+    check_pooled(5000, 3000, 8, 128, 16, torch.bfloat16, 64, seed=1, device="cuda")
+    check_pooled(5000, 3000, 8, 128, 16, torch.bfloat16, 128, seed=1, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("group,d,page", [(4, 128, 16), (7, 64, 32)])
+def test_gpu_block_sparse(group, d, page):
+    check_block_sparse(5000, 3000, 2, group, d, page, torch.bfloat16, seed=group, device="cuda", max_topk=100,
+                       tol=1e-3)
+
+
+@gpu
+def test_gpu_a_shape():
+    check_a_shape(5000, 3000, 32, seed=1, device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("fb", [64, 128])
+def test_gpu_flex_prefill(fb):
+    # the torch reference runs on the CPU: float summation order differs, so a few lists may too
+    check_flex(5000, 3000, 2, 4, 128, 16, torch.bfloat16, seed=fb, device="cuda", fb=fb, min_budget=1024,
+               max_columns=8000, tol=1e-2)
