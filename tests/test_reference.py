@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import causal_mask, masked_attention_f64
-from vllm_sparse_backend.index import build_index, causal_block_mask, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask, num_blocks
 from vllm_sparse_backend.plan import SparseRow
 from vllm_sparse_backend.reference import causal_pairs, gather_paged_kv, sparse_attention
 
@@ -40,7 +40,7 @@ def test_full_mask_equals_dense(h, hkv, d, q_len, ctx_len, rng):
     out, computed = sparse_attention(q, k, v, index, ctx_len, scale)
     ref = masked_attention_f64(q, k, v, causal_mask(h, q_len, ctx_len), scale)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    assert computed == causal_pairs(q_len, ctx_len, h)
+    assert computed == causal_pairs(q_len, ctx_len, h) == count_pairs(index, q_len, ctx_len)
 
 
 @pytest.mark.parametrize("h,hkv,d", SHAPES)
@@ -55,7 +55,7 @@ def test_random_mask_equals_masked_dense(h, hkv, d, q_len, ctx_len, b, rng):
     out, computed = sparse_attention(q, k, v, index, ctx_len, scale)
     ref = masked_attention_f64(q, k, v, mask, scale)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    assert computed == int(mask.sum())
+    assert computed == int(mask.sum()) == count_pairs(index, q_len, ctx_len)
 
 
 def test_index_lists_are_sorted_disjoint_and_causal(rng):

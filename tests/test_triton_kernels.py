@@ -302,3 +302,49 @@ def test_gpu_vs_index():
 @gpu
 def test_gpu_last_q_scores():
     check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2)
+
+
+def _glue_case(dtype, device, seed=5):
+    """run_sparse_rows with the Triton kernel as its batched kernel vs the torch reference path."""
+    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    h, hkv, d, page = 8, 2, 64, 16
+    geoms = [(300, 0), (150, 200)]
+    key_cache, value_cache, table, _, _ = make_cache([q + c for q, c in geoms], hkv, d, page, dtype, "NHD", gen,
+                                                     device)
+    t = sum(q for q, _ in geoms)
+    query = torch.randn(t, h, d, generator=gen).to(dtype).to(device)
+    rows, tok = [], 0
+    for i, (q_len, ctx) in enumerate(geoms):
+        rows.append(SparseRow(i, tok, q_len, ctx))
+        tok += q_len
+    settings = SparseSettings(vertical_size=40, slash_size=70, last_q=32, topk_blocks=2, min_budget=64)
+    heads = [resolve_head(HeadPattern(pattern=p), settings) for p in
+             ["vertical_slash", "block_sparse", "a_shape", "flex_prefill"] * 2]
+
+    def kv(r):
+        return gather_paged_kv(key_cache, value_cache, table[r.row].to(device), r.ctx_len + r.q_len)
+
+    ref = torch.full_like(query, float("nan"))
+    run_sparse_rows(query, ref, rows, kv, heads, settings, d ** -0.5)
+    got = torch.full_like(query, float("nan"))
+    run_sparse_rows(query, got, rows, kv, heads, settings, d ** -0.5,
+                    batched_kernel=lambda rs, ix: sa.sparse_prefill_attention(
+                        query, key_cache, value_cache, table.to(device), rs, ix, d ** -0.5, got))
+    assert torch.isfinite(got).all()
+    rel = (got.double() - ref.double()).norm() / ref.double().norm()
+    assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel
+
+
+@pytest.mark.skipif(DEV != "cpu", reason="interpreter test")
+def test_interp_run_sparse_rows_with_the_kernel():
+    _glue_case(torch.float32, "cpu")
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (and TRITON_INTERPRET unset)")
+def test_gpu_run_sparse_rows_with_the_kernel():
+    _glue_case(torch.bfloat16, "cuda")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from enum import Enum
-from typing import Annotated, Any, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -64,6 +64,10 @@ class SparseSettings(BaseModel):
     # Gating: which rows go sparse.
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
+    # Which attention implementation computes sparse rows on CUDA: "triton" (the block+column
+    # kernel over the paged cache), "torch" (the reference over gathered K/V), or "auto" (triton
+    # where it supports the layer: head size 64/128, fp16/bf16, block_size 64).
+    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Sparse attention kernel on CUDA.")
     # Files.
     head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
     stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")

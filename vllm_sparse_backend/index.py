@@ -158,3 +158,25 @@ def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.T
     qpos = torch.arange(q_len, device=device) + ctx_len
     return mask & (torch.arange(kv_len, device=device)[None, :] <= qpos[:, None])[None]
 
+
+
+def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:
+    """(query, key) pairs over all heads that the index allows, causality applied, without
+    materialising a mask (closed forms per listed block and column). Stats and tests use it."""
+    b = index.block_size
+    kv_len = ctx_len + q_len
+    device = index.block_count.device
+    q_first, q_last = query_block_bounds(q_len, ctx_len, b, device)
+    qf, ql = q_first.view(1, -1, 1), q_last.view(1, -1, 1)
+    kb = index.block_index.to(torch.int64)
+    s = kb * b  # first key of the block
+    e = torch.clamp(s + b, max=kv_len) - 1  # last key of the block
+    # rows p in [qf, ql]: p < s -> 0 keys; s <= p <= e -> p - s + 1; p > e -> e - s + 1
+    lo, hi = torch.maximum(qf, s), torch.minimum(ql, e)
+    n_ramp = (hi - lo + 1).clamp(min=0)
+    ramp = n_ramp * (lo - s + 1) + n_ramp * (n_ramp - 1) // 2
+    flat = (ql - torch.maximum(qf, e + 1) + 1).clamp(min=0) * (e - s + 1)
+    blocks = ((ramp + flat) * (kb >= 0)).sum()
+    c = index.column_index.to(torch.int64)
+    cols = ((ql - torch.maximum(qf, c) + 1).clamp(min=0) * (c >= 0)).sum()
+    return int(blocks + cols)

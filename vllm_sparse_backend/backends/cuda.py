@@ -7,12 +7,14 @@ long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the othe
 FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 
-The sparse rows here use the PyTorch reference over K/V gathered from the paged cache; the
-Triton kernels replace that call without changing this file's contract.
+Sparse rows: indices are estimated in PyTorch from K/V gathered out of the paged cache; the
+attention itself runs the Triton block+column kernel straight on the paged cache where it
+supports the layer (setting ``kernel``), otherwise the PyTorch reference.
 """
 
 from __future__ import annotations
 
+import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
@@ -78,9 +80,14 @@ class SparsePrefillImpl(FlashAttentionImpl):
         count_dense_tokens(attn_metadata)
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
         block_table = attn_metadata.block_table
+        softcap = float(self.logits_soft_cap or 0.0)
+        kernel = self._triton_kernel(query)
+        batched = None if kernel is None else (
+            lambda rows, indices: kernel(query, key_cache, value_cache, block_table, rows, indices, self.scale,
+                                         output, softcap))
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                        self.sparse_heads, settings(), self.scale, float(self.logits_soft_cap or 0.0))
+                        self.sparse_heads, settings(), self.scale, softcap, batched_kernel=batched)
         return output
 
 
