@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--check-tokens", action="store_true")
     ap.add_argument("--sparse-env", nargs="*", default=[], help="VAR=VALUE settings for the sparse backend")
+    ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each backend's run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -92,12 +93,18 @@ def main() -> None:
                "--max-len", str(max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
                "--lengths", *map(str, args.lengths)] + (["--check-tokens"] if args.check_tokens else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        log = Path(args.log_dir) / f"e2e-{backend}.stderr.log"
+        log.write_text(proc.stderr)
         for line in proc.stdout.splitlines():
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
                 results[(backend, r["n"])] = r
         if proc.returncode != 0:
-            print(f"[{backend}] exit {proc.returncode}; stderr tail:\n" + "\n".join(proc.stderr.splitlines()[-40:]))
+            # The root cause is the first traceback (often the engine core's), not the tail.
+            lines = proc.stderr.splitlines()
+            first = next((i for i, l in enumerate(lines) if "Traceback" in l), max(0, len(lines) - 40))
+            print(f"[{backend}] exit {proc.returncode}; full stderr in {log}; first traceback:\n"
+                  + "\n".join(lines[first:first + 60]))
 
     import torch
     import vllm
