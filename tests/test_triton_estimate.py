@@ -15,28 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+from triton_setup import CUDA, INTERPRET, kernel_module
 
-triton = pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
+from vllm_sparse_backend.index import build_index, num_blocks
+from vllm_sparse_backend.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
+from vllm_sparse_backend.patterns.common import block_means
+from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection
+from vllm_sparse_backend.reference import kv_head_map
 
-from vllm_sparse_backend.index import build_index, num_blocks  # noqa: E402
-from vllm_sparse_backend.patterns.a_shape import a_shape_selection  # noqa: E402
-from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection  # noqa: E402
-from vllm_sparse_backend.patterns.common import block_means  # noqa: E402
-from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection  # noqa: E402
-from vllm_sparse_backend.reference import kv_head_map  # noqa: E402
-
-est = pytest.importorskip("vllm_sparse_backend.triton_kernels.estimate",
-                          reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
-
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+est = kernel_module("estimate")
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
 
 

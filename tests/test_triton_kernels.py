@@ -13,24 +13,16 @@ whole pytest process. The project venv has no triton: everything here is skipped
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+from triton_setup import CUDA, INTERPRET, kernel_module
 
-triton = pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
+from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention
 
-from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks  # noqa: E402
-from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention  # noqa: E402
-
-sa = pytest.importorskip("vllm_sparse_backend.triton_kernels.sparse_attention",
-                         reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
-
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+sa = kernel_module("sparse_attention")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GAP = 3  # tokens between rows in q/out that belong to no row
 

@@ -67,8 +67,8 @@ class SparseSettings(BaseModel):
     # Which attention implementation computes sparse rows on CUDA: "triton" (the block+column
     # kernel over the paged cache), "torch" (the reference over gathered K/V), or "auto" (triton
     # where it supports the layer: head size 64/128, fp16/bf16, block_size 64). The default stays
-    # "torch" until the Triton path has passed the vLLM end-to-end check on a GPU: its first run
-    # inside vLLM 0.26 (H100) failed and the root cause was not captured.
+    # "torch" until the Triton path has passed the vLLM end-to-end check on a GPU (its first run
+    # inside vLLM 0.26 failed on a missing method, since fixed and covered by a CPU test).
     kernel: Literal["auto", "triton", "torch"] = Field("torch", description="Sparse attention kernel on CUDA.")
     # Files.
     head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")

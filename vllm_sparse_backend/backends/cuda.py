@@ -63,8 +63,34 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
-
     sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
+    _use_triton: bool | None = None  # decided on the first sparse forward, logged once
+
+    def _triton_kernel(self, query):
+        """The Triton kernel's entry point if it should compute this layer's sparse rows, else None."""
+        if self._use_triton is None:
+            cfg = settings()
+            why = None
+            if cfg.kernel == "torch":
+                why = "kernel=torch"
+            elif self.head_size not in (64, 128) or query.dtype not in (torch.float16, torch.bfloat16):
+                why = f"head size {self.head_size} / dtype {query.dtype}"
+            elif cfg.block_size != 64:
+                why = f"block_size {cfg.block_size}"
+            else:
+                try:
+                    from ..triton_kernels import sparse_attention  # noqa: F401
+                except ImportError as e:
+                    why = f"triton unavailable ({e})"
+            if why is not None and cfg.kernel == "triton":
+                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
+            if why is not None:
+                log_once("sparse rows use the PyTorch reference attention: %s", why)
+            self._use_triton = why is None
+        if not self._use_triton:
+            return None
+        from ..triton_kernels.sparse_attention import sparse_prefill_attention
+        return sparse_prefill_attention
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

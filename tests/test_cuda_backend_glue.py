@@ -1,0 +1,99 @@
+"""The CUDA impl's sparse branch, driven directly on CPU: a step whose rows are all sparse never
+calls FlashAttention, so the glue (paged-cache views, estimation, the torch reference or the
+Triton kernel as batched kernel, stats) runs here against the float64 reference."""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_sparse_backend.backends import common  # noqa: E402
+from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
+from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
+from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
+from vllm_sparse_backend.plan import SparseRow  # noqa: E402
+from vllm_sparse_backend.reference import gather_paged_kv  # noqa: E402
+
+from conftest import masked_attention_f64  # noqa: E402
+
+cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
+
+
+def _step(dtype, gen):
+    h, hkv, d, page = 8, 2, 128, 16
+    geoms = [(300, 0), (170, 230)]  # (q_len, ctx_len)
+    pages = [-(-(q + c) // page) for q, c in geoms]
+    n_pages = sum(pages) + 4
+    # vLLM's layout: physical [pages, page, Hkv, 2D] (NHD), logical view [pages, Hkv, page, 2D]
+    kv_cache = torch.randn(n_pages, page, hkv, 2 * d, generator=gen).to(dtype).permute(0, 2, 1, 3)
+    perm = torch.randperm(n_pages, generator=gen).int()
+    table = torch.zeros(4, max(pages) + 3, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    t = sum(q for q, _ in geoms) + 5  # padded tokens after the rows
+    qkv = torch.randn(t, (h + 2 * hkv) * d, generator=gen).to(dtype)
+    query = qkv[:, :h * d].view(t, h, d)  # strided, as the attention layer passes it
+    rows, tok = [], 0
+    for i, (q_len, ctx) in enumerate(geoms):
+        rows.append(SparseRow(i, tok, q_len, ctx))
+        tok += q_len
+    md = SparsePrefillMetadata(t, max(q for q, _ in geoms), [], rows, table)
+    return query, kv_cache, md, (h, hkv, d)
+
+
+def _impl(settings, h, d):
+    impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
+    impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
+    impl.sparse_heads = [resolve_head(None, settings)] * h
+    return impl
+
+
+@pytest.fixture
+def sparse_env(monkeypatch, tmp_path):
+    def apply(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("VLLM_SPARSE_STATS_FILE", str(tmp_path / "stats.json"))
+        common.settings.cache_clear()
+        return common.settings()
+    yield apply
+    common.settings.cache_clear()
+
+
+def _check(kernel, dtype, sparse_env, tol):
+    settings = sparse_env(VLLM_SPARSE_KERNEL=kernel, VLLM_SPARSE_VERTICAL_SIZE="50", VLLM_SPARSE_SLASH_SIZE="90",
+                          VLLM_SPARSE_LAST_Q="32")
+    gen = torch.Generator().manual_seed(3)
+    query, kv_cache, md, (h, hkv, d) = _step(dtype, gen)
+    output = torch.full((query.shape[0], h, d), float("nan"), dtype=dtype)
+    impl = _impl(settings, h, d)
+    impl.forward(None, query, None, None, kv_cache, md, output)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(d, dim=-1)
+    for r in md.sparse_rows:
+        k, v = gather_paged_kv(key_cache, value_cache, md.block_table[r.row], r.ctx_len + r.q_len)
+        q = query[r.tok_start:r.tok_start + r.q_len]
+        idx = estimate_index(q, k, r.ctx_len, impl.sparse_heads, settings, d ** -0.5).index
+        ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
+        got = output[r.tok_start:r.tok_start + r.q_len].double()
+        assert ((got - ref).norm() / ref.norm()) < tol
+    assert torch.isnan(output[sum(r.q_len for r in md.sparse_rows):]).all(), "padding tokens untouched"
+    return impl
+
+
+def test_sparse_branch_with_the_torch_reference(sparse_env):
+    impl = _check("torch", torch.float32, sparse_env, 1e-5)
+    assert impl._use_triton is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="needs triton's interpreter (CPU); run by make test with the kernel site")
+def test_sparse_branch_with_the_triton_kernel(sparse_env, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = _check("triton", torch.float16, sparse_env, 1e-2)
+    assert impl._use_triton is True
