@@ -71,3 +71,29 @@ def test_search_layer_scores_every_head():
     best = search_layer(q, k, v, density=DENSITY, settings=SparseSettings(keep_first_columns=0), scale=1.0)
     assert [b.pattern for b in best] == [PatternName.A_SHAPE, PatternName.BLOCK_SPARSE]
     assert all(b.score is not None and 0 <= b.score < 0.5 for b in best)
+
+
+def test_search_patterns_cli_writes_a_valid_head_config(tmp_path):
+    """The whole tool on a tiny random-weight Llama run by transformers: capture Q/K/V per layer,
+    search every head, write a file the backend loads."""
+    transformers = pytest.importorskip("transformers")
+    import json as json_module
+    from pathlib import Path
+
+    from tiny_llama import make_tiny_llama
+    from vllm_sparse_backend.cli import main
+    from vllm_sparse_backend.head_configs import load_head_config
+
+    model_dir = make_tiny_llama(tmp_path / "tiny", layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir))
+    model.save_pretrained(model_dir)
+    text = tmp_path / "calibration.txt"
+    text.write_text(Path(json_module.__file__).with_name("decoder.py").read_text() * 3)
+    out = tmp_path / "tiny.json"
+    assert main(["search-patterns", "--model", str(model_dir), "--out", str(out), "--tokens", "700",
+                 "--samples", "2", "--density", "0.5", "--text", str(text)]) == 0
+    cfg = load_head_config(out)
+    assert (cfg.num_layers, cfg.num_heads, cfg.model) == (2, 4, "tiny")
+    assert all(h.score is not None and h.score >= 0 for layer in cfg.layers for h in layer.heads)
+    assert "2 calibration prompt(s)" in cfg.produced_by and cfg.settings["density"] == 0.5

@@ -126,3 +126,85 @@ def search_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, density: flo
         top = search_head(q[:, h:h + 1], kh, vh, ctx_len, density, settings, scale)[0]
         best.append(top.pattern.model_copy(update={"score": top.error}))
     return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole model: capture each layer's Q/K/V with transformers on calibration prompts, search.
+# ---------------------------------------------------------------------------------------------
+
+_CAPTURE = "vllm_sparse_capture"
+
+
+def capture_qkv(model_dir: str, token_ids: list[int]) -> tuple[dict[int, tuple], dict]:
+    """Run the model (transformers, CPU or CUDA, fp32) once on ``token_ids``; return per layer
+    (q [L, H, D], k [L, Hkv, D], v [L, Hkv, D], scale) after rotary embedding, and the config."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    captured: dict[int, tuple] = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        captured[module.layer_idx] = (query[0].transpose(0, 1).detach().cpu(), key[0].transpose(0, 1).detach().cpu(),
+                                      value[0].transpose(0, 1).detach().cpu(), float(scaling))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, capture)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=_CAPTURE, dtype=torch.float32)
+    model.to(device).eval()
+    with torch.no_grad():
+        model(torch.tensor([token_ids], device=device), use_cache=False)
+    return captured, model.config
+
+
+def search_model(model_dir: str, samples: list[list[int]], density: float, settings: SparseSettings,
+                 model_name: str, source: str, log=print):
+    """Head-config file for a model: per layer and head, the candidate family with the lowest mean
+    error over the calibration samples; its budgets from the first sample's tuning."""
+    from .head_configs import FORMAT_NAME, HeadConfigFile, LayerHeads
+
+    per_sample = []
+    for n, ids in enumerate(samples):
+        captured, config = capture_qkv(model_dir, ids)
+        layers = []
+        for li in sorted(captured):
+            q, k, v, scale = captured[li]
+            group = q.shape[1] // k.shape[1]
+            heads = []
+            for h in range(q.shape[1]):
+                kv = slice(h // group, h // group + 1)
+                res = search_head(q[:, h:h + 1], k[:, kv], v[:, kv], 0, density, settings, scale)
+                heads.append({(r.pattern.pattern, _family_key(r.pattern)): r for r in res})
+            layers.append(heads)
+            log(f"sample {n}: layer {li}: " + ", ".join(
+                min(hd.values(), key=lambda r: r.error).pattern.pattern.value for hd in heads))
+        per_sample.append(layers)
+    out_layers = []
+    for li in range(len(per_sample[0])):
+        heads = []
+        for h in range(len(per_sample[0][li])):
+            keys = per_sample[0][li][h].keys()
+            mean = {key: sum(s[li][h][key].error for s in per_sample) / len(per_sample) for key in keys}
+            best_err = min(mean.values())
+            tied = [key for key in keys if mean[key] <= best_err * (1 + TIE_TOLERANCE) + 1e-9]
+            key = min(tied, key=lambda kk: SERVING_PREFERENCE.index(kk[0]))
+            heads.append(per_sample[0][li][h][key].pattern.model_copy(update={"score": round(mean[key], 6)}))
+        out_layers.append(LayerHeads(heads=heads))
+    import transformers
+    return HeadConfigFile(
+        format=FORMAT_NAME, version=1, model=model_name, num_layers=len(out_layers),
+        num_heads=len(out_layers[0].heads),
+        produced_by=(f"vllm-sparse search-patterns: {len(samples)} calibration prompt(s) of "
+                     f"{len(samples[0])} tokens from {source}; candidates tuned to {density:.0%} of the "
+                     f"causal key tiles; score = relative output error vs dense (transformers "
+                     f"{transformers.__version__}, torch {torch.__version__})"),
+        settings={"density": density, "block_size": settings.block_size, "last_q": settings.last_q,
+                  "families": [[p.value, r] for p, r in FAMILIES]},
+        layers=out_layers)
+
+
+def _family_key(hp: HeadPattern):
+    """Which FAMILIES entry a tuned candidate came from (vertical-slash: its ratio)."""
+    if hp.pattern is PatternName.VERTICAL_SLASH:
+        return min(VS_RATIOS, key=lambda r: abs(r * hp.vertical_size - hp.slash_size))
+    return None
