@@ -75,21 +75,17 @@ def diagonal_block_mask(q_len: int, ctx_len: int, block_size: int, device=None) 
     return (kb[None, :] >= (q_first // block_size)[:, None]) & (kb[None, :] <= (q_last // block_size)[:, None])
 
 
-def compact(values: torch.Tensor, keep: torch.Tensor, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compact(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the kept entries of each last-dim row to the front, ascending.
 
     values: int64 [..., N] (non-negative), keep: bool [..., N] -> (count int32 [...], index int32 [..., M])
-    with M = max count (or ``pad_to``) and -1 padding.
+    with M = max count and -1 padding.
     """
     count = keep.sum(-1)
     width = int(count.max()) if count.numel() else 0
-    if pad_to is not None:
-        width = max(width, pad_to)
     big = torch.iinfo(torch.int64).max
     key = torch.where(keep, values.to(torch.int64), torch.full_like(values, big, dtype=torch.int64))
     key = key.sort(-1).values[..., :width]
-    if key.shape[-1] < width:  # fewer candidates than the requested padding
-        key = torch.nn.functional.pad(key, (0, width - key.shape[-1]), value=big)
     index = torch.where(key == big, torch.full_like(key, -1), key)
     return count.to(torch.int32), index.to(torch.int32)
 

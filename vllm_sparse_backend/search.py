@@ -6,8 +6,8 @@ block; single columns are gathered 64 per tile), measured on the index the estim
 a nominal FLOP count — and the candidate whose output is closest to dense attention's output
 (relative L2 error, the paper's objective) wins. Offline tool: heads are searched one by one.
 
-The model-running part (calibration prompts, capturing Q/K/V per layer, writing the file for a
-whole model) builds on :func:`search_layer`.
+The model-running part (:func:`search_model`, the ``vllm-sparse search-patterns`` command) captures
+each layer's Q/K/V with transformers and runs :func:`layer_candidates` on them.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def causal_tiles(q_len: int, ctx_len: int, block_size: int, num_heads: int = 1) 
 
 @dataclass
 class CandidateResult:
+    family: tuple  # its FAMILIES entry: (PatternName, vertical-slash ratio or None)
     pattern: HeadPattern
     tiles: int
     error: float  # ||y - y_dense|| / ||y_dense||
@@ -92,6 +93,13 @@ SERVING_PREFERENCE = (PatternName.A_SHAPE, PatternName.VERTICAL_SLASH, PatternNa
 TIE_TOLERANCE = 0.05
 
 
+def pick_family(errors: dict[tuple, float]) -> tuple:
+    """The family with the lowest error; ties (TIE_TOLERANCE, relative) go by SERVING_PREFERENCE."""
+    best = min(errors.values())
+    tied = [f for f, e in errors.items() if e <= best * (1 + TIE_TOLERANCE) + 1e-9]
+    return min(tied, key=lambda f: SERVING_PREFERENCE.index(f[0]))
+
+
 def search_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int, density: float,
                 settings: SparseSettings, scale: float, families=FAMILIES) -> list[CandidateResult]:
     """Candidates for one head (q [q_len, 1, D], k/v [kv_len, 1, D]) at ``density`` of the causal
@@ -108,24 +116,24 @@ def search_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx_len: int,
         hp, index, tiles = _tune(pattern, ratio, q, k, ctx_len, target, settings, scale, max_knob)
         out, _ = sparse_attention(q, k, v, index, ctx_len, scale)
         err = float((out.double() - dense.double()).norm() / norm)
-        results.append(CandidateResult(hp, tiles, err))
-    results.sort(key=lambda r: r.error)
-    tied = [r for r in results if r.error <= results[0].error * (1 + TIE_TOLERANCE) + 1e-9]
-    first = min(tied, key=lambda r: SERVING_PREFERENCE.index(r.pattern.pattern))
-    return [first] + [r for r in results if r is not first]
+        results.append(CandidateResult((pattern, ratio), hp, tiles, err))
+    first = pick_family({r.family: r.error for r in results})
+    return sorted(results, key=lambda r: (r.family != first, r.error))
+
+
+def layer_candidates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, density: float,
+                     settings: SparseSettings, scale: float, ctx_len: int = 0) -> list[list[CandidateResult]]:
+    """:func:`search_head` for every query head of one layer (q [q_len, H, D], k/v [kv_len, Hkv, D])."""
+    group = q.shape[1] // k.shape[1]
+    return [search_head(q[:, h:h + 1], k[:, h // group: h // group + 1], v[:, h // group: h // group + 1],
+                        ctx_len, density, settings, scale) for h in range(q.shape[1])]
 
 
 def search_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, density: float, settings: SparseSettings,
                  scale: float, ctx_len: int = 0) -> list[HeadPattern]:
-    """Best pattern per query head of one layer (q [q_len, H, D], k/v [kv_len, Hkv, D]), with
-    its relative output error as the ``score``."""
-    group = q.shape[1] // k.shape[1]
-    best = []
-    for h in range(q.shape[1]):
-        kh, vh = k[:, h // group: h // group + 1], v[:, h // group: h // group + 1]
-        top = search_head(q[:, h:h + 1], kh, vh, ctx_len, density, settings, scale)[0]
-        best.append(top.pattern.model_copy(update={"score": top.error}))
-    return best
+    """Best pattern per query head of one layer, with its relative output error as the ``score``."""
+    return [res[0].pattern.model_copy(update={"score": res[0].error})
+            for res in layer_candidates(q, k, v, density, settings, scale, ctx_len)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,32 +171,23 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
     error over the calibration samples; its budgets from the first sample's tuning."""
     from .head_configs import FORMAT_NAME, HeadConfigFile, LayerHeads
 
-    per_sample = []
+    per_sample = []  # [sample][layer][head] -> {family: CandidateResult}
     for n, ids in enumerate(samples):
-        captured, config = capture_qkv(model_dir, ids)
+        captured, _ = capture_qkv(model_dir, ids)
         layers = []
         for li in sorted(captured):
             q, k, v, scale = captured[li]
-            group = q.shape[1] // k.shape[1]
-            heads = []
-            for h in range(q.shape[1]):
-                kv = slice(h // group, h // group + 1)
-                res = search_head(q[:, h:h + 1], k[:, kv], v[:, kv], 0, density, settings, scale)
-                heads.append({(r.pattern.pattern, _family_key(r.pattern)): r for r in res})
-            layers.append(heads)
-            log(f"sample {n}: layer {li}: " + ", ".join(
-                min(hd.values(), key=lambda r: r.error).pattern.pattern.value for hd in heads))
+            heads = layer_candidates(q, k, v, density, settings, scale)
+            layers.append([{r.family: r for r in res} for res in heads])
+            log(f"sample {n}: layer {li}: " + ", ".join(res[0].pattern.pattern.value for res in heads))
         per_sample.append(layers)
     out_layers = []
-    for li in range(len(per_sample[0])):
+    for li, layer in enumerate(per_sample[0]):
         heads = []
-        for h in range(len(per_sample[0][li])):
-            keys = per_sample[0][li][h].keys()
-            mean = {key: sum(s[li][h][key].error for s in per_sample) / len(per_sample) for key in keys}
-            best_err = min(mean.values())
-            tied = [key for key in keys if mean[key] <= best_err * (1 + TIE_TOLERANCE) + 1e-9]
-            key = min(tied, key=lambda kk: SERVING_PREFERENCE.index(kk[0]))
-            heads.append(per_sample[0][li][h][key].pattern.model_copy(update={"score": round(mean[key], 6)}))
+        for h, first in enumerate(layer):
+            mean = {f: sum(s[li][h][f].error for s in per_sample) / len(per_sample) for f in first}
+            family = pick_family(mean)
+            heads.append(first[family].pattern.model_copy(update={"score": round(mean[family], 6)}))
         out_layers.append(LayerHeads(heads=heads))
     import transformers
     return HeadConfigFile(
@@ -202,9 +201,3 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
                   "families": [[p.value, r] for p, r in FAMILIES]},
         layers=out_layers)
 
-
-def _family_key(hp: HeadPattern):
-    """Which FAMILIES entry a tuned candidate came from (vertical-slash: its ratio)."""
-    if hp.pattern is PatternName.VERTICAL_SLASH:
-        return min(VS_RATIOS, key=lambda r: abs(r * hp.vertical_size - hp.slash_size))
-    return None
