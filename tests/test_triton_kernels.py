@@ -256,7 +256,7 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device):
     assert _padded_equal(got.column_index, ref.column_index)
 
 
-def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol):
+def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile_diagonals=True):
     from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.reference import kv_head_map
 
@@ -268,7 +268,8 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol):
     n = min(64, q_len)
     probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
     ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
-    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=128)
+    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=128,
+                                     tile_diagonals=tile_diagonals)
     for got, ref in ((got_v, ref_v), (got_s, ref_s)):
         err = ((got.cpu().double() - ref.double()).norm() / ref.double().norm()).item()
         assert err < tol, f"rel err {err:.2e}"
@@ -282,8 +283,11 @@ def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s):
 
 
 @cpu_only
-def test_interp_last_q_scores():
-    check_last_q(4, 2, 64, 100, 230, 16, torch.float32, seed=2, device="cpu", tol=1e-4)
+@pytest.mark.parametrize("tile_diagonals", [True, False])
+@pytest.mark.parametrize("q_len,ctx_len", [(100, 230), (40, 0), (64, 77)])
+def test_interp_last_q_scores(tile_diagonals, q_len, ctx_len):
+    check_last_q(4, 2, 64, q_len, ctx_len, 16, torch.float32, seed=2, device="cpu", tol=1e-4,
+                 tile_diagonals=tile_diagonals)
 
 
 @gpu
@@ -292,8 +296,10 @@ def test_gpu_vs_index():
 
 
 @gpu
-def test_gpu_last_q_scores():
-    check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2)
+@pytest.mark.parametrize("tile_diagonals", [True, False])
+def test_gpu_last_q_scores(tile_diagonals):
+    check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2,
+                 tile_diagonals=tile_diagonals)
 
 
 def _glue_case(dtype, device, seed=5):

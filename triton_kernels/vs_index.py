@@ -166,10 +166,10 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
+def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, scratch_ptr,
                 s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split,
                 GROUP: tl.constexpr, PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, SECOND: tl.constexpr):
+                SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, SECOND: tl.constexpr, TILE_DIAG: tl.constexpr):
     h = tl.program_id(0)
     sp = tl.program_id(1)
     kvh = (h // GROUP).to(tl.int64)
@@ -198,8 +198,25 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
         if SECOND:
             p = tl.where(allow, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
             tl.store(vert_ptr + h.to(tl.int64) * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
-            d = qpos[:, None] - kpos[None, :]
-            tl.atomic_add(slash_ptr + h.to(tl.int64) * kv_len + d, p, mask=allow)
+            if TILE_DIAG:
+                # Sum the tile's BLOCK_Q + BLOCK_N - 1 diagonals first, then one atomic per
+                # diagonal instead of one per element (32x fewer). The tile goes through a small
+                # per-program scratch so it can be re-read skewed: row i, diagonal t holds
+                # p[i, i - t + BLOCK_N - 1].
+                scr = scratch_ptr + (h * n_split + sp).to(tl.int64) * (BLOCK_Q * BLOCK_N)
+                tl.store(scr + rq[:, None] * BLOCK_N + offs_n[None, :], p)
+                tl.debug_barrier()
+                offs_t = tl.arange(0, BLOCK_Q + BLOCK_N)
+                jj = rq[:, None] - offs_t[None, :] + (BLOCK_N - 1)
+                x = tl.load(scr + rq[:, None] * BLOCK_N + jj, mask=(jj >= 0) & (jj < BLOCK_N), other=0.0)
+                dsum = tl.sum(x, 0)
+                tl.debug_barrier()  # the next tile overwrites the scratch
+                dd = q0_pos - j + offs_t - (BLOCK_N - 1)  # d = qpos_i - kpos_j of diagonal t
+                tl.atomic_add(slash_ptr + h.to(tl.int64) * kv_len + dd, dsum,
+                              mask=(offs_t < BLOCK_Q + BLOCK_N - 1) & (dd >= 0))
+            else:
+                d = qpos[:, None] - kpos[None, :]
+                tl.atomic_add(slash_ptr + h.to(tl.int64) * kv_len + d, p, mask=allow)
         else:
             m_new = tl.maximum(m, tl.max(s, 1))
             l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
@@ -211,14 +228,15 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
 
 
 def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
-                  scale: float, split: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, split: int = 4096, tile_diagonals: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores [H, kv_len] (fp32) of the row's last queries.
 
     q_last: [n, H, D] with n <= 64, the chunk's last n queries (absolute positions kv_len - n ..
     kv_len - 1); key_cache: [pages, page, Hkv, D] view; block_table_row: int32 [max_pages].
     Same sums as ``patterns.common.last_queries_probs`` + ``vertical_and_slash_sums``: pass 1
     takes each key range's row max / sum (grid heads x key ranges), torch merges them, pass 2
-    writes normalised column sums and adds diagonal sums atomically.
+    writes normalised column sums and adds diagonal sums atomically (``tile_diagonals``: summed
+    per 64x64 tile first, one atomic per diagonal of the tile; False: one atomic per element).
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -230,14 +248,15 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     stats = torch.empty(h, 2, 64, dtype=torch.float32, device=dev)
     vert = torch.zeros(h, kv_len, dtype=torch.float32, device=dev)
     slash = torch.zeros(h, kv_len, dtype=torch.float32, device=dev)
-    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, q_last.stride(0), q_last.stride(1),
+    scratch = torch.empty(h * n_split * 64 * 64 if tile_diagonals else 1, dtype=torch.float32, device=dev)
+    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, scratch, q_last.stride(0), q_last.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
             n_split)
     meta = dict(GROUP=h // hkv, PAGE=page, BLOCK_Q=64, BLOCK_N=64, SPLIT=split, HEAD_DIM=d, num_warps=4)
-    _lastq_pass[(h, n_split)](*args, SECOND=False, **meta)
+    _lastq_pass[(h, n_split)](*args, SECOND=False, TILE_DIAG=False, **meta)
     m_part, l_part = part[:, :, 0], part[:, :, 1]  # [h, n_split, 64]
     m = m_part.amax(1)
     stats[:, 0] = m
     stats[:, 1] = (l_part * torch.exp(m_part - m[:, None])).sum(1).clamp_min(1e-30)
-    _lastq_pass[(h, n_split)](*args, SECOND=True, **meta)
+    _lastq_pass[(h, n_split)](*args, SECOND=True, TILE_DIAG=tile_diagonals, **meta)
     return vert, slash
