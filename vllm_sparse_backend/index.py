@@ -158,21 +158,37 @@ def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.T
 
 def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:
     """(query, key) pairs over all heads that the index allows, causality applied, without
-    materialising a mask (closed forms per listed block and column). Stats and tests use it."""
+    materialising a mask (closed forms per listed block and column). Stats and tests use it.
+    Heads are taken a few at a time so the int64 temporaries stay around 128 MiB."""
     b = index.block_size
     kv_len = ctx_len + q_len
     device = index.block_count.device
     q_first, q_last = query_block_bounds(q_len, ctx_len, b, device)
     qf, ql = q_first.view(1, -1, 1), q_last.view(1, -1, 1)
-    kb = index.block_index.to(torch.int64)
-    s = kb * b  # first key of the block
-    e = torch.clamp(s + b, max=kv_len) - 1  # last key of the block
-    # rows p in [qf, ql]: p < s -> 0 keys; s <= p <= e -> p - s + 1; p > e -> e - s + 1
-    lo, hi = torch.maximum(qf, s), torch.minimum(ql, e)
-    n_ramp = (hi - lo + 1).clamp(min=0)
-    ramp = n_ramp * (lo - s + 1) + n_ramp * (n_ramp - 1) // 2
-    flat = (ql - torch.maximum(qf, e + 1) + 1).clamp(min=0) * (e - s + 1)
-    blocks = ((ramp + flat) * (kb >= 0)).sum()
-    c = index.column_index.to(torch.int64)
-    cols = ((ql - torch.maximum(qf, c) + 1).clamp(min=0) * (c >= 0)).sum()
-    return int(blocks + cols)
+    h, nqb = index.block_count.shape
+    per_head = nqb * max(1, index.block_index.shape[-1], index.column_index.shape[-1])
+    step = max(1, (1 << 24) // per_head)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for h0 in range(0, h, step):
+        kb = index.block_index[h0:h0 + step].to(torch.int64)
+        s = kb * b  # first key of the block
+        e = torch.clamp(s + b, max=kv_len) - 1  # last key of the block
+        # rows p in [qf, ql]: p < s -> 0 keys; s <= p <= e -> p - s + 1; p > e -> e - s + 1
+        lo, hi = torch.maximum(qf, s), torch.minimum(ql, e)
+        n_ramp = (hi - lo + 1).clamp(min=0)
+        ramp = n_ramp * (lo - s + 1) + n_ramp * (n_ramp - 1) // 2
+        flat = (ql - torch.maximum(qf, e + 1) + 1).clamp(min=0) * (e - s + 1)
+        total += ((ramp + flat) * (kb >= 0)).sum()
+        c = index.column_index[h0:h0 + step].to(torch.int64)
+        total += ((ql - torch.maximum(qf, c) + 1).clamp(min=0) * (c >= 0)).sum()
+    return int(total)
+
+
+def index_density(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
+    """Cheap upper bound of the share of causal (query, key) pairs the index computes: every
+    listed block counted full, every column for a whole query block. A 0-dim fp32 tensor on the
+    index's device (no host sync)."""
+    b = index.block_size
+    causal = index.num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
+    listed = index.block_count.sum(dtype=torch.float32) * (b * b) + index.column_count.sum(dtype=torch.float32) * b
+    return (listed / max(causal, 1)).clamp(max=1.0)

@@ -1,8 +1,13 @@
 """Run the sparse rows of one attention layer: estimate -> kernel -> write into vLLM's output.
 
-Backend-agnostic glue between a planned step and the math: the backends hand in the query and
-output tensors, the rows, and how to get a row's K/V (fresh tensors on CPU, a paged-cache gather
-or the Triton kernel's own paged reads on GPU).
+Backend-agnostic glue between a planned step and the math. Two paths:
+
+* :func:`run_sparse_rows`: the backends hand in the query and output tensors, the rows, and how
+  to get a row's K/V (fresh tensors on CPU, a paged-cache gather on GPU); indices are estimated
+  in PyTorch on those K/V and the PyTorch reference (or a batched kernel) computes the rows.
+* :func:`run_sparse_rows_paged`: the GPU path. Estimation reads K through the block table
+  (:mod:`vllm_sparse_backend.paged_estimate`) and the Triton kernel reads K/V the same way;
+  nothing is gathered and nothing waits for the GPU unless stats are being written.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import torch
 
 from .config import SparseSettings
 from .head_configs import ResolvedHead
-from .index import SparseIndex, count_pairs
+from .index import SparseIndex, count_pairs, index_density
+from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
 from .plan import SparseRow
 from .reference import causal_pairs, sparse_attention
@@ -43,14 +49,70 @@ def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[Sparse
             sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
         else:
             indices.append(est.index)
-        computed = count_pairs(est.index, row.q_len, row.ctx_len)
-        with STATS._lock:
-            STATS.sparse_rows += 1
-            STATS.sparse_query_tokens += row.q_len
-            STATS.causal_pairs += causal_pairs(row.q_len, row.ctx_len, num_heads)
-            STATS.computed_pairs += computed
-            STATS.head_patterns.update(est.head_patterns)
+        _record(row, num_heads, count_pairs(est.index, row.q_len, row.ctx_len), est.head_patterns)
     if batched_kernel is not None and rows:
         batched_kernel(rows, indices)
     if settings.stats_file:
+        STATS.dump(settings.stats_file)
+
+
+def _record(row: SparseRow, num_heads: int, computed: int | None, head_patterns) -> None:
+    with STATS._lock:
+        STATS.sparse_rows += 1
+        STATS.sparse_query_tokens += row.q_len
+        if computed is not None:
+            STATS.causal_pairs += causal_pairs(row.q_len, row.ctx_len, num_heads)
+            STATS.computed_pairs += computed
+        STATS.head_patterns.update(head_patterns)
+
+
+# The Triton kernel's entry point (triton_kernels.sparse_attention.sparse_prefill_attention).
+PagedKernel = Callable[..., object]
+
+
+def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow],
+                          key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                          groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
+                          kernel: PagedKernel, dense_row: Callable[[SparseRow], None] | None = None) -> None:
+    """Estimate every row on the paged cache, then one kernel launch for all rows.
+
+    key_cache / value_cache: [pages, page, Hkv, D] views; block_table: int32 [num_reqs, max_pages]
+    (rows index it by ``row.row``). ``dense_row`` (the dense kernel for one row) enables the
+    density fallback: rows whose index would cover more than ``settings.max_density`` of their
+    causal pairs go there instead, decided with one host read of all rows' densities per layer.
+    Otherwise host syncs happen only when ``settings.stats_file`` is set (the computed density
+    and FlexPrefill's per-head decisions are then read back).
+    """
+    num_heads = query.shape[1]
+    exact_stats = bool(settings.stats_file)
+    estimates = []
+    for row in rows:
+        q = query[row.tok_start:row.tok_start + row.q_len]
+        estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale))
+    if dense_row is not None and rows and settings.max_density < 1.0:
+        dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]).tolist()
+        keep = []
+        for row, est, d in zip(rows, estimates, dens):
+            if d > settings.max_density:
+                dense_row(row)
+                with STATS._lock:
+                    STATS.dense_reasons["estimated density above max_density"] += 1
+                    STATS.dense_query_tokens += row.q_len
+            else:
+                keep.append((row, est))
+        rows, estimates = [r for r, _ in keep], [e for _, e in keep]
+    indices = []
+    for row, est in zip(rows, estimates):
+        indices.append(est.index)
+        patterns = dict(est.head_patterns)
+        if exact_stats and est.query_aware_heads is not None:
+            n_qa = int(est.query_aware_heads)
+            n_flex = patterns.pop("flex_prefill")
+            patterns["flex_prefill/query_aware"] = n_qa
+            patterns["flex_prefill/vertical_slash"] = n_flex - n_qa
+        computed = count_pairs(est.index, row.q_len, row.ctx_len) if exact_stats else None
+        _record(row, num_heads, computed, patterns)
+    if rows:
+        kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap)
+    if exact_stats:
         STATS.dump(settings.stats_file)

@@ -1,0 +1,149 @@
+"""The CUDA backend's estimation step (vllm_sparse_backend/paged_estimate.py) vs the torch one.
+
+A layer's heads carry per-head patterns (a head-config file's mix, or one default pattern); the
+paged path must give exactly the SparseIndex that ``patterns.estimate_index`` gives on the row's
+contiguous K, queue its work without reading anything back, and keep the heads in layer order
+when several pattern groups are scattered into one index.
+
+CPU: Triton's interpreter at small sizes (run by ``make test`` from the kernel site). GPU:
+realistic sizes, bf16, where summation order may flip a few top-k / budget boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from triton_setup import CUDA, INTERPRET, kernel_module
+
+from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+from vllm_sparse_backend.patterns import estimate_index
+
+kernel_module("estimate")
+from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
+
+from test_triton_estimate import assert_same_index, make_row, no_host_sync  # noqa: E402
+
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
+gpu = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")
+
+
+def _heads(patterns: list[str], settings: SparseSettings, seed: int):
+    """Per-head patterns with per-head budgets that differ (as a searched file's do)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, p in enumerate(patterns):
+        r = int(torch.randint(0, 3, (), generator=gen))
+        out.append(resolve_head(HeadPattern(pattern=p, vertical_size=20 + 15 * r, slash_size=40 + 30 * r,
+                                            topk_blocks=1 + r, sink_tokens=32 * r, local_window=64 + 64 * r,
+                                            gamma=0.85 + 0.05 * r), settings))
+    return out
+
+
+def check(patterns, q_len, ctx_len, hkv, d, page, dtype, seed, device, settings, tol=0.0):
+    group = len(patterns) // hkv
+    q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=1.5)
+    heads = _heads(patterns, settings, seed)
+    scale = 1.0 / math.sqrt(d)
+    ref = estimate_index(q, k, ctx_len, heads, settings, scale)
+    groups = HeadGroups.from_heads(heads, device)
+    q_dev = q.to(device)
+    with no_host_sync(device):
+        got = estimate_index_paged(q_dev, key_cache, table, ctx_len, groups, settings, scale)
+    assert_same_index(got.index, ref.index, tol)
+    for name in {p for p in patterns if p != "flex_prefill"}:
+        assert got.head_patterns[name] == ref.head_patterns[name]
+    if "flex_prefill" in patterns:
+        assert int(got.query_aware_heads) == ref.head_patterns["flex_prefill/query_aware"]
+
+
+SETTINGS = SparseSettings(last_q=32, keep_first_columns=3, keep_last_diagonals=4, min_budget=64, tau=0.3)
+MIXED = ["vertical_slash", "block_sparse", "a_shape", "dense", "flex_prefill", "vertical_slash", "block_sparse",
+         "flex_prefill"]
+
+
+@cpu_only
+@pytest.mark.parametrize("q_len,ctx_len", [(130, 0), (200, 333)])
+def test_interp_one_pattern_layer(q_len, ctx_len):
+    check(["vertical_slash"] * 8, q_len, ctx_len, 2, 64, 16, torch.float32, 1, "cpu", SETTINGS)
+
+
+@cpu_only
+@pytest.mark.parametrize("q_len,ctx_len,hkv,d,page,dtype", [(130, 0, 2, 64, 16, torch.float32),
+                                                            (200, 333, 1, 128, 32, torch.float16)])
+def test_interp_mixed_layer(q_len, ctx_len, hkv, d, page, dtype):
+    check(MIXED, q_len, ctx_len, hkv, d, page, dtype, 2, "cpu", SETTINGS)
+
+
+@cpu_only
+def test_interp_last_q_longer_than_64():
+    settings = SETTINGS.model_copy(update={"last_q": 100})
+    check(["vertical_slash"] * 4, 150, 90, 1, 64, 16, torch.float32, 3, "cpu", settings)
+
+
+@cpu_only
+def test_head_count_mismatch_is_an_error():
+    heads = [resolve_head(None, SETTINGS)] * 4
+    q, _, key_cache, table = make_row(64, 0, 1, 2, 64, 16, torch.float32, 0, "cpu")
+    with pytest.raises(ValueError, match="4 head patterns for 2 query heads"):
+        estimate_index_paged(q, key_cache, table, 0, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.1)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, MIXED * 4])
+def test_gpu_layer(patterns):
+    settings = SparseSettings(min_budget=256)
+    check(patterns, 4096 + 77, 9000, 8, 128, 16, torch.bfloat16, 5, "cuda", settings, tol=0.02)
+
+
+def test_pattern_names_cover_the_enum():
+    assert set(MIXED) == {p.value for p in PatternName}
+
+
+@cpu_only
+@pytest.mark.parametrize("max_density,expect_dense", [(1.0, False), (0.05, True)])
+def test_density_fallback(max_density, expect_dense):
+    """Rows whose estimated index is denser than max_density go to the dense kernel (and nothing
+    else writes their output); the others are computed sparse, matching the float64 reference."""
+    from conftest import masked_attention_f64
+    from vllm_sparse_backend.index import index_to_dense_mask
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16})
+    q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
+    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
+    v = torch.randn_like(k)
+    value_cache, _ = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")[2:]
+    # the V cache must use the same pages as K: write V through K's table
+    for pos in range(ctx + q_len):
+        value_cache[int(table[pos // 16]), pos % 16] = v[pos]
+    heads = [resolve_head(None, settings)] * (hkv * group)
+    out = torch.full_like(q, float("nan"))
+    sent_dense = []
+    row = SparseRow(0, 0, q_len, ctx)
+    run_sparse_rows_paged(q, out, [row], key_cache, value_cache, table[None], HeadGroups.from_heads(heads, "cpu"),
+                          settings, d ** -0.5, 0.0, sparse_prefill_attention, sent_dense.append)
+    assert sent_dense == ([row] if expect_dense else [])
+    if expect_dense:
+        assert torch.isnan(out).all()
+        return
+    idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
+    ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
+    assert ((out.double() - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_index_density_bounds_count_pairs():
+    from vllm_sparse_backend.index import count_pairs, index_density
+    settings = SETTINGS.model_copy(update={"vertical_size": 8, "slash_size": 16})
+    q, k, _, _ = make_row(200, 300, 2, 2, 64, 16, torch.float32, 7, "cpu")
+    ix = estimate_index(q, k, 300, [resolve_head(None, settings)] * 4, settings, 0.125).index
+    causal = 4 * (200 * 300 + 200 * 201 // 2)
+    exact = count_pairs(ix, 200, 300) / causal
+    bound = float(index_density(ix, 200, 300))
+    assert exact <= bound <= 1.0 and bound < 2 * exact

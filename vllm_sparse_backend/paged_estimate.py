@@ -1,0 +1,160 @@
+"""Index estimation on the GPU, straight from vLLM's paged KV cache (the estimate arrow of the
+CUDA backend's Triton path).
+
+Same contract as :func:`vllm_sparse_backend.patterns.estimate_index` (a row's queries and the
+layer's per-head patterns in, one :class:`SparseIndex` for all heads out), but K is read through
+the block table by the kernels of ``triton_kernels/vs_index.py`` and ``triton_kernels/estimate.py``
+(nothing is gathered out of the cache) and nothing synchronises with the host: every width is a
+host int derived from the row's lengths and the configured budgets, so a whole step is queued
+without waiting for the GPU.
+
+Heads are grouped by pattern once per layer (:class:`HeadGroups`); each group is estimated in one
+batched call. The score passes run over all heads of the layer (their GQA mapping is fixed by
+head order) and the group's heads are picked afterwards: with the usual one-pattern layers that
+is exactly the work needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import PatternName, SparseSettings
+from .head_configs import ResolvedHead
+from .index import SparseIndex, num_blocks
+
+
+@dataclass
+class HeadGroup:
+    pattern: PatternName
+    ids: torch.Tensor  # int64 [h] query heads of the layer with this pattern
+    params: dict[str, torch.Tensor]  # per-head budgets [h] (ResolvedHead fields)
+    max_params: dict[str, float]  # the largest of each, as host numbers (output widths)
+    all_heads: bool  # the group is the whole layer (no head selection or scatter needed)
+
+
+@dataclass
+class HeadGroups:
+    groups: list[HeadGroup]
+    num_heads: int
+
+    @classmethod
+    def from_heads(cls, heads: list[ResolvedHead], device) -> "HeadGroups":
+        by_pattern: dict[PatternName, list[int]] = {}
+        for i, hp in enumerate(heads):
+            by_pattern.setdefault(hp.pattern, []).append(i)
+        groups = []
+        for pattern, ids in by_pattern.items():
+            params, max_params = {}, {}
+            for name in ("vertical_size", "slash_size", "topk_blocks", "sink_tokens", "local_window", "gamma"):
+                vals = [getattr(heads[i], name) for i in ids]
+                params[name] = torch.tensor(vals, device=device)
+                max_params[name] = max(vals)
+            groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params,
+                                    len(ids) == len(heads)))
+        return cls(groups, len(heads))
+
+
+@dataclass
+class PagedEstimate:
+    index: SparseIndex
+    # heads per pattern (host ints known without a sync); FlexPrefill's per-head decision stays
+    # on the device: query_aware_heads is an int64 scalar tensor (or None without such heads).
+    head_patterns: dict[str, int]
+    query_aware_heads: torch.Tensor | None = None
+
+
+def _select(ix: SparseIndex, ids: torch.Tensor) -> SparseIndex:
+    return SparseIndex(ix.block_size, ix.block_count[ids], ix.block_index[ids], ix.column_count[ids],
+                       ix.column_index[ids])
+
+
+def _merge(parts: list[tuple[torch.Tensor, SparseIndex]], num_heads: int) -> SparseIndex:
+    """Scatter the groups' indices into one of the widest widths (heads in layer order)."""
+    first = parts[0][1]
+    dev, b, nqb = first.block_count.device, first.block_size, first.num_query_blocks
+    maxb = max(ix.block_index.shape[-1] for _, ix in parts)
+    maxc = max(ix.column_index.shape[-1] for _, ix in parts)
+    bc = torch.zeros(num_heads, nqb, dtype=torch.int32, device=dev)
+    cc = torch.zeros_like(bc)
+    bi = torch.full((num_heads, nqb, maxb), -1, dtype=torch.int32, device=dev)
+    ci = torch.full((num_heads, nqb, maxc), -1, dtype=torch.int32, device=dev)
+    for ids, ix in parts:
+        bc[ids] = ix.block_count
+        cc[ids] = ix.column_count
+        bi[ids, :, : ix.block_index.shape[-1]] = ix.block_index
+        ci[ids, :, : ix.column_index.shape[-1]] = ix.column_index
+    return SparseIndex(b, bc, bi, cc, ci)
+
+
+def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings: SparseSettings,
+                    scale: float) -> SparseIndex:
+    from vllm_sparse_backend.triton_kernels.estimate import representative_scores
+    from vllm_sparse_backend.triton_kernels.vs_index import vertical_slash_index, vs_topk
+
+    q_len = q_row.shape[0]
+    kv_len = ctx_len + q_len
+    vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale)
+    if not group.all_heads:
+        vertical, slash = vertical[group.ids], slash[group.ids]
+    vertical[:, : settings.keep_first_columns] = float("inf")
+    slash[:, : max(1, settings.keep_last_diagonals)] = float("inf")  # at least the main diagonal
+    max_v = min(int(group.max_params["vertical_size"]), kv_len)
+    max_s = min(int(group.max_params["slash_size"]), kv_len)
+    v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, group.params["vertical_size"],
+                                         group.params["slash_size"], max_v, max_s)
+    return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
+
+
+def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, ctx_len: int,
+                         groups: HeadGroups, settings: SparseSettings, scale: float) -> PagedEstimate:
+    """q_row: [q_len, H, D] the row's queries (any token stride); key_cache: [pages, page, Hkv, D]
+    view of the layer's cache (the chunk's keys already written); block_table_row: int32 [pages]."""
+    from vllm_sparse_backend.triton_kernels import estimate as est
+
+    q_len, num_heads, _ = q_row.shape
+    if num_heads != groups.num_heads:
+        raise ValueError(f"{groups.num_heads} head patterns for {num_heads} query heads")
+    b = settings.block_size
+    kv_len = ctx_len + q_len
+    dev = q_row.device
+    parts: list[tuple[torch.Tensor, SparseIndex]] = []
+    counts: dict[str, int] = {}
+    query_aware = None
+    for g in groups.groups:
+        n = len(g.ids)
+        if g.pattern is PatternName.DENSE:
+            # every causal key block: A-shape whose sink covers the whole row
+            full = torch.full((n,), kv_len, dtype=torch.int64, device=dev)
+            ix = est.a_shape_index(full, full, q_len, ctx_len, b, max_blocks=num_blocks(kv_len, b))
+        elif g.pattern is PatternName.A_SHAPE:
+            width = (num_blocks(int(g.max_params["sink_tokens"]), b) + num_blocks(int(g.max_params["local_window"]), b)
+                     + 2)
+            ix = est.a_shape_index(g.params["sink_tokens"], g.params["local_window"], q_len, ctx_len, b,
+                                   max_blocks=width)
+        elif g.pattern is PatternName.VERTICAL_SLASH:
+            ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale)
+        elif g.pattern is PatternName.BLOCK_SPARSE:
+            pooled = est.pooled_keys(key_cache, block_table_row, kv_len, b)
+            topk = torch.full((num_heads,), 1, dtype=torch.int64, device=dev)
+            topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
+            ix = est.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=int(g.max_params["topk_blocks"]))
+            if not g.all_heads:
+                ix = _select(ix, g.ids)
+        elif g.pattern is PatternName.FLEX_PREFILL:
+            gamma = torch.full((num_heads,), settings.gamma, dtype=torch.float32, device=dev)
+            gamma[g.ids] = g.params["gamma"].float()
+            ix, qa = est.flex_prefill_index(
+                q_row, key_cache, block_table_row, ctx_len, gamma, tau=settings.tau,
+                flex_block_size=settings.flex_block_size, min_budget=settings.min_budget,
+                max_budget=settings.max_budget, block_size=b, scale=scale)
+            if not g.all_heads:
+                ix, qa = _select(ix, g.ids), qa[g.ids]
+            query_aware = qa.sum()
+        else:  # pragma: no cover - PatternName is closed
+            raise ValueError(f"unknown pattern {g.pattern}")
+        counts[g.pattern.value] = n
+        parts.append((g.ids, ix))
+    index = parts[0][1] if len(parts) == 1 else _merge(parts, num_heads)
+    return PagedEstimate(index, counts, query_aware)
