@@ -64,12 +64,16 @@ class SparseSettings(BaseModel):
     # Gating: which rows go sparse.
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
-    # Which attention implementation computes sparse rows on CUDA: "triton" (the block+column
-    # kernel over the paged cache), "torch" (the reference over gathered K/V), or "auto" (triton
-    # where it supports the layer: head size 64/128, fp16/bf16, block_size 64). The default stays
-    # "torch" until the Triton path has passed the vLLM end-to-end check on a GPU (its first run
-    # inside vLLM 0.26 failed on a missing method, since fixed and covered by a CPU test).
-    kernel: Literal["auto", "triton", "torch"] = Field("torch", description="Sparse attention kernel on CUDA.")
+    # Dense fallback (CUDA, Triton path): a row whose estimated index would compute more than this
+    # share of the causal (query, key) pairs runs on FlashAttention instead; per-block sparse
+    # tiles run at about half of FlashAttention's FLOP rate (benchmarks/KERNEL_NOTES.md), so above
+    # ~0.4 the sparse row is slower than dense. 1.0 = never fall back.
+    max_density: float = Field(0.4, gt=0.0, le=1.0, description="Rows denser than this run dense (CUDA).")
+    # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
+    # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on
+    # K/V gathered out of the cache; slow, for debugging), or "auto" (triton where the kernel
+    # supports the layer: head size 64/128, fp16/bf16, block_size 64; torch elsewhere).
+    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Sparse attention kernel on CUDA.")
     # Files.
     head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
     stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +37,9 @@ class SparsePrefillMetadata:
     dense_runs: list[DenseRun]
     sparse_rows: list[SparseRow]
     block_table: Any = None  # [num_reqs, max_pages] of the whole step (sparse rows index it by row)
+    # row index -> the wrapped backend's metadata for that row alone, so the impl can still send
+    # a sparse row to the dense kernel when its estimated index turns out too dense
+    fallback: dict[int, Any] = field(default_factory=dict)
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,7 +120,11 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
     if tp_size > 1:
         from vllm.distributed import get_tensor_model_parallel_rank
         tp_rank = get_tensor_model_parallel_rank()
+    sched = vllm_config.scheduler_config
+    max_len = vllm_config.model_config.max_model_len
+    profile_row = (min(sched.max_num_batched_tokens, max_len), max_len)
     for name, layer in layers.items():
+        layer.impl.profile_row = profile_row  # the largest row a step can hold (scratch claim)
         local_heads = layer.impl.num_heads
         if cfg is not None and cfg.num_heads != local_heads * tp_size:
             raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {name} has "
@@ -130,11 +137,12 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
     return True
 
 
-def build_sparse_metadata(cm, allow_context: bool,
-                          dense_build: Callable[[Any, bool], Any]) -> SparsePrefillMetadata | None:
+def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, bool], Any],
+                          with_fallback: bool = False) -> SparsePrefillMetadata | None:
     """Plan one step. Returns None when every row is dense (caller then builds plain metadata).
 
-    dense_build(sub_metadata, first_run) builds the wrapped backend's metadata for a run of rows.
+    dense_build(sub_metadata, first_run) builds the wrapped backend's metadata for a run of rows;
+    with_fallback also builds it for each sparse row alone (the density fallback).
     """
     from .._compat import seq_lens_host, slice_rows
 
@@ -155,8 +163,10 @@ def build_sparse_metadata(cm, allow_context: bool,
         return None
     runs = [DenseRun(qsl[a], qsl[b], dense_build(slice_rows(cm, a, b, seq_lens), k == 0))
             for k, (a, b) in enumerate(plan.dense_runs)]
+    fallback = {r.row: dense_build(slice_rows(cm, r.row, r.row + 1, seq_lens), False)
+                for r in plan.sparse_rows} if with_fallback else {}
     return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
-                                 cm.block_table_tensor)
+                                 cm.block_table_tensor, fallback)
 
 
 def count_dense_tokens(md: SparsePrefillMetadata) -> None:

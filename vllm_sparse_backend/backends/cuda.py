@@ -7,9 +7,20 @@ long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the othe
 FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 
-Sparse rows: indices are estimated in PyTorch from K/V gathered out of the paged cache; the
-attention itself runs the Triton block+column kernel straight on the paged cache where it
-supports the layer (setting ``kernel``), otherwise the PyTorch reference.
+Sparse rows, Triton path (setting ``kernel`` = auto/triton, where the kernel supports the layer):
+indices are estimated on the GPU straight from the paged cache and the block+column kernel reads
+K/V through the block table; no gather, no host sync except one read of the rows' estimated
+densities per layer (rows denser than ``max_density`` go to FlashAttention instead). With
+``kernel`` = torch (debugging) indices are estimated in PyTorch on K/V gathered out of the cache
+and the PyTorch reference computes the rows. With ``auto`` where the Triton path cannot run (no
+triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
+
+Memory: vLLM sizes the KV cache after a profiling run in which attention gets no metadata. The
+Triton path's scratch (score buffers, index lists) is allocated per layer and freed after it, so
+on that profiling forward the impl runs the sparse path once, for real, at the largest row the
+engine can schedule (``max_num_batched_tokens`` queries against ``max_model_len`` keys) on a small
+scratch cache whose block table repeats a few pages: the allocator's peak then includes exactly
+what a real step needs, and the KV cache is sized around it.
 """
 
 from __future__ import annotations
@@ -20,8 +31,10 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from .._compat import sparse_backend_selected
+from ..paged_estimate import HeadGroups
+from ..plan import SparseRow
 from ..reference import gather_paged_kv
-from ..sparse_prefill import run_sparse_rows
+from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged
 from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, log_once, prepare_group,
                      settings)
 
@@ -40,6 +53,13 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
+        if self.sparse_enabled and cfg.kernel != "torch":
+            why = triton_unusable_reason(kv_cache_spec.head_size, kv_cache_spec.dtype, cfg.block_size)
+            if why is not None and cfg.kernel == "triton":
+                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
+            if why is not None:  # auto: the reference would be far slower than FlashAttention
+                log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
+                self.sparse_enabled = False
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -55,33 +75,74 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             md = build_sparse_metadata(
                 common_attn_metadata, allow_context=True,
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
-                    0, sub, fast_build or not first))
+                    0, sub, fast_build or not first),
+                with_fallback=settings().max_density < 1.0)
             if md is not None:
                 return md
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
 
+def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
+    """Why the Triton sparse path cannot run a layer of this geometry, or None."""
+    if head_size not in (64, 128) or dtype not in (torch.float16, torch.bfloat16):
+        return f"head size {head_size} / dtype {dtype}"
+    if block_size != 64:
+        return f"block_size {block_size}"
+    try:
+        from ..triton_kernels import sparse_attention  # noqa: F401
+    except ImportError as e:
+        return f"triton unavailable ({e})"
+    return None
+
+
+# Head-pattern layouts whose scratch memory the profiling run has already claimed.
+_profiled: set[tuple] = set()
+
+
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
+    profile_row: tuple[int, int] | None = None  # (query len, kv len) of the largest row, same
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
+    _head_groups: HeadGroups | None = None
+
+    def _groups(self, device) -> HeadGroups:
+        if self._head_groups is None:
+            self._head_groups = HeadGroups.from_heads(self.sparse_heads, device)
+        return self._head_groups
+
+    def _claim_scratch(self, query, output) -> None:
+        """Profiling run: run the Triton sparse path once at the largest schedulable row (see the
+        module docstring), so that the allocator's peak covers its scratch memory."""
+        if self.sparse_heads is None or self.profile_row is None or not query.is_cuda:
+            return
+        q_len, kv_len = self.profile_row
+        cfg = settings()
+        if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len or query.shape[0] < q_len:
+            return
+        key = (tuple(self.sparse_heads), q_len, kv_len, self.num_kv_heads, self.head_size, query.dtype)
+        if key in _profiled:
+            return
+        kernel = self._triton_kernel(query)
+        if kernel is None:
+            return
+        _profiled.add(key)
+        page, n_pages = 16, 64
+        cache = torch.randn(n_pages, page, 2, self.num_kv_heads, self.head_size, dtype=query.dtype,
+                            device=query.device)
+        table = (torch.arange(-(-kv_len // page), device=query.device, dtype=torch.int32) % n_pages)[None]
+        row = SparseRow(0, 0, q_len, kv_len - q_len)
+        run_sparse_rows_paged(query, output, [row], cache[:, :, 0], cache[:, :, 1], table, self._groups(query.device),
+                              cfg.model_copy(update={"stats_file": None}), self.scale,
+                              float(self.logits_soft_cap or 0.0), kernel)
+        del cache
 
     def _triton_kernel(self, query):
         """The Triton kernel's entry point if it should compute this layer's sparse rows, else None."""
         if self._use_triton is None:
             cfg = settings()
-            why = None
-            if cfg.kernel == "torch":
-                why = "kernel=torch"
-            elif self.head_size not in (64, 128) or query.dtype not in (torch.float16, torch.bfloat16):
-                why = f"head size {self.head_size} / dtype {query.dtype}"
-            elif cfg.block_size != 64:
-                why = f"block_size {cfg.block_size}"
-            else:
-                try:
-                    from ..triton_kernels import sparse_attention  # noqa: F401
-                except ImportError as e:
-                    why = f"triton unavailable ({e})"
+            why = "kernel=torch" if cfg.kernel == "torch" else triton_unusable_reason(
+                self.head_size, query.dtype, cfg.block_size)
             if why is not None and cfg.kernel == "triton":
                 raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
             if why is not None:
@@ -95,6 +156,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
+            if attn_metadata is None:
+                self._claim_scratch(query, output)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
@@ -108,12 +171,22 @@ class SparsePrefillImpl(FlashAttentionImpl):
         block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
         kernel = self._triton_kernel(query)
-        batched = None if kernel is None else (
-            lambda rows, indices: kernel(query, key_cache, value_cache, block_table, rows, indices, self.scale,
-                                         output, softcap))
+        if kernel is not None:
+            def dense_row(r: SparseRow) -> None:
+                log_once("rows whose estimated index covers more than max_density=%s of the causal pairs run "
+                         "dense (counted in the stats' dense_reasons)", settings().max_density)
+                s = slice(r.tok_start, r.tok_start + r.q_len)
+                super(SparsePrefillImpl, self).forward(
+                    layer, query[s], None if key is None else key[s], None if value is None else value[s],
+                    kv_cache, attn_metadata.fallback[r.row], output[s])
+
+            run_sparse_rows_paged(query, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
+                                  self._groups(query.device), settings(), self.scale, softcap, kernel,
+                                  dense_row if attn_metadata.fallback else None)
+            return output
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                        self.sparse_heads, settings(), self.scale, softcap, batched_kernel=batched)
+                        self.sparse_heads, settings(), self.scale, softcap)
         return output
 
 
