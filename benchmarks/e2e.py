@@ -1,15 +1,23 @@
-"""End-to-end prefill through vLLM's offline engine: FLASH_ATTN vs sparse-prefill, side by side.
+"""End-to-end through vLLM's engine: FLASH_ATTN vs sparse-prefill variants, side by side.
 
-Writes a dummy-weight model folder (Llama-3-8B shape by default, ``--load-format dummy``), then
-runs each backend in its own subprocess (a fresh engine each), feeding random token ids of each
-length and timing one ``generate`` with max_tokens=1 (prefill + first token, best of --repeats).
-With ``--check-tokens`` it also generates 8 greedy tokens per prompt and reports whether the
-sparse backend's tokens equal FLASH_ATTN's (use a density-1 configuration for that check:
-``--sparse-env VLLM_SPARSE_VERTICAL_SIZE=1000000 VLLM_SPARSE_SLASH_SIZE=1000000``).
+Writes a dummy-weight model folder (Llama-3-8B shape, ``--layers`` of them, ``--load-format
+dummy``), then runs each variant in its own subprocess (a fresh engine each):
 
-    python benchmarks/e2e.py --layers 32 --lengths 8192 32768 131072 --check-tokens
+* prefill: random token ids of each length, one ``generate`` with max_tokens=1 (prefill + first
+  token = TTFT of a lone request), best of ``--repeats``;
+* tokens: 8 greedy tokens per length, compared with the first variant's (a density-1 variant,
+  ``dense``, must give FLASH_ATTN's tokens);
+* decode (``--decode-batch B``): B requests of ``--decode-len`` tokens, generate 1 and then
+  1 + ``--decode-tokens`` tokens; decode tokens/s = B * decode_tokens / (difference in time);
+* mixed (``--mixed``): one long request (the largest length) with 7 short ones (1K) in one
+  batch; time and whether the short requests' tokens equal the first variant's.
+* ``--server``: the same prompts through the OpenAI-compatible HTTP server
+  (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token.
 
-Prints a table; asserts nothing.
+Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
+``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense``. Prints a table; asserts nothing.
+
+    python benchmarks/e2e.py --layers 4 --lengths 8192 32768 131072 --decode-batch 4
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from pathlib import Path
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0)
+DEFAULT_VARIANTS = ["FLASH_ATTN=FLASH_ATTN", "sparse=sparse-prefill",
+                    "sparse-dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense"]
 
 
 def write_model(out: Path, layers: int, max_len: int) -> Path:
@@ -38,91 +48,218 @@ def write_model(out: Path, layers: int, max_len: int) -> Path:
     return out
 
 
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 100000) for _ in range(n)]
+
+
+def emit(kind: str, **rec) -> None:
+    print("RESULT " + json.dumps({"kind": kind, **rec}), flush=True)
+
+
 def worker(args) -> None:
-    """One backend, one engine: print one JSON line per prompt length."""
+    """One variant, one engine: one JSON line per measurement."""
     from vllm import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=True,
-              max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
-              gpu_memory_utilization=0.85, seed=0)
-    rng = random.Random(0)
+              attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
+              max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+              seed=0, max_num_seqs=max(8, args.decode_batch))
+    emit("startup", seconds=time.perf_counter() - t0)
+    greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
+
+    def timed(prompts, params):
+        t = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t, out
+
     for n in args.lengths:
-        ids = [rng.randrange(10, 100000) for _ in range(n)]
-        prompt = {"prompt_token_ids": ids}
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-        tokens = None
-        if args.check_tokens:
-            out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                               use_tqdm=False)
-            tokens = list(out[0].outputs[0].token_ids)
-        print("RESULT " + json.dumps({"backend": args.backend, "n": n, "prefill_s": min(times), "tokens": tokens}),
-              flush=True)
+        prompt = {"prompt_token_ids": prompt_ids(n, n)}
+        best = min(timed([prompt], greedy(1))[0] for _ in range(args.repeats))
+        _, out = timed([prompt], greedy(8))
+        emit("prefill", n=n, seconds=best, tokens=list(out[0].outputs[0].token_ids))
+    if args.decode_batch:
+        prompts = [{"prompt_token_ids": prompt_ids(args.decode_len, 1000 + i)} for i in range(args.decode_batch)]
+        t1, _ = timed(prompts, greedy(1))
+        t2, out = timed(prompts, greedy(1 + args.decode_tokens))
+        emit("decode", batch=args.decode_batch, context=args.decode_len, steps=args.decode_tokens,
+             prefill_s=t1, total_s=t2, tokens_per_s=args.decode_batch * args.decode_tokens / max(t2 - t1, 1e-9),
+             tokens=[list(o.outputs[0].token_ids) for o in out])
+    if args.mixed:
+        long_n = max(args.lengths)
+        prompts = [{"prompt_token_ids": prompt_ids(long_n, long_n)}] + \
+                  [{"prompt_token_ids": prompt_ids(1024, 2000 + i)} for i in range(7)]
+        t, out = timed(prompts, greedy(8))
+        emit("mixed", long=long_n, short=7, seconds=t, tokens=[list(o.outputs[0].token_ids) for o in out])
+
+
+def server_worker(args, env) -> list[dict]:
+    """Start the HTTP server for one variant, stream each prompt, time to first token."""
+    import urllib.request
+
+    port = 8000 + random.randrange(1000)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--dtype", "bfloat16", "--attention-backend", args.backend,
+           "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.chunk),
+           "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port)] + \
+          ([] if args.cudagraphs else ["--enforce-eager"])
+    log = open(Path(args.log_dir) / f"server-{args.label}.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    recs = []
+    try:
+        deadline = time.time() + 400
+        while True:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except Exception:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"server did not start (exit {proc.poll()})") from None
+                time.sleep(2)
+        for n in args.lengths:
+            best = None
+            for _ in range(args.repeats):
+                body = json.dumps({"model": args.model, "prompt": prompt_ids(n, n), "max_tokens": 4, "temperature": 0,
+                                   "stream": True, "ignore_eos": True}).encode()
+                req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+                t = time.perf_counter()
+                with urllib.request.urlopen(req, timeout=600) as resp:
+                    for line in resp:
+                        if line.startswith(b"data: {"):
+                            ttft = time.perf_counter() - t
+                            break
+                best = ttft if best is None else min(best, ttft)
+            recs.append({"kind": "server", "n": n, "seconds": best})
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return recs
+
+
+def parse_variant(spec: str) -> tuple[str, str, dict[str, str]]:
+    label, _, rest = spec.partition("=")
+    backend, _, env = rest.partition(":")
+    return label, backend, dict(kv.split("=", 1) for kv in env.split(",") if kv)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--backends", nargs="+", default=["FLASH_ATTN", "sparse-prefill"])
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="LABEL=BACKEND[:VAR=VALUE,...]")
     ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--check-tokens", action="store_true")
-    ap.add_argument("--sparse-env", nargs="*", default=[], help="VAR=VALUE settings for the sparse backend")
-    ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each backend's run goes here")
+    ap.add_argument("--decode-batch", type=int, default=0)
+    ap.add_argument("--decode-len", type=int, default=32768)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--server", action="store_true", help="measure TTFT through the HTTP server instead")
+    ap.add_argument("--cudagraphs", action="store_true", help="default CUDA-graph mode instead of --enforce-eager")
+    ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--label", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
 
-    max_len = max(args.lengths) + 64
-    model = write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, max_len)
-    results: dict[tuple[str, int], dict] = {}
-    for backend in args.backends:
-        env = dict(os.environ)
-        if backend != "FLASH_ATTN":
-            env.update(kv.split("=", 1) for kv in args.sparse_env)
-        cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--model", str(model),
-               "--max-len", str(max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
-               "--lengths", *map(str, args.lengths)] + (["--check-tokens"] if args.check_tokens else [])
+    args.max_len = max(max(args.lengths), args.decode_len if args.decode_batch else 0) + 128
+    args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
+    variants = [parse_variant(v) for v in args.variants]
+    results: dict[str, list[dict]] = {}
+    for label, backend, venv in variants:
+        env = {**os.environ, **venv}
+        t0 = time.perf_counter()
+        if args.server:
+            args.backend, args.label = backend, label
+            try:
+                results[label] = server_worker(args, env)
+            except Exception as e:
+                print(f"[{label}] server run failed: {e}; log in {args.log_dir}/server-{label}.log")
+                results[label] = []
+            print(f"[{label}] {time.perf_counter() - t0:.0f} s", flush=True)
+            continue
+        cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
+               "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
+               "--decode-batch", str(args.decode_batch), "--decode-len", str(args.decode_len),
+               "--decode-tokens", str(args.decode_tokens), "--lengths", *map(str, args.lengths)] + \
+              (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        log = Path(args.log_dir) / f"e2e-{backend}.stderr.log"
+        log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
         log.write_text(proc.stderr)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                r = json.loads(line[7:])
-                results[(backend, r["n"])] = r
+        log.with_name(f"e2e-{label}.stdout.log").write_text(proc.stdout)  # vLLM logs to stdout
+        results[label] = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        print(f"[{label}] exit {proc.returncode}, {time.perf_counter() - t0:.0f} s", flush=True)
+        (Path(args.log_dir) / "e2e-results.json").write_text(json.dumps(results, indent=1))
         if proc.returncode != 0:
             # The root cause is the first traceback (often the engine core's), not the tail.
             lines = proc.stderr.splitlines()
-            first = next((i for i, l in enumerate(lines) if "Traceback" in l), max(0, len(lines) - 40))
-            print(f"[{backend}] exit {proc.returncode}; full stderr in {log}; first traceback:\n"
-                  + "\n".join(lines[first:first + 60]))
+            first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
+            print(f"[{label}] full stderr in {log}; first traceback:\n" + "\n".join(lines[first:first + 60]))
+        sparse_lines = [line for line in proc.stderr.splitlines()
+                        if "sparse-prefill" in line or "KV cache size" in line or "Maximum concurrency" in line]
+        for line in sparse_lines[:6]:
+            print(f"[{label}] {line[-220:]}")
 
     import torch
     import vllm
-    print(f"\ndevice {torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}, "
-          f"{args.layers} layers Llama-3-8B shape, bf16, eager, chunk {args.chunk}, sparse env {args.sparse_env}")
-    base = args.backends[0]
-    print("| n | " + " | ".join(f"{b} s" for b in args.backends) + " | speedup | tokens equal |")
-    print("|---" * (len(args.backends) + 3) + "|")
+    print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
+          f"shape, {args.layers} layers, bf16, {'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
+          f"prefix caching off; variants: {args.variants}")
+    labels = [v[0] for v in variants]
+    base = labels[0]
+
+    def get(label, kind, **match):
+        for r in results.get(label, []):
+            if r["kind"] == kind and all(r.get(k) == v for k, v in match.items()):
+                return r
+        return None
+
+    kind = "server" if args.server else "prefill"
+    print(f"\n{'TTFT through the HTTP server' if args.server else 'prefill + first token (offline LLM)'}, seconds")
+    print("| n | " + " | ".join(labels) + " | " + " | ".join(f"{l} speedup" for l in labels[1:])
+          + ("" if args.server else " | " + " | ".join(f"{l} tokens equal" for l in labels[1:])) + " |")
+    print("|---" * (1 + len(labels) + (len(labels) - 1) * (1 if args.server else 2)) + "|")
     for n in args.lengths:
-        row = [results.get((b, n)) for b in args.backends]
-        times = ["-" if r is None else f"{r['prefill_s']:.3f}" for r in row]
-        speed = "-"
-        if row[0] and row[-1]:
-            speed = f"{row[0]['prefill_s'] / row[-1]['prefill_s']:.2f}x"
-        equal = "-"
-        if args.check_tokens and row[0] and row[-1]:
-            equal = str(row[0]["tokens"] == row[-1]["tokens"])
-        print(f"| {n} | " + " | ".join(times) + f" | {speed} | {equal} |")
+        rs = [get(label, kind, n=n) for label in labels]
+        cells = [str(n)] + ["-" if r is None else f"{r['seconds']:.3f}" for r in rs]
+        cells += ["-" if not (rs[0] and r) else f"{rs[0]['seconds'] / r['seconds']:.2f}x" for r in rs[1:]]
+        if not args.server:
+            cells += ["-" if not (rs[0] and r) else str(rs[0]["tokens"] == r["tokens"]) for r in rs[1:]]
+        print("| " + " | ".join(cells) + " |")
+    if args.server:
+        return
+    if args.decode_batch:
+        print(f"\ndecode: {args.decode_batch} requests x {args.decode_len} tokens of context, "
+              f"{args.decode_tokens} new tokens each")
+        print("| variant | decode tokens/s | vs first | tokens equal first |\n|---|---|---|---|")
+        d0 = get(base, "decode")
+        for label in labels:
+            d = get(label, "decode")
+            if d:
+                print(f"| {label} | {d['tokens_per_s']:.1f} | {d['tokens_per_s'] / d0['tokens_per_s']:.3f} | "
+                      f"{d['tokens'] == d0['tokens']} |" if d0 else f"| {label} | {d['tokens_per_s']:.1f} | - | - |")
+    if args.mixed:
+        print("\nmixed batch: 1 long + 7 x 1K requests, 8 tokens each")
+        print("| variant | seconds | short requests' tokens equal first | long request's tokens equal first |")
+        print("|---|---|---|---|")
+        m0 = get(base, "mixed")
+        for label in labels:
+            m = get(label, "mixed")
+            if m:
+                eq_s = m0 and m["tokens"][1:] == m0["tokens"][1:]
+                eq_l = m0 and m["tokens"][0] == m0["tokens"][0]
+                print(f"| {label} | {m['seconds']:.3f} | {eq_s} | {eq_l} |")
+    print("\nengine start-up: " + ", ".join(
+        f"{label} {r['seconds']:.0f} s" for label in labels for r in [get(label, "startup")] if r))
 
 
 if __name__ == "__main__":
