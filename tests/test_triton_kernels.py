@@ -303,11 +303,13 @@ def test_gpu_last_q_scores(tile_diagonals):
 
 
 def _glue_case(dtype, device, seed=5):
-    """run_sparse_rows with the Triton kernel as its batched kernel vs the torch reference path."""
+    """The GPU path (run_sparse_rows_paged: estimation on the paged cache + the Triton kernel) vs
+    the torch path (run_sparse_rows: torch estimation + reference on gathered K/V)."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+    from vllm_sparse_backend.paged_estimate import HeadGroups
     from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows, run_sparse_rows_paged
 
     gen = torch.Generator().manual_seed(seed)
     h, hkv, d, page = 8, 2, 64, 16
@@ -330,9 +332,8 @@ def _glue_case(dtype, device, seed=5):
     ref = torch.full_like(query, float("nan"))
     run_sparse_rows(query, ref, rows, kv, heads, settings, d ** -0.5)
     got = torch.full_like(query, float("nan"))
-    run_sparse_rows(query, got, rows, kv, heads, settings, d ** -0.5,
-                    batched_kernel=lambda rs, ix: sa.sparse_prefill_attention(
-                        query, key_cache, value_cache, table.to(device), rs, ix, d ** -0.5, got))
+    run_sparse_rows_paged(query, got, rows, key_cache, value_cache, table.to(device),
+                          HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention)
     assert torch.isfinite(got).all()
     rel = (got.double() - ref.double()).norm() / ref.double().norm()
     assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel

@@ -4,7 +4,7 @@ Backend-agnostic glue between a planned step and the math. Two paths:
 
 * :func:`run_sparse_rows`: the backends hand in the query and output tensors, the rows, and how
   to get a row's K/V (fresh tensors on CPU, a paged-cache gather on GPU); indices are estimated
-  in PyTorch on those K/V and the PyTorch reference (or a batched kernel) computes the rows.
+  in PyTorch on those K/V and the PyTorch reference computes the rows.
 * :func:`run_sparse_rows_paged`: the GPU path. Estimation reads K through the block table
   (:mod:`vllm_sparse_backend.paged_estimate`) and the Triton kernel reads K/V the same way;
   nothing is gathered and nothing waits for the GPU unless stats are being written.
@@ -18,7 +18,7 @@ import torch
 
 from .config import SparseSettings
 from .head_configs import ResolvedHead
-from .index import SparseIndex, count_pairs, index_density
+from .index import count_pairs, index_density
 from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
 from .plan import SparseRow
@@ -26,32 +26,22 @@ from .reference import causal_pairs, sparse_attention
 from .stats import STATS
 
 KVForRow = Callable[[SparseRow], tuple[torch.Tensor, torch.Tensor]]
-# Computes every row at once from the rows and their indices (the Triton kernel over the paged
-# cache), writing into the output the caller bound it to.
-BatchedKernel = Callable[[list[SparseRow], list[SparseIndex]], object]
 
 
 def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow], kv_for_row: KVForRow,
-                    heads: list[ResolvedHead], settings: SparseSettings, scale: float,
-                    softcap: float = 0.0, batched_kernel: BatchedKernel | None = None) -> None:
+                    heads: list[ResolvedHead], settings: SparseSettings, scale: float, softcap: float = 0.0) -> None:
     """query: [num_tokens, H, D]; output: [num_tokens, H, Dv], written in place for the rows' tokens.
 
-    kv_for_row gives a row's K/V (all ctx_len + q_len positions) for estimation and, without a
-    batched kernel, for the torch reference, which then computes the row.
+    kv_for_row gives a row's K/V (all ctx_len + q_len positions); the torch estimators and the
+    torch reference compute the row from them.
     """
     num_heads = query.shape[1]
-    indices = []
     for row in rows:
         s = slice(row.tok_start, row.tok_start + row.q_len)
         k, v = kv_for_row(row)
         est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale)
-        if batched_kernel is None:
-            sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
-        else:
-            indices.append(est.index)
+        sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
         _record(row, num_heads, count_pairs(est.index, row.q_len, row.ctx_len), est.head_patterns)
-    if batched_kernel is not None and rows:
-        batched_kernel(rows, indices)
     if settings.stats_file:
         STATS.dump(settings.stats_file)
 
