@@ -120,11 +120,7 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
     if tp_size > 1:
         from vllm.distributed import get_tensor_model_parallel_rank
         tp_rank = get_tensor_model_parallel_rank()
-    sched = vllm_config.scheduler_config
-    max_len = vllm_config.model_config.max_model_len
-    profile_row = (min(sched.max_num_batched_tokens, max_len), max_len)
     for name, layer in layers.items():
-        layer.impl.profile_row = profile_row  # the largest row a step can hold (scratch claim)
         local_heads = layer.impl.num_heads
         if cfg is not None and cfg.num_heads != local_heads * tp_size:
             raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {name} has "

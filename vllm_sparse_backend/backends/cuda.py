@@ -15,12 +15,11 @@ densities per layer (rows denser than ``max_density`` go to FlashAttention inste
 and the PyTorch reference computes the rows. With ``auto`` where the Triton path cannot run (no
 triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
 
-Memory: vLLM sizes the KV cache after a profiling run in which attention gets no metadata. The
-Triton path's scratch (score buffers, index lists) is allocated per layer and freed after it, so
-on that profiling forward the impl runs the sparse path once, for real, at the largest row the
-engine can schedule (``max_num_batched_tokens`` queries against ``max_model_len`` keys) on a small
-scratch cache whose block table repeats a few pages: the allocator's peak then includes exactly
-what a real step needs, and the KV cache is sized around it.
+Memory: the Triton path's scratch (score buffers, index lists; ~0.5 GiB per layer for a 16K
+chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. It is not
+yet claimed in vLLM's memory-profiling run, so it must fit in the headroom that
+``gpu_memory_utilization`` leaves: the builders that know each layer's patterns are created
+after that run, so the impl would have to resolve them itself (see the issue note).
 """
 
 from __future__ import annotations
@@ -95,14 +94,9 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
     return None
 
 
-# Head-pattern layouts whose scratch memory the profiling run has already claimed.
-_profiled: set[tuple] = set()
-
-
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
-    profile_row: tuple[int, int] | None = None  # (query len, kv len) of the largest row, same
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _head_groups: HeadGroups | None = None
 
@@ -111,43 +105,14 @@ class SparsePrefillImpl(FlashAttentionImpl):
             self._head_groups = HeadGroups.from_heads(self.sparse_heads, device)
         return self._head_groups
 
-    def _claim_scratch(self, query, output) -> None:
-        """Profiling run: run the Triton sparse path once at the largest schedulable row (see the
-        module docstring), so that the allocator's peak covers its scratch memory."""
-        if self.sparse_heads is None or self.profile_row is None or not query.is_cuda:
-            return
-        q_len, kv_len = self.profile_row
-        cfg = settings()
-        if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len or query.shape[0] < q_len:
-            return
-        key = (tuple(self.sparse_heads), q_len, kv_len, self.num_kv_heads, self.head_size, query.dtype)
-        if key in _profiled:
-            return
-        kernel = self._triton_kernel(query)
-        if kernel is None:
-            return
-        _profiled.add(key)
-        page, n_pages = 16, 64
-        cache = torch.randn(n_pages, page, 2, self.num_kv_heads, self.head_size, dtype=query.dtype,
-                            device=query.device)
-        table = (torch.arange(-(-kv_len // page), device=query.device, dtype=torch.int32) % n_pages)[None]
-        row = SparseRow(0, 0, q_len, kv_len - q_len)
-        run_sparse_rows_paged(query, output, [row], cache[:, :, 0], cache[:, :, 1], table, self._groups(query.device),
-                              cfg.model_copy(update={"stats_file": None}), self.scale,
-                              float(self.logits_soft_cap or 0.0), kernel)
-        del cache
-
     def _triton_kernel(self, query):
-        """The Triton kernel's entry point if it should compute this layer's sparse rows, else None."""
+        """The Triton kernel's entry point unless kernel=torch. The builder has already checked at
+        start-up that the Triton path can run this group (kernel=triton fails there otherwise,
+        auto keeps the group dense), so the impl only follows the setting."""
         if self._use_triton is None:
-            cfg = settings()
-            why = "kernel=torch" if cfg.kernel == "torch" else triton_unusable_reason(
-                self.head_size, query.dtype, cfg.block_size)
-            if why is not None and cfg.kernel == "triton":
-                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
-            if why is not None:
-                log_once("sparse rows use the PyTorch reference attention: %s", why)
-            self._use_triton = why is None
+            self._use_triton = settings().kernel != "torch"
+            if not self._use_triton:
+                log_once("sparse rows use the PyTorch reference attention: kernel=torch")
         if not self._use_triton:
             return None
         from ..triton_kernels.sparse_attention import sparse_prefill_attention
@@ -156,8 +121,6 @@ class SparsePrefillImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
-            if attn_metadata is None:
-                self._claim_scratch(query, output)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
