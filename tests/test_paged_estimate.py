@@ -119,8 +119,7 @@ def test_density_fallback(max_density, expect_dense):
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
     v = torch.randn_like(k)
-    value_cache, _ = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")[2:]
-    # the V cache must use the same pages as K: write V through K's table
+    value_cache = torch.full_like(key_cache, float("nan"))  # V on the same pages as K:
     for pos in range(ctx + q_len):
         value_cache[int(table[pos // 16]), pos % 16] = v[pos]
     heads = [resolve_head(None, settings)] * (hkv * group)
