@@ -77,6 +77,13 @@ class SparseSettings(BaseModel):
     # Files.
     head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
     stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")
+    # Metrics (metrics.py). With PROMETHEUS_MULTIPROC_DIR exported they reach vLLM's own /metrics;
+    # metrics_port also serves them from the worker itself (prometheus_client's HTTP server).
+    metrics_port: int | None = Field(None, ge=1, le=65535,
+                                     description="Port of the worker's own Prometheus endpoint; none = off.")
+    # Estimator and kernel time of 1 of every N sparse layer forwards (CUDA events read later, no
+    # sync; host clock on CPU). Sampled forwards also measure the computed density on CUDA.
+    timing_sample_every: int = Field(16, ge=0, description="Time 1 of every N sparse forwards; 0 = never.")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":

@@ -1,6 +1,7 @@
-"""Counters of what the sparse path did, per worker process.
+"""What the sparse path did, per worker process: the one place that records it.
 
-Kept in one small object that the backends update after each sparse forward. When the
+The backends call the ``record_*`` methods of :data:`STATS`; each updates the JSON counters
+below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server.
 """
@@ -12,6 +13,12 @@ import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Mapping
+
+from . import metrics
+from .config import SparseSettings
+
+_DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
 
 
 @dataclass
@@ -23,7 +30,76 @@ class SparseStats:
     computed_pairs: int = 0  # of those, the pairs the sparse selection computed
     head_patterns: Counter = field(default_factory=Counter)  # heads x rows per pattern
     dense_reasons: Counter = field(default_factory=Counter)  # long rows kept dense, by reason
+    stage_seconds: Counter = field(default_factory=Counter)  # sampled seconds per stage (estimate, kernel)
+    stage_samples: Counter = field(default_factory=Counter)  # sampled forwards per stage
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
+    timer: metrics.SampledTimer = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.timer is None:
+            self.timer = metrics.SampledTimer(self._observe_stage, every=_DEFAULT_SAMPLE_EVERY)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    @property
+    def prom(self):
+        if self._prom is None:
+            self._prom = metrics.process_metrics()
+        return self._prom
+
+    def configure(self, settings: SparseSettings) -> None:
+        """Apply the settings of this process (called when the backend reads them, in the
+        worker): timing sample rate, metrics creation, and the optional metrics port."""
+        self.timer.every = settings.timing_sample_every
+        _ = self.prom  # metrics exist (at 0) from start-up, not from the first long request
+        if settings.metrics_port is not None:
+            metrics.serve_metrics(settings.metrics_port)
+
+    # -- recording ---------------------------------------------------------------------------
+
+    def record_sparse_row(self, q_len: int, causal: int | None, computed: int | None,
+                          head_patterns: Mapping[str, int]) -> None:
+        """One (row, layer) computed sparse. ``computed`` (pairs the selection computed) is None
+        when it was not measured (GPU path without a stats file, on forwards not sampled); the
+        pair counters and the density then skip this row."""
+        with self._lock:
+            self.sparse_rows += 1
+            self.sparse_query_tokens += q_len
+            if computed is not None:
+                self.causal_pairs += causal
+                self.computed_pairs += computed
+            self.head_patterns.update(head_patterns)
+        self.prom.sparse_row(q_len, causal, computed, head_patterns)
+
+    def record_dense_tokens(self, n: int) -> None:
+        """Query tokens x layers that ran on the dense kernel in a step with sparse rows."""
+        with self._lock:
+            self.dense_query_tokens += n
+        self.prom.dense_tokens(n)
+
+    def record_dense_reason(self, reason: str, rows: int = 1, tokens: int = 0) -> None:
+        """Long rows kept dense (``reason`` a snake_case key); ``tokens`` of them are counted as
+        dense query tokens here (0 when the dense runs count them already)."""
+        with self._lock:
+            self.dense_reasons[reason] += rows
+            self.dense_query_tokens += tokens
+        self.prom.dense_fallback(reason, rows)
+        if tokens:
+            self.prom.dense_tokens(tokens)
+
+    def time_stages(self, device=None):
+        """The stage timer of one sparse layer forward: a no-op unless this forward is sampled
+        (see :class:`metrics.SampledTimer`; ``.sampled`` says which)."""
+        return self.timer.sample(device)
+
+    def _observe_stage(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_seconds[stage] += seconds
+            self.stage_samples[stage] += 1
+        self.prom.stage_seconds(stage, seconds)
+
+    # -- the JSON file -----------------------------------------------------------------------
 
     def as_dict(self) -> dict:
         return {
@@ -36,12 +112,16 @@ class SparseStats:
             "density": self.computed_pairs / self.causal_pairs if self.causal_pairs else None,
             "head_patterns": dict(self.head_patterns),
             "dense_reasons": dict(self.dense_reasons),
+            "stage_seconds": dict(self.stage_seconds),
+            "stage_samples": dict(self.stage_samples),
         }
 
     def dump(self, path: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp"
+        with self._lock:
+            data = self.as_dict()
         with open(tmp, "w") as f:
-            json.dump(self.as_dict(), f)
+            json.dump(data, f)
         os.replace(tmp, path)
 
 

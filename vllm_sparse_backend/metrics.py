@@ -1,0 +1,336 @@
+"""Prometheus metrics of the sparse path, and the sampled timer of its two stages.
+
+Where the numbers show up:
+
+* ``PROMETHEUS_MULTIPROC_DIR`` exported before ``vllm serve`` (every vLLM process inherits it):
+  prometheus_client then keeps each process's samples in files of that folder, and vLLM's API
+  server merges them at its own ``/metrics``. The worker that runs attention is one of those
+  processes, so the plugin's metrics appear there next to vLLM's.
+* Otherwise the worker's samples stay in its own default registry, which vLLM never serves. The
+  ``metrics_port`` setting then starts prometheus_client's HTTP server inside the worker.
+
+Names start with ``sparse_prefill_``, never ``vllm:`` (vLLM unregisters every ``vllm:``
+collector of a process when it sets up its own). Everything here degrades to a no-op when
+prometheus_client is missing or cannot create its metrics, so serving never depends on it.
+
+:class:`SampledTimer` measures the estimator and the kernel on one of every N sparse layer
+forwards. On CUDA it records event pairs on the current stream and reads their elapsed time on
+a later call, once ``Event.query()`` reports them done, so it never waits for the GPU; elsewhere
+it reads ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, Mapping
+
+logger = logging.getLogger("vllm.sparse_prefill")
+
+PREFIX = "sparse_prefill_"
+DENSITY_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                   2.5, 5.0, 10.0, 30.0)
+
+# name (without _total) -> (kind, label names, help). The README's metrics table lists the same.
+METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "query_tokens": ("counter", ("route",),
+                     "Prefill query tokens x attention layers, by route: sparse = computed by the sparse "
+                     "path; dense = sent to the dense kernel in steps that had a sparse row, including "
+                     "rows that fell back"),
+    "rows": ("counter", (), "(request row, attention layer) pairs computed sparse"),
+    "causal_pairs": ("counter", (),
+                     "(query, key) pairs x heads that dense causal attention would compute for the measured "
+                     "sparse rows"),
+    "computed_pairs": ("counter", (), "Of causal_pairs, the pairs the sparse selection computed"),
+    "density": ("histogram", (),
+                "Computed share of the causal (query, key) pairs per sparse row and layer (measured rows)"),
+    "stage_seconds": ("histogram", ("stage",),
+                      "Time of the sparse path's stages per layer forward (stage = estimate or kernel), "
+                      "sampled 1 of timing_sample_every forwards"),
+    "head_patterns": ("counter", ("pattern",), "Heads x sparse rows per chosen pattern"),
+    "dense_fallbacks": ("counter", ("reason",), "Long rows that ran dense instead of sparse, by reason"),
+}
+
+_SLUG = re.compile(r"[^a-z0-9_/]+")
+
+
+def label_value(text: str) -> str:
+    """Stable snake_case label value of a free-text reason ("a b" -> "a_b")."""
+    return _SLUG.sub("_", str(text).strip().lower()).strip("_") or "unknown"
+
+
+class PrometheusMetrics:
+    """The plugin's prometheus_client objects, registered in ``registry`` (default: the process's
+    default registry, which multiprocess mode mirrors into PROMETHEUS_MULTIPROC_DIR)."""
+
+    def __init__(self, prometheus_client, registry=None):
+        pc = prometheus_client
+        kw = {} if registry is None else {"registry": registry}
+        self._m: dict[str, Any] = {}
+        for name, (kind, labels, doc) in METRICS.items():
+            if kind == "counter":
+                self._m[name] = pc.Counter(PREFIX + name, doc, labels, **kw)
+            else:
+                buckets = DENSITY_BUCKETS if name == "density" else SECONDS_BUCKETS
+                self._m[name] = pc.Histogram(PREFIX + name, doc, labels, buckets=buckets, **kw)
+        # Route labels exist from the start, so a dashboard sees 0 rather than no series.
+        for route in ("sparse", "dense"):
+            self._m["query_tokens"].labels(route=route)
+
+    def sparse_row(self, q_len: int, causal: int | None, computed: int | None,
+                   head_patterns: Mapping[str, int]) -> None:
+        m = self._m
+        m["rows"].inc()
+        m["query_tokens"].labels(route="sparse").inc(q_len)
+        if computed is not None and causal:
+            m["causal_pairs"].inc(causal)
+            m["computed_pairs"].inc(computed)
+            m["density"].observe(computed / causal)
+        for pattern, n in head_patterns.items():
+            if n:
+                m["head_patterns"].labels(pattern=pattern).inc(n)
+
+    def dense_tokens(self, n: int) -> None:
+        if n:
+            self._m["query_tokens"].labels(route="dense").inc(n)
+
+    def dense_fallback(self, reason: str, rows: int) -> None:
+        self._m["dense_fallbacks"].labels(reason=label_value(reason)).inc(rows)
+
+    def stage_seconds(self, stage: str, seconds: float) -> None:
+        self._m["stage_seconds"].labels(stage=stage).observe(seconds)
+
+
+class _NoMetrics:
+    """Stands in when prometheus_client is unavailable or failed: every call does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+NO_METRICS = _NoMetrics()
+_lock = threading.Lock()
+_process_metrics: PrometheusMetrics | _NoMetrics | None = None
+_server_port: int | None = None
+
+
+def _warn(msg: str, *args) -> None:
+    logger.warning("sparse-prefill metrics: " + msg, *args)
+
+
+def process_metrics() -> PrometheusMetrics | _NoMetrics:
+    """This process's metrics, created on first use (in the worker, never at plugin load)."""
+    global _process_metrics
+    if _process_metrics is None:
+        with _lock:
+            if _process_metrics is None:
+                try:
+                    import prometheus_client
+                except ImportError:
+                    _warn("prometheus_client is not installed; no Prometheus metrics")
+                    _process_metrics = NO_METRICS
+                else:
+                    try:
+                        _process_metrics = PrometheusMetrics(prometheus_client)
+                    except Exception as e:  # e.g. PROMETHEUS_MULTIPROC_DIR names a missing folder
+                        _warn("cannot create the metrics (%s: %s); serving goes on without them",
+                              type(e).__name__, e)
+                        _process_metrics = NO_METRICS
+    return _process_metrics
+
+
+def exposition_registry():
+    """The registry to serve: all processes' samples in multiprocess mode, else this process's."""
+    import prometheus_client
+    from prometheus_client import multiprocess
+
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+    return prometheus_client.REGISTRY
+
+
+def serve_metrics(port: int, addr: str = "0.0.0.0") -> bool:
+    """Start prometheus_client's HTTP server in this process, once. False if it cannot run (no
+    prometheus_client, or the port is taken: with several workers on a host only one binds; with
+    PROMETHEUS_MULTIPROC_DIR set that one serves every process's samples)."""
+    global _server_port
+    with _lock:
+        if _server_port is not None:
+            if _server_port != port:
+                _warn("already serving on port %d; ignoring port %d", _server_port, port)
+            return _server_port == port
+        try:
+            import prometheus_client
+        except ImportError:
+            _warn("metrics_port=%d set but prometheus_client is not installed", port)
+            return False
+        try:
+            prometheus_client.start_http_server(port, addr=addr, registry=exposition_registry())
+        except OSError as e:
+            _warn("cannot serve on %s:%d (%s); this process's metrics are not exposed on a port of "
+                  "its own (with several workers per host, set PROMETHEUS_MULTIPROC_DIR)", addr, port, e)
+            return False
+        _server_port = port
+    logger.info("sparse-prefill: Prometheus metrics on http://%s:%d/metrics (pid %d)", addr, port, os.getpid())
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampled stage timing
+# ---------------------------------------------------------------------------------------------
+
+class _NoSample:
+    """A forward that is not timed: every call does nothing."""
+
+    sampled = False
+
+    def mark(self) -> None:
+        pass
+
+    def lap(self, stage: str) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+
+NO_SAMPLE = _NoSample()
+
+
+class _HostSample:
+    """Stage times from the host clock (CPU: the work is done when the call returns)."""
+
+    sampled = True
+
+    def __init__(self, timer: "SampledTimer"):
+        self._timer = timer
+        self._totals: dict[str, float] = defaultdict(float)
+        self._t = time.perf_counter()
+
+    def mark(self) -> None:
+        """Start a new segment here; time since the last mark or lap is not counted."""
+        self._t = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        """Add the time since the last mark or lap to ``stage``."""
+        now = time.perf_counter()
+        self._totals[stage] += now - self._t
+        self._t = now
+
+    def done(self) -> None:
+        for stage, seconds in self._totals.items():
+            self._timer.observe(stage, seconds)
+
+
+class _EventSample:
+    """Stage times from CUDA event pairs on the current stream; read later, never waited for."""
+
+    sampled = True
+
+    def __init__(self, timer: "SampledTimer", event_factory: Callable[[], Any]):
+        self._timer = timer
+        self._new = event_factory
+        self._segments: list[tuple[str, Any, Any]] = []
+        self._open = self._record()
+
+    def _record(self):
+        e = self._new()
+        e.record()
+        return e
+
+    def mark(self) -> None:
+        self._open = self._record()
+
+    def lap(self, stage: str) -> None:
+        end = self._record()
+        self._segments.append((stage, self._open, end))
+        self._open = end
+
+    def done(self) -> None:
+        if self._segments:
+            self._timer.enqueue(self)
+
+    def finished(self) -> bool:
+        return all(end.query() for _, _, end in self._segments)
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for stage, start, end in self._segments:
+            out[stage] += start.elapsed_time(end) / 1000.0  # ms -> s
+        return out
+
+
+def _cuda_event():
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+class SampledTimer:
+    """Times one of every ``every`` calls to :meth:`sample` (the first call included); 0 = never.
+
+    Usage per sparse layer forward::
+
+        t = timer.sample(query.device)   # starts the first segment
+        ...estimate...;  t.lap("estimate")
+        t.mark()                         # skip what is not ours (e.g. a dense fallback)
+        ...kernel...;    t.lap("kernel")
+        t.done()
+
+    ``observe(stage, seconds)`` receives each stage's total for the forward. Device samples are
+    kept until their events are done (checked with ``query()`` on later calls, at most
+    ``max_pending`` kept: the oldest are dropped beyond that).
+    """
+
+    def __init__(self, observe: Callable[[str, float], None], every: int = 0, max_pending: int = 64,
+                 event_factory: Callable[[], Any] = _cuda_event):
+        self.observe = observe
+        self.every = every
+        self.max_pending = max_pending
+        self._event_factory = event_factory
+        self._calls = 0
+        self._pending: list[_EventSample] = []
+        self._lock = threading.Lock()
+        self.dropped = 0
+
+    def sample(self, device=None):
+        if self._pending:
+            self.poll()
+        if self.every <= 0:
+            return NO_SAMPLE
+        with self._lock:
+            n = self._calls
+            self._calls += 1
+        if n % self.every:
+            return NO_SAMPLE
+        if getattr(device, "type", device) == "cuda":
+            return _EventSample(self, self._event_factory)
+        return _HostSample(self)
+
+    def enqueue(self, sample: _EventSample) -> None:
+        with self._lock:
+            self._pending.append(sample)
+            if len(self._pending) > self.max_pending:
+                self._pending.pop(0)
+                self.dropped += 1
+
+    def poll(self) -> int:
+        """Observe the device samples whose events are done; return how many."""
+        with self._lock:
+            ready = [s for s in self._pending if s.finished()]
+            self._pending = [s for s in self._pending if s not in ready]
+        for s in ready:
+            for stage, seconds in s.totals().items():
+                self.observe(stage, seconds)
+        return len(ready)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
