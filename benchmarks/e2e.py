@@ -14,6 +14,17 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
 * ``--server``: the same prompts through the OpenAI-compatible HTTP server
   (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token.
 
+Structure (``--structure band``, the default, offline engine only): dummy weights make every
+attention row nearly uniform, where no sparse pattern finds anything to skip (every row then falls
+back to dense). ``band`` rewrites the dummy weights on the workers (``LLM.collective_rpc``) so that
+attention has the local band real long-context heads show: each layer's K projection is scaled per
+rotary frequency (energy ∝ θ^-0.5, most of it in the slow dimensions), every query head's Q
+projection is its KV head's K projection, the input norms are 1 and every token embedding is one
+shared vector plus 17% token noise. Logits then depend mostly on distance: at 128K the top 6096
+diagonals lie within ~9K of the main one and cover about half of a row's attention mass. The
+same weights serve every variant. ``none`` keeps vLLM's dummy weights (the HTTP server mode always
+does: its workers cannot be reached).
+
 Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
 ``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense``. Prints a table; asserts nothing.
 
@@ -48,6 +59,32 @@ def write_model(out: Path, layers: int, max_len: int) -> Path:
     return out
 
 
+def plant_band(worker, logit_at_zero: float = 12.0) -> str:
+    """Runs on each vLLM worker (``collective_rpc``): see the module doc, --structure band."""
+    import torch
+
+    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
+    inner = runner.model.model
+    with torch.no_grad():
+        emb = inner.embed_tokens.weight
+        gen = torch.Generator(device=emb.device).manual_seed(0)
+        common = torch.randn(emb.shape[1], generator=gen, device=emb.device)
+        emb.mul_(300.0).add_(common.to(emb.dtype))  # uniform +-1e-3 -> +-0.3 around one vector
+        x = common / common.pow(2).mean().sqrt()  # what an input norm of weight 1 makes of it
+        for layer in inner.layers:
+            attn = layer.self_attn
+            layer.input_layernorm.weight.fill_(1.0)
+            h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+            w = attn.qkv_proj.weight  # [(h + 2 hkv) * d, hidden]: q rows, k rows, v rows
+            k = w[h * d:(h + hkv) * d].view(hkv, d, -1)
+            theta = attn.rotary_emb.base ** (-torch.arange(0, d, 2, device=w.device, dtype=torch.float32) / d)
+            k.mul_(theta.repeat(2).pow(-0.25)[None, :, None].to(w.dtype))  # neox pairs (i, i + d/2)
+            q0 = k[0].float() @ x
+            k.mul_(float((logit_at_zero * d ** 0.5 / q0.pow(2).sum()) ** 0.5))
+            w[:h * d].view(hkv, h // hkv, d, -1).copy_(k[:, None].expand(hkv, h // hkv, d, k.shape[-1]))
+    return f"band planted in {len(inner.layers)} layers"
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 100000) for _ in range(n)]
@@ -67,6 +104,8 @@ def worker(args) -> None:
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
               seed=0, max_num_seqs=max(8, args.decode_batch))
     emit("startup", seconds=time.perf_counter() - t0)
+    if args.structure == "band":
+        emit("structure", workers=llm.collective_rpc(plant_band))
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
 
     def timed(prompts, params):
@@ -76,9 +115,11 @@ def worker(args) -> None:
 
     for n in args.lengths:
         prompt = {"prompt_token_ids": prompt_ids(n, n)}
-        best = min(timed([prompt], greedy(1))[0] for _ in range(args.repeats))
-        _, out = timed([prompt], greedy(8))
-        emit("prefill", n=n, seconds=best, tokens=list(out[0].outputs[0].token_ids))
+        best = min(timed([prompt], greedy(1))[0] for _ in range(args.repeats if n <= args.tokens_max_len else 1))
+        tokens = None
+        if n <= args.tokens_max_len:
+            tokens = list(timed([prompt], greedy(8))[1][0].outputs[0].token_ids)
+        emit("prefill", n=n, seconds=best, tokens=tokens)
     if args.decode_batch:
         prompts = [{"prompt_token_ids": prompt_ids(args.decode_len, 1000 + i)} for i in range(args.decode_batch)]
         t1, _ = timed(prompts, greedy(1))
@@ -92,6 +133,9 @@ def worker(args) -> None:
                   [{"prompt_token_ids": prompt_ids(1024, 2000 + i)} for i in range(7)]
         t, out = timed(prompts, greedy(8))
         emit("mixed", long=long_n, short=7, seconds=t, tokens=[list(o.outputs[0].token_ids) for o in out])
+    stats_file = os.environ.get("VLLM_SPARSE_STATS_FILE")
+    if stats_file and os.path.exists(stats_file):  # written by the engine process
+        emit("stats", **json.loads(Path(stats_file).read_text()))
 
 
 def server_worker(args, env) -> list[dict]:
@@ -154,7 +198,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help="LABEL=BACKEND[:VAR=VALUE,...]")
     ap.add_argument("--chunk", type=int, default=16384, help="max_num_batched_tokens")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="timed prefills per length (one above --tokens-max-len)")
+    ap.add_argument("--tokens-max-len", type=int, default=65536,
+                    help="compare 8 greedy tokens up to this length (one more prefill each)")
+    ap.add_argument("--structure", choices=["band", "none"], default="band", help="see the module doc")
     ap.add_argument("--decode-batch", type=int, default=0)
     ap.add_argument("--decode-len", type=int, default=32768)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -176,7 +223,7 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants]
     results: dict[str, list[dict]] = {}
     for label, backend, venv in variants:
-        env = {**os.environ, **venv}
+        env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **venv}  # collective_rpc(plant_band)
         t0 = time.perf_counter()
         if args.server:
             args.backend, args.label = backend, label
@@ -190,7 +237,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
                "--decode-batch", str(args.decode_batch), "--decode-len", str(args.decode_len),
-               "--decode-tokens", str(args.decode_tokens), "--lengths", *map(str, args.lengths)] + \
+               "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
+               "--structure", args.structure, "--lengths", *map(str, args.lengths)] + \
               (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
@@ -204,16 +252,17 @@ def main() -> None:
             lines = proc.stderr.splitlines()
             first = next((i for i, line in enumerate(lines) if "Traceback" in line), max(0, len(lines) - 40))
             print(f"[{label}] full stderr in {log}; first traceback:\n" + "\n".join(lines[first:first + 60]))
-        sparse_lines = [line for line in proc.stderr.splitlines()
-                        if "sparse-prefill" in line or "KV cache size" in line or "Maximum concurrency" in line]
+        sparse_lines = [line for line in (proc.stderr + proc.stdout).splitlines()
+                        if "sparse-prefill" in line or "KV cache size" in line or "Available KV cache memory" in line]
         for line in sparse_lines[:6]:
             print(f"[{label}] {line[-220:]}")
 
     import torch
     import vllm
+    structure = "none (server)" if args.server else args.structure
     print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
           f"shape, {args.layers} layers, bf16, {'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
-          f"prefix caching off; variants: {args.variants}")
+          f"prefix caching off, structure {structure}; variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]
 
@@ -233,7 +282,8 @@ def main() -> None:
         cells = [str(n)] + ["-" if r is None else f"{r['seconds']:.3f}" for r in rs]
         cells += ["-" if not (rs[0] and r) else f"{rs[0]['seconds'] / r['seconds']:.2f}x" for r in rs[1:]]
         if not args.server:
-            cells += ["-" if not (rs[0] and r) else str(rs[0]["tokens"] == r["tokens"]) for r in rs[1:]]
+            cells += ["-" if not (rs[0] and r and r["tokens"] is not None) else str(rs[0]["tokens"] == r["tokens"])
+                      for r in rs[1:]]
         print("| " + " | ".join(cells) + " |")
     if args.server:
         return
@@ -258,6 +308,11 @@ def main() -> None:
                 eq_s = m0 and m["tokens"][1:] == m0["tokens"][1:]
                 eq_l = m0 and m["tokens"][0] == m0["tokens"][0]
                 print(f"| {label} | {m['seconds']:.3f} | {eq_s} | {eq_l} |")
+    for label in labels:
+        st = get(label, "stats")
+        if st:
+            print(f"\n{label} stats: density {st['density']}, sparse query tokens {st['sparse_query_tokens']:,}, "
+                  f"dense {st['dense_query_tokens']:,}, dense reasons {st['dense_reasons']}")
     print("\nengine start-up: " + ", ".join(
         f"{label} {r['seconds']:.0f} s" for label in labels for r in [get(label, "startup")] if r))
 

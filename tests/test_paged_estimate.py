@@ -146,3 +146,90 @@ def test_index_density_bounds_count_pairs():
     exact = count_pairs(ix, 200, 300) / causal
     bound = float(index_density(ix, 200, 300))
     assert exact <= bound <= 1.0 and bound < 2 * exact
+
+
+def _scratch_shapes(est):
+    ix = est.index
+    return [tuple(t.shape) for t in (ix.block_count, ix.block_index, ix.column_count, ix.column_index)]
+
+
+@cpu_only
+def test_index_widths_do_not_depend_on_the_data():
+    """The profiling-run claim (sparse_prefill.run_worst_case_row) runs the path on a stand-in
+    cache of zeros; it measures the real scratch only if every buffer's size follows from the
+    row's lengths and the budgets, never from K's values. Random structured K vs zeros."""
+    q_len, ctx, hkv, d = 200, 333, 2, 64
+    heads = _heads(MIXED, SETTINGS, 4)
+    groups = HeadGroups.from_heads(heads, "cpu")
+    q, _, key_cache, table = make_row(q_len, ctx, hkv, len(MIXED) // hkv, d, 16, torch.float32, 4, "cpu",
+                                      structure=1.5)
+    real = estimate_index_paged(q, key_cache, table, ctx, groups, SETTINGS, d ** -0.5)
+    zeros = torch.zeros(1, 16, hkv, d)
+    fake = estimate_index_paged(q, zeros, torch.zeros_like(table), ctx, groups, SETTINGS, d ** -0.5)
+    assert _scratch_shapes(real) == _scratch_shapes(fake)
+
+
+@cpu_only
+def test_worst_case_row_takes_the_whole_query():
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    heads = [resolve_head(None, SETTINGS)] * 4
+    q = torch.randn(150, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0,
+                             sparse_prefill_attention)
+    assert (row.q_len, row.ctx_len) == (150, 350)
+    assert torch.isfinite(out).all()  # all of the row's outputs written
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])
+def test_gpu_worst_case_row_peak_covers_a_real_row(patterns):
+    """What the profiling run sees must be at least what a real row of that size allocates."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_row
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SparseSettings()
+    q_len, ctx, hkv, d = 8192, 24576, 8, 128
+    q, _, key_cache, table = make_row(q_len, ctx, hkv, 4, d, 16, torch.bfloat16, 6, "cuda", structure=1.5)
+    q = q.cuda()
+    value_cache = torch.randn_like(key_cache)
+    groups = HeadGroups.from_heads(_heads(patterns, settings, 6), "cuda")
+    out = torch.empty_like(q)
+
+    def peak(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    real = peak(lambda: run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache,
+                                              table[None], groups, settings, d ** -0.5, 0.0,
+                                              sparse_prefill_attention))
+    claim = peak(lambda: run_worst_case_row(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
+                                            sparse_prefill_attention))
+    assert claim >= real > 0
+
+
+@cpu_only
+def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
+    """Default budgets (1000 + 6096 keys per query) on a 4K pure prefill: at best 3.5x more than
+    max_density allows, so the row goes to the dense kernel before anything is estimated."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+
+    settings = SparseSettings()
+    q = torch.randn(4096, 2, 64)
+    heads = HeadGroups.from_heads([resolve_head(None, settings)] * 2, "cpu")
+    sent_dense, launched = [], []
+    empty = torch.zeros(0, 16, 1, 64)  # estimation would fail on this cache: it must not run
+    run_sparse_rows_paged(q, torch.empty_like(q), [SparseRow(0, 0, 4096, 0)], empty, empty,
+                          torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
+                          lambda *a: launched.append(a), sent_dense.append)
+    assert sent_dense == [SparseRow(0, 0, 4096, 0)] and not launched

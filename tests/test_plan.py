@@ -1,3 +1,5 @@
+import pytest
+
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.plan import SparseRow, plan_step
 
@@ -31,3 +33,37 @@ def test_kill_switch_and_sequence_gate():
     assert not plan.has_sparse and plan.dense_runs == [(0, 1)]
     plan = plan_step(_qsl([5000, 5000]), [5000, 9000], SparseSettings(min_sparse_seq_len=8000))
     assert [r.row for r in plan.sparse_rows] == [1] and plan.dense_runs == [(0, 1)]
+
+
+def test_rows_no_layer_could_run_sparse_enough_stay_in_dense_runs():
+    s = SparseSettings(min_sparse_query_len=100)
+    worth = lambda q_len, ctx_len: ctx_len + q_len > 1000  # noqa: E731
+    plan = plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s, worth_estimating=worth)
+    assert [r.row for r in plan.sparse_rows] == [1]
+    assert plan.dense_runs == [(0, 1), (2, 3)]
+    assert plan.dense_reasons == {"budgets denser than max_density": 1}
+
+
+def test_budget_density_by_hand():
+    from collections import Counter
+
+    from vllm_sparse_backend.config import PatternName
+    from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+    from vllm_sparse_backend.plan import budget_density
+
+    s = SparseSettings(block_size=64, min_budget=256)
+    vs = resolve_head(HeadPattern(pattern="vertical_slash", vertical_size=100, slash_size=300), s)
+    heads = [vs, vs, resolve_head(HeadPattern(pattern="dense"), s),
+             resolve_head(HeadPattern(pattern="block_sparse", topk_blocks=4), s),
+             resolve_head(HeadPattern(pattern="a_shape", sink_tokens=64, local_window=1000), s),
+             resolve_head(HeadPattern(pattern="flex_prefill"), s)]
+    assert {h.pattern for h in heads} == set(PatternName)
+    visible = 2000 + 1001 / 2  # a query of a 1000-token chunk after 2000 cached tokens sees 2500.5 keys on average
+    want = (2 * 400 / visible + 1 + 256 / visible + 1064 / visible + 256 / visible) / 6
+    assert budget_density(heads, 1000, 2000, s) == pytest.approx(want)
+    assert budget_density(Counter(heads), 1000, 2000, s) == pytest.approx(want)
+    assert budget_density(heads, 100, 0, s) == pytest.approx(1.0)  # every budget covers a short row
+    # the defaults (1000 + 6096 keys per query) cannot make a 32K prompt sparser than 0.4, 64K they can
+    default = [resolve_head(None, SparseSettings())]
+    assert budget_density(default, 32768, 0, SparseSettings()) > 0.4 > budget_density(default, 65536, 0,
+                                                                                     SparseSettings())

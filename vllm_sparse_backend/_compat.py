@@ -39,6 +39,22 @@ def sparse_backend_selected(vllm_config) -> bool:
     return backend is E.CUSTOM
 
 
+def current_vllm_config():
+    """The VllmConfig being constructed (set while vLLM builds the model and its attention
+    layers), or None outside that context."""
+    from vllm import config as vc
+
+    getter = getattr(vc, "get_current_vllm_config_or_none", None)
+    if getter is not None:
+        return getter()
+    try:  # 0.26: only the variant that falls back to a default config (with a warning)
+        from vllm.config import get_current_vllm_config
+        cfg = get_current_vllm_config()
+    except Exception:
+        return None
+    return cfg if getattr(cfg, "model_config", None) is not None else None
+
+
 def seq_lens_host(cm) -> list[int]:
     """Per-request sequence lengths (context + chunk) on the host without a device sync where
     vLLM provides them (`seq_lens_cpu_upper_bound`, exact for prefill rows)."""

@@ -16,6 +16,7 @@ is exactly the work needed.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
+from .plan import budget_density
 
 
 @dataclass
@@ -38,6 +40,7 @@ class HeadGroup:
 class HeadGroups:
     groups: list[HeadGroup]
     num_heads: int
+    head_counts: Counter  # distinct ResolvedHead -> number of heads (host-side budget checks)
 
     @classmethod
     def from_heads(cls, heads: list[ResolvedHead], device) -> "HeadGroups":
@@ -53,7 +56,11 @@ class HeadGroups:
                 max_params[name] = max(vals)
             groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params,
                                     len(ids) == len(heads)))
-        return cls(groups, len(heads))
+        return cls(groups, len(heads), Counter(heads))
+
+    def budget_density(self, q_len: int, ctx_len: int, settings: SparseSettings) -> float:
+        """:func:`vllm_sparse_backend.plan.budget_density` of this layer's heads."""
+        return budget_density(self.head_counts, q_len, ctx_len, settings)
 
 
 @dataclass

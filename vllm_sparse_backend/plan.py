@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
-from .config import SparseSettings
+from .config import PatternName, SparseSettings
+from .head_configs import ResolvedHead
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,41 @@ class StepPlan:
         return bool(self.sparse_rows)
 
 
+def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
+                   settings: SparseSettings) -> float:
+    """The share of a row's causal (query, key) pairs the heads' budgets alone would select,
+    were their keys as few as the budgets say (host arithmetic, nothing estimated).
+
+    The real index is never much sparser (block rounding only adds keys), so a row whose
+    budget density is above ``max_density`` would fall back to dense after estimation anyway;
+    it is sent dense without estimating. Keys per query, per head: vertical + slash sizes
+    (vertical-slash), top-k blocks (block-sparse), sink + window (A-shape), the minimum budget
+    (FlexPrefill), all (dense); over the mean number of keys a query of the row can see,
+    ``ctx_len + (q_len + 1) / 2``. ``heads``: the layer's heads, or a Counter of distinct heads.
+    """
+    counts = heads if isinstance(heads, Counter) else Counter(heads)
+    visible = ctx_len + (q_len + 1) / 2
+    total = 0.0
+    for h, n in counts.items():
+        keys = {PatternName.DENSE: visible,
+                PatternName.A_SHAPE: h.sink_tokens + h.local_window,
+                PatternName.VERTICAL_SLASH: h.vertical_size + h.slash_size,
+                PatternName.BLOCK_SPARSE: h.topk_blocks * settings.block_size,
+                PatternName.FLEX_PREFILL: settings.min_budget}[h.pattern]
+        total += n * min(1.0, keys / visible)
+    return total / sum(counts.values())
+
+
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
-              allow_context: bool = True) -> StepPlan:
+              allow_context: bool = True, worth_estimating: Callable[[int, int], bool] | None = None) -> StepPlan:
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
 
     A row goes sparse when its chunk has at least ``min_sparse_query_len`` queries and its
     sequence at least ``min_sparse_seq_len`` tokens. ``allow_context=False`` (the CPU twin, which
     cannot read vLLM's ISA-packed CPU cache) keeps rows that have cached context dense.
-    Rows with no queries (cudagraph padding) belong to no run.
+    ``worth_estimating(q_len, ctx_len)`` (optional) keeps long rows dense that no layer could
+    run sparse enough (see :func:`budget_density`). Rows with no queries (cudagraph padding)
+    belong to no run.
     """
     n = len(seq_lens)
     sparse, dense_runs, reasons = [], [], Counter()
@@ -54,6 +83,9 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
                 and seq_lens[i] >= settings.min_sparse_seq_len
             if long_enough and ctx > 0 and not allow_context:
                 reasons["cached_context_on_cpu"] += 1
+                long_enough = False
+            if long_enough and worth_estimating is not None and not worth_estimating(q_len, ctx):
+                reasons["budgets denser than max_density"] += 1
                 long_enough = False
             if long_enough:
                 sparse.append(SparseRow(i, query_start_loc[i], q_len, ctx))

@@ -36,24 +36,23 @@ def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[Sparse
     torch reference compute the row from them.
     """
     num_heads = query.shape[1]
+    timing = STATS.time_stages(query.device)  # a no-op unless this forward is sampled
     for row in rows:
         s = slice(row.tok_start, row.tok_start + row.q_len)
         k, v = kv_for_row(row)
+        timing.mark()
         est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale)
+        timing.lap("estimate")
         sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
+        timing.lap("kernel")
         _record(row, num_heads, count_pairs(est.index, row.q_len, row.ctx_len), est.head_patterns)
+    timing.done()
     if settings.stats_file:
         STATS.dump(settings.stats_file)
 
 
 def _record(row: SparseRow, num_heads: int, computed: int | None, head_patterns) -> None:
-    with STATS._lock:
-        STATS.sparse_rows += 1
-        STATS.sparse_query_tokens += row.q_len
-        if computed is not None:
-            STATS.causal_pairs += causal_pairs(row.q_len, row.ctx_len, num_heads)
-            STATS.computed_pairs += computed
-        STATS.head_patterns.update(head_patterns)
+    STATS.record_sparse_row(row.q_len, causal_pairs(row.q_len, row.ctx_len, num_heads), computed, head_patterns)
 
 
 # The Triton kernel's entry point (triton_kernels.sparse_attention.sparse_prefill_attention).
@@ -69,25 +68,39 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     key_cache / value_cache: [pages, page, Hkv, D] views; block_table: int32 [num_reqs, max_pages]
     (rows index it by ``row.row``). ``dense_row`` (the dense kernel for one row) enables the
     density fallback: rows whose index would cover more than ``settings.max_density`` of their
-    causal pairs go there instead, decided with one host read of all rows' densities per layer.
-    Otherwise host syncs happen only when ``settings.stats_file`` is set (the computed density
-    and FlexPrefill's per-head decisions are then read back).
+    causal pairs go there instead, decided with one host read of all rows' densities per layer;
+    rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`) go there
+    without being estimated.
+    Otherwise host syncs happen only when ``settings.stats_file`` is set or on the forwards the
+    stage timer samples (``timing_sample_every``): the computed density and FlexPrefill's per-head
+    decisions are then read back.
     """
     num_heads = query.shape[1]
-    exact_stats = bool(settings.stats_file)
+    timing = STATS.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
+    exact_stats = bool(settings.stats_file) or timing.sampled
+    if dense_row is not None and settings.max_density < 1.0:
+        # Rows the budgets cannot make sparse enough skip estimation (short rows, mostly).
+        sparse_enough = []
+        for row in rows:
+            if groups.budget_density(row.q_len, row.ctx_len, settings) > settings.max_density:
+                dense_row(row)
+                STATS.record_dense_reason("budgets denser than max_density", tokens=row.q_len)
+            else:
+                sparse_enough.append(row)
+        rows = sparse_enough
     estimates = []
+    timing.mark()  # the budget fallback's dense rows above are not ours to time
     for row in rows:
         q = query[row.tok_start:row.tok_start + row.q_len]
         estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale))
+    timing.lap("estimate")
     if dense_row is not None and rows and settings.max_density < 1.0:
         dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]).tolist()
         keep = []
         for row, est, d in zip(rows, estimates, dens):
             if d > settings.max_density:
                 dense_row(row)
-                with STATS._lock:
-                    STATS.dense_reasons["estimated density above max_density"] += 1
-                    STATS.dense_query_tokens += row.q_len
+                STATS.record_dense_reason("estimated density above max_density", tokens=row.q_len)
             else:
                 keep.append((row, est))
         rows, estimates = [r for r, _ in keep], [e for _, e in keep]
@@ -103,6 +116,35 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         computed = count_pairs(est.index, row.q_len, row.ctx_len) if exact_stats else None
         _record(row, num_heads, computed, patterns)
     if rows:
+        timing.mark()
         kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap)
-    if exact_stats:
+        timing.lap("kernel")
+    timing.done()
+    if settings.stats_file:
         STATS.dump(settings.stats_file)
+
+
+def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,
+                       groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
+                       kernel: PagedKernel, page_size: int = 16) -> SparseRow:
+    """Run the GPU path once on the largest row a step can hold, so that its transient scratch
+    (score buffers, index lists, the kernel's packed metadata) is seen by whoever measures peak
+    memory: vLLM sizes the KV cache from the peak of its profiling run.
+
+    Every scratch size of the path is a host-side function of the row's lengths and the budgets
+    (nothing waits for the GPU), so the K/V values do not matter: all logical pages of the row
+    map to one page of a tiny stand-in cache. The row takes all of ``query``'s tokens (at most
+    ``kv_len``) as its chunk, the rest of ``kv_len`` as cached context. ``output`` is
+    overwritten for those tokens; nothing is recorded in the stats.
+    """
+    q_len = min(query.shape[0], kv_len)
+    row = SparseRow(row=0, tok_start=0, q_len=q_len, ctx_len=kv_len - q_len)
+    head_dim = query.shape[-1]
+    key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=query.dtype, device=query.device)
+    value_cache = torch.zeros(1, page_size, num_kv_heads, output.shape[-1], dtype=query.dtype, device=query.device)
+    block_table = torch.zeros(1, -(-kv_len // page_size), dtype=torch.int32, device=query.device)
+    est = estimate_index_paged(query[:q_len], key_cache, block_table[0], row.ctx_len, groups, settings, scale)
+    index_density(est.index, row.q_len, row.ctx_len)  # the density fallback's temporaries
+    count_pairs(est.index, row.q_len, row.ctx_len)  # and a stats / sampled forward's
+    kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap)
+    return row

@@ -6,6 +6,7 @@ vLLM glue only: no attention math here (that lives in patterns/, reference.py, t
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from importlib import resources
 import logging
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, SparseSettings, load_settings
-from ..head_configs import HeadConfigFile, layer_heads, load_head_config
+from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads, load_head_config
 from ..plan import SparseRow, plan_step
 from ..stats import STATS
 
@@ -44,7 +45,9 @@ class SparsePrefillMetadata:
 
 @functools.lru_cache(maxsize=1)
 def settings() -> SparseSettings:
-    return load_settings()
+    cfg = load_settings()
+    STATS.configure(cfg)  # timing sample rate, metrics (and their own port) of this worker
+    return cfg
 
 
 @functools.lru_cache(maxsize=8)
@@ -106,7 +109,6 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
     """
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
-    from vllm.model_executor.models.utils import extract_layer_index
 
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     for name, layer in layers.items():
@@ -114,27 +116,47 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
         if reason is not None:
             log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
             return False
+    for name, layer in layers.items():
+        layer.impl.sparse_heads = resolve_layer_heads(vllm_config, name, layer.impl.num_heads)
+    return True
+
+
+def resolve_layer_heads(vllm_config, layer_name: str, local_heads: int) -> list[ResolvedHead]:
+    """This rank's query-head patterns of one attention layer (head-config file, else the
+    default pattern). A file that does not fit the model raises ConfigError naming the file."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
     cfg, spec = head_config(), settings().head_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
     tp_rank = 0
     if tp_size > 1:
         from vllm.distributed import get_tensor_model_parallel_rank
         tp_rank = get_tensor_model_parallel_rank()
-    for name, layer in layers.items():
-        local_heads = layer.impl.num_heads
-        if cfg is not None and cfg.num_heads != local_heads * tp_size:
-            raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {name} has "
-                              f"{local_heads * tp_size} query heads")
-        try:
-            layer.impl.sparse_heads = layer_heads(cfg, settings(), extract_layer_index(name), local_heads,
-                                                  tp_rank)
-        except ConfigError as e:
-            raise ConfigError(f"{spec}: {e}") from None
-    return True
+    if cfg is not None and cfg.num_heads != local_heads * tp_size:
+        raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {layer_name} has "
+                          f"{local_heads * tp_size} query heads")
+    try:
+        return layer_heads(cfg, settings(), extract_layer_index(layer_name), local_heads, tp_rank)
+    except ConfigError as e:
+        raise ConfigError(f"{spec}: {e}") from None
+
+
+def group_head_counts(vllm_config, layer_names: list[str]) -> list[Counter]:
+    """The distinct per-layer head-pattern multisets of a group prepare_group accepted."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    out: list[Counter] = []
+    for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
+        counts = Counter(layer.impl.sparse_heads)
+        if counts not in out:
+            out.append(counts)
+    return out
 
 
 def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, bool], Any],
-                          with_fallback: bool = False) -> SparsePrefillMetadata | None:
+                          with_fallback: bool = False,
+                          worth_estimating: Callable[[int, int], bool] | None = None) -> SparsePrefillMetadata | None:
     """Plan one step. Returns None when every row is dense (caller then builds plain metadata).
 
     dense_build(sub_metadata, first_run) builds the wrapped backend's metadata for a run of rows;
@@ -149,10 +171,10 @@ def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, b
     n = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
     seq_lens = seq_lens_host(cm)
-    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context)
+    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, worth_estimating=worth_estimating)
     for reason, count in plan.dense_reasons.items():
         log_once("long rows with %s run dense", reason)
-        STATS.dense_reasons[reason] += count
+        STATS.record_dense_reason(reason, count)
     if plan.dense_reasons and cfg.stats_file:
         STATS.dump(cfg.stats_file)
     if not plan.has_sparse:
@@ -166,4 +188,4 @@ def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, b
 
 
 def count_dense_tokens(md: SparsePrefillMetadata) -> None:
-    STATS.dense_query_tokens += sum(r.tok_end - r.tok_start for r in md.dense_runs)
+    STATS.record_dense_tokens(sum(r.tok_end - r.tok_start for r in md.dense_runs))

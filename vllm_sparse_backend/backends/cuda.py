@@ -16,10 +16,12 @@ and the PyTorch reference computes the rows. With ``auto`` where the Triton path
 triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
 
 Memory: the Triton path's scratch (score buffers, index lists; ~0.5 GiB per layer for a 16K
-chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. It is not
-yet claimed in vLLM's memory-profiling run, so it must fit in the headroom that
-``gpu_memory_utilization`` leaves: the builders that know each layer's patterns are created
-after that run, so the impl would have to resolve them itself (see the issue note).
+chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. vLLM sizes
+the KV cache from the peak memory of its profiling run, whose forward passes carry no metadata;
+there the impl runs the sparse path once on the largest row a step can hold (a chunk of
+``max_num_batched_tokens`` at the end of ``max_model_len``), so that peak includes the scratch.
+The builders, which hand each layer its head patterns, only exist after that run: the impl
+resolves its own patterns from its layer name and the config current at its construction.
 """
 
 from __future__ import annotations
@@ -29,13 +31,18 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from .._compat import sparse_backend_selected
+from .._compat import current_vllm_config, sparse_backend_selected
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow
+from ..plan import SparseRow, budget_density
 from ..reference import gather_paged_kv
-from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged
-from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, log_once, prepare_group,
-                     settings)
+from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
+from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, group_head_counts, log_once,
+                     logger, prepare_group, resolve_layer_heads, settings, unsupported_reason)
+
+# Set when the profiling-run scratch claim failed in this process: sparse rows would then use
+# memory the KV cache was sized without, so every group runs dense.
+_scratch_claim_failed: str | None = None
+_scratch_claimed: set = set()  # (head-pattern signature, row shape) already run in this process
 
 
 class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
@@ -52,6 +59,10 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
+        if self.sparse_enabled and _scratch_claim_failed is not None:
+            log_once("the sparse path could not run in the memory-profiling run (%s); every row runs dense",
+                     _scratch_claim_failed)
+            self.sparse_enabled = False
         if self.sparse_enabled and cfg.kernel != "torch":
             why = triton_unusable_reason(kv_cache_spec.head_size, kv_cache_spec.dtype, cfg.block_size)
             if why is not None and cfg.kernel == "triton":
@@ -59,6 +70,13 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             if why is not None:  # auto: the reference would be far slower than FlashAttention
                 log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
                 self.sparse_enabled = False
+        # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
+        # runs (short long rows, mostly): no estimation, no per-row fallback.
+        self._worth_estimating = None
+        if self.sparse_enabled and cfg.max_density < 1.0:
+            head_sets = group_head_counts(vllm_config, layer_names)
+            self._worth_estimating = lambda q_len, ctx_len: any(
+                budget_density(h, q_len, ctx_len, cfg) <= cfg.max_density for h in head_sets)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -75,7 +93,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 common_attn_metadata, allow_context=True,
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
                     0, sub, fast_build or not first),
-                with_fallback=settings().max_density < 1.0)
+                with_fallback=settings().max_density < 1.0, worth_estimating=self._worth_estimating)
             if md is not None:
                 return md
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -100,6 +118,45 @@ class SparsePrefillImpl(FlashAttentionImpl):
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _head_groups: HeadGroups | None = None
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Only the profiling-run claim needs these; the builders get the config from vLLM.
+        self._vllm_config = current_vllm_config()
+
+    def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
+        """Profiling run (no metadata): run the sparse path once on the largest row a step can
+        hold, so that vLLM's peak-memory measurement, which sizes the KV cache, sees its scratch.
+        Once per process and head-pattern signature (layers with the same patterns share it)."""
+        global _scratch_claim_failed
+        vc, cfg = self._vllm_config, settings()
+        if (vc is None or _scratch_claim_failed is not None or not query.is_cuda or not cfg.enabled
+                or cfg.kernel == "torch" or not sparse_backend_selected(vc)
+                or unsupported_reason(self) is not None
+                or triton_unusable_reason(self.head_size, query.dtype, cfg.block_size) is not None):
+            return
+        kv_len = vc.model_config.max_model_len
+        q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
+        if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
+            return  # no step can hold a sparse row
+        heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads)
+        groups = HeadGroups.from_heads(heads, query.device)
+        signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups),
+                     q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, query.dtype)
+        if signature in _scratch_claimed:
+            return
+        _scratch_claimed.add(signature)
+        from ..triton_kernels.sparse_attention import sparse_prefill_attention
+        try:
+            run_worst_case_row(query[:q_len], output[:q_len], self.num_kv_heads, kv_len, groups, cfg, self.scale,
+                               float(self.logits_soft_cap or 0.0), sparse_prefill_attention)
+        except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
+            _scratch_claim_failed = f"{type(e).__name__}: {e}"
+            logger.exception("sparse-prefill: the profiling run of the sparse path failed; every row will run "
+                             "dense")
+            return
+        logger.info("sparse-prefill: profiling run included the sparse path's scratch for a %d-token chunk at "
+                    "%d tokens of context (%s)", q_len, kv_len, layer.layer_name)
+
     def _groups(self, device) -> HeadGroups:
         if self._head_groups is None:
             self._head_groups = HeadGroups.from_heads(self.sparse_heads, device)
@@ -120,6 +177,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
+            self._claim_scratch(layer, query, output)
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
