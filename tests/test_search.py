@@ -97,3 +97,10 @@ def test_search_patterns_cli_writes_a_valid_head_config(tmp_path):
     assert (cfg.num_layers, cfg.num_heads, cfg.model) == (2, 4, "tiny")
     assert all(h.score is not None and h.score >= 0 for layer in cfg.layers for h in layer.heads)
     assert "2 calibration prompt(s)" in cfg.produced_by and cfg.settings["density"] == 0.5
+
+
+def test_search_patterns_cli_names_a_missing_model_folder(tmp_path, capsys):
+    from vllm_sparse_backend.cli import main
+
+    assert main(["search-patterns", "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "x.json")]) == 2
+    assert "not a Hugging Face model folder" in capsys.readouterr().err

@@ -78,6 +78,8 @@ def _search_patterns(args) -> int:
 
     from .search import search_model
 
+    if not (Path(args.model) / "config.json").is_file():
+        raise ConfigError(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
     text_path = args.text
     if text_path is None:
         from .assets import ensure_text
