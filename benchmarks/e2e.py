@@ -9,7 +9,8 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
   ``dense``, must give FLASH_ATTN's tokens);
 * decode (``--decode-batch B``): B requests of ``--decode-len`` tokens, generate 1 and then
   1 + ``--decode-tokens`` tokens (best of ``--repeats`` each); decode tokens/s =
-  B * decode_tokens / (difference in time);
+  B * decode_tokens / (difference in time), and the decode step time from vLLM's per-request
+  token timestamps (mean inter-token time of the request whose first token came last);
 * mixed (``--mixed``): one long request (the largest length) with 7 short ones (1K) in one
   batch; time and whether the short requests' tokens equal the first variant's.
 * ``--server``: the same prompts through the OpenAI-compatible HTTP server
@@ -103,7 +104,8 @@ def worker(args) -> None:
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
-              seed=0, max_num_seqs=max(8, args.decode_batch))
+              seed=0, max_num_seqs=max(8, args.decode_batch),
+              disable_log_stats=False)  # per-request token timestamps (decode step time)
     emit("startup", seconds=time.perf_counter() - t0)
     if args.structure == "band":
         emit("structure", workers=llm.collective_rpc(plant_band))
@@ -128,9 +130,16 @@ def worker(args) -> None:
         t1 = min(timed(prompts, greedy(1))[0] for _ in range(args.repeats))
         runs = [timed(prompts, greedy(1 + args.decode_tokens)) for _ in range(args.repeats)]
         t2, out = min(runs, key=lambda r: r[0])
+        # The request that got its first token last decodes only in decode-only steps (the others'
+        # prefills are done): its mean inter-token time is the decode step time, free of prefill noise.
+        ms = [o.metrics for o in out]
+        step_ms = None
+        if all(m is not None and m.last_token_ts > m.first_token_ts > 0 for m in ms):
+            last = max(ms, key=lambda m: m.first_token_ts)
+            step_ms = 1000 * (last.last_token_ts - last.first_token_ts) / args.decode_tokens
         emit("decode", batch=args.decode_batch, context=args.decode_len, steps=args.decode_tokens,
              prefill_s=t1, total_s=t2, tokens_per_s=args.decode_batch * args.decode_tokens / max(t2 - t1, 1e-9),
-             tokens=[list(o.outputs[0].token_ids) for o in out])
+             step_ms=step_ms, tokens=[list(o.outputs[0].token_ids) for o in out])
     if args.mixed:
         long_n = max(args.lengths)
         prompts = [{"prompt_token_ids": prompt_ids(long_n, long_n)}] + \
@@ -294,13 +303,21 @@ def main() -> None:
     if args.decode_batch:
         print(f"\ndecode: {args.decode_batch} requests x {args.decode_len} tokens of context, "
               f"{args.decode_tokens} new tokens each")
-        print("| variant | decode tokens/s | vs first | tokens equal first |\n|---|---|---|---|")
+        print("| variant | decode tokens/s | vs first | decode step ms (last request) | speed vs first "
+              "| tokens equal first |")
+        print("|---|---|---|---|---|---|")
         d0 = get(base, "decode")
         for label in labels:
             d = get(label, "decode")
-            if d:
-                print(f"| {label} | {d['tokens_per_s']:.1f} | {d['tokens_per_s'] / d0['tokens_per_s']:.3f} | "
-                      f"{d['tokens'] == d0['tokens']} |" if d0 else f"| {label} | {d['tokens_per_s']:.1f} | - | - |")
+            if not d:
+                continue
+            step = "-" if d.get("step_ms") is None else f"{d['step_ms']:.2f}"
+            if not d0:
+                print(f"| {label} | {d['tokens_per_s']:.1f} | - | {step} | - | - |")
+                continue
+            step_ratio = "-" if not (d.get("step_ms") and d0.get("step_ms")) else f"{d0['step_ms'] / d['step_ms']:.3f}"
+            print(f"| {label} | {d['tokens_per_s']:.1f} | {d['tokens_per_s'] / d0['tokens_per_s']:.3f} | {step} | "
+                  f"{step_ratio} | {d['tokens'] == d0['tokens']} |")
     if args.mixed:
         print("\nmixed batch: 1 long + 7 x 1K requests, 8 tokens each")
         print("| variant | seconds | short requests' tokens equal first | long request's tokens equal first |")
