@@ -149,7 +149,7 @@ def index_pairs(ix, n) -> int:
 
 def vtag(var: dict) -> str:
     short = {"heads_per_program": "gh", "num_warps": "w", "num_stages": "s", "block_n": "n", "kv_major": "kv",
-             "prefetch": "pf", "query_pairs": "qp"}
+             "prefetch": "pf"}
     return "[" + ",".join(f"{short[k]}{int(v)}" for k, v in var.items()) + "]" if var else ""
 
 
@@ -219,22 +219,7 @@ def run_shape(shape, sizes, args, gen, results):
                     rec[name + "_maxc"] = ix.column_index.shape[-1]
                     del ix
                     rec[name] = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix,
-                                                                         scale, out, query_pairs=False))
-                    # query-block pairs (M = 128 over the union of two blocks' lists): the pairing
-                    # itself (torch sorts on the GPU) and the kernel, timed separately
-                    rec[name + "[pairing]"] = bench(lambda: sa.pair_query_blocks(bix, rows))
-                    pix = sa.pair_query_blocks(bix, rows)
-                    rec[name + "_pairs_entries"] = float(pix.block_count.double().mean() * 2
-                                                         / bix.block_count.double().mean().clamp_min(1e-9))
-                    pair_vars = [dict()]
-                    if args.sweep or args.pairs_sweep:
-                        pair_vars += [dict(num_warps=4, num_stages=2), dict(num_warps=8, num_stages=3),
-                                      dict(num_warps=8, num_stages=2, block_n=128),
-                                      dict(num_warps=8, num_stages=2, prefetch=False)]
-                    for var in pair_vars:
-                        rec[name + "[pairs]" + vtag(var)] = bench(lambda: sa.sparse_prefill_attention(
-                            q, key_cache, value_cache, table, rows, pix, scale, out, **var))
-                    del pix
+                                                                         scale, out))
                     if args.sweep and name != "vs100_800":
                         for var in (dict(num_warps=4, num_stages=2, block_n=64, prefetch=True),
                                     dict(num_warps=4, num_stages=2, block_n=128, prefetch=True),
@@ -347,32 +332,12 @@ def fmt_table(shape, recs, d):
     return "\n".join(lines)
 
 
-def fmt_pairs(shape, recs) -> str:
-    """Per-block programs vs query-block pairs (kernel; pairing separately), same index."""
-    lines = [f"### {shape}: query-block pairs (ms; 'union' = pair list entries / 2 single-block lists)",
-             "| n | index | per block | pairs (default launch) | best pairs launch | pairing | union | "
-             "per block / (pairs + pairing) |", "|---|---|---|---|---|---|---|---|"]
-    for r in recs:
-        for name in ("vs1000_6096", "vs100_800", "bs100"):
-            single, paired = r.get(name, float("nan")), r.get(name + "[pairs]", float("nan"))
-            if single != single or paired != paired:
-                continue
-            tagged = {k: v for k, v in r.items() if k.startswith(name + "[pairs]")}
-            best_k = min(tagged, key=tagged.get)
-            pairing = r.get(name + "[pairing]", float("nan"))
-            lines.append(f"| {r['n'] // 1024}K | {name} | {single:.2f} | {paired:.2f} | "
-                         f"{tagged[best_k]:.2f} {best_k[len(name) + 7:] or '(default)'} | {pairing:.2f} | "
-                         f"{r.get(name + '_pairs_entries', float('nan')):.2f} | {single / (paired + pairing):.2f}x |")
-    return "\n".join(lines)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="16,32,64,128,256")
     ap.add_argument("--shapes", default="llama3-8b,qwen2.5")
     ap.add_argument("--sweep", action="store_true", help="also time launch variants")
     ap.add_argument("--merged", action="store_true", help="with --sweep: also time merge_group_heads(4)")
-    ap.add_argument("--pairs-sweep", action="store_true", help="time launch variants of query-block pairs")
     ap.add_argument("--index-bench", type=int, default=0, help="only time index building at this n (K tokens)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -387,7 +352,6 @@ def main():
         run_shape(shape, sizes, args, gen, recs)
         results += recs
         tables.append(fmt_table(shape, recs, SHAPES[shape][2]))
-        tables.append(fmt_pairs(shape, recs))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print("\n".join(tables))

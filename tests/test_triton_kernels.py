@@ -81,7 +81,7 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
-             n_cols=24, softcap=0.0, merge=1, pairs=False, check_lse=False, tol=None, device=DEV, **launch):
+             n_cols=24, softcap=0.0, merge=1, check_lse=False, tol=None, device=DEV, **launch):
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
@@ -102,12 +102,9 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         bix = sa.pack_rows(rows, indices, device=device)
         if merge > 1:
             bix = sa.merge_group_heads(bix, merge)
-        if pairs:
-            bix = sa.pair_query_blocks(bix, rows)
     kw = {"heads_per_program": merge} if mode == "dense" else {}
     kw.update(launch)
-    packed = indices if launch.get("query_pairs") else bix  # the launcher pairs per-row indices itself
-    res = sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, packed, scale, out,
+    res = sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, out,
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
     if tol is None:
@@ -184,41 +181,6 @@ def test_interp_launch_variants(mode, merge, kv_major, block_n, prefetch):
 
 
 @cpu_only
-@pytest.mark.parametrize("group,d,block_n,prefetch", [(1, 64, 64, True), (4, 128, 64, False), (7, 64, 128, True)])
-def test_interp_query_pairs(group, d, block_n, prefetch):
-    # pairs of query blocks over the union of their lists: same result as each block alone;
-    # SMALL has odd block counts (a last block without partner) and unaligned chunk offsets
-    run_case(SMALL + [(200, 63)], 1, group, d, 16, torch.float32, seed=31 + group, pairs=True,
-             block_n=block_n, prefetch=prefetch, check_lse=group == 1)
-
-
-@cpu_only
-def test_interp_query_pairs_from_row_indices_and_empty_selection():
-    # the launcher pairs per-row indices itself; queries that select nothing stay zero / -inf
-    run_case([(150, 20), (64, 0)], 1, 2, 64, 16, torch.float32, seed=4, density=0.15, n_cols=0,
-             query_pairs=True, check_lse=True)
-
-
-def test_union_with_bits_matches_sets():
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randint(0, 40, (3, 5, 12), generator=gen)
-    b = torch.randint(0, 40, (3, 5, 9), generator=gen)
-    a[0, 0] = -1  # an empty list
-    a[1, :, 7:] = -1  # padding
-    b[2, 1] = a[2, 1, :9]  # identical lists
-    index, bits, count = sa.union_with_bits(a, b)
-    assert index.shape == (3, 5, 21)
-    for i in range(3):
-        for j in range(5):
-            sa_, sb_ = {int(x) for x in a[i, j] if x >= 0}, {int(x) for x in b[i, j] if x >= 0}
-            want = sorted(sa_ | sb_)
-            n = int(count[i, j])
-            assert index[i, j, :n].tolist() == want
-            assert (index[i, j, n:] == -1).all() and (bits[i, j, n:] == 0).all()
-            assert bits[i, j, :n].tolist() == [(x in sa_) | (x in sb_) << 1 for x in want]
-
-
-@cpu_only
 def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
@@ -246,14 +208,6 @@ def test_gpu_sparse(group, d, page, dtype):
 def test_gpu_dense(group, merge):
     run_case(BIG, 2, group, 128, 16, torch.bfloat16, seed=group + merge, mode="dense", merge=merge)
     run_case(BIG, 2, group, 128, 16, torch.bfloat16, seed=group + merge, mode="dense", merge=merge, block_n=128)
-
-
-@gpu
-@pytest.mark.parametrize("group,d,dtype", [(4, 128, torch.bfloat16), (7, 64, torch.float16), (1, 128, torch.bfloat16)])
-def test_gpu_query_pairs(group, d, dtype):
-    run_case(BIG, 2, group, d, 16, dtype, seed=group + d, density=0.2, n_cols=300, pairs=True)
-    run_case(BIG, 2, group, d, 32, dtype, seed=group + d + 1, density=0.2, n_cols=300, query_pairs=True,
-             block_n=128, layout="HND", check_lse=True)
 
 
 @gpu

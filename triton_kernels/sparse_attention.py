@@ -83,10 +83,6 @@ class BatchedSparseIndex:
     block_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXB] (merged only)
     column_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXC] (merged only)
     dense: bool = False
-    # Each meta row covers two consecutive query blocks of one row (2 * block_size queries); the
-    # lists are the union of the two blocks' lists and bit j of an entry's mask says whether the
-    # j-th block's queries use it (see pair_query_blocks).
-    query_pairs: bool = False
 
     @property
     def num_query_blocks(self) -> int:
@@ -95,11 +91,6 @@ class BatchedSparseIndex:
     @property
     def merged(self) -> bool:
         return self.block_bits is not None
-
-    @property
-    def queries_per_row(self) -> int:
-        """Queries one meta row (one program of a list owner) covers."""
-        return self.block_size * (2 if self.query_pairs else 1)
 
 
 def _meta_table(rows: Sequence[Any], block_size: int, device) -> torch.Tensor:
@@ -196,79 +187,6 @@ def merge_group_heads(bix: BatchedSparseIndex, heads_per_program: int) -> Batche
                               block_bits.to(torch.int32).contiguous(), column_bits.to(torch.int32).contiguous())
 
 
-_NO_ENTRY = 1 << 30  # sorts after every key position / block index
-
-
-def union_with_bits(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sorted union of two lists per leading index, with a 2-bit mask per entry (bit 0: in ``a``,
-    bit 1: in ``b``). a, b: int [..., W] whose valid entries are >= 0 (any order, repeats
-    allowed, -1 padding). Returns (index int32 [..., 2W] sorted ascending, -1 padded; bits int32;
-    count int32 [...]). One sort and two scatters, no host sync: the width stays 2W whatever the
-    overlap."""
-    value = torch.cat([torch.where(a >= 0, a.to(torch.int32), _NO_ENTRY),
-                       torch.where(b >= 0, b.to(torch.int32), _NO_ENTRY)], dim=-1)
-    tag = torch.ones_like(value)
-    tag[..., a.shape[-1]:] = 2
-    value, order = value.sort(-1)
-    tag = tag.gather(-1, order)
-    first = torch.ones_like(value, dtype=torch.bool)
-    first[..., 1:] = value[..., 1:] != value[..., :-1]
-    run = first.cumsum(-1) - 1  # runs of equal values, numbered in sorted order: their output slot
-    index = torch.full_like(value, _NO_ENTRY).scatter_(-1, run, value)
-    bits = torch.zeros_like(tag).scatter_reduce_(-1, run, tag & 1, "amax") \
-        | torch.zeros_like(tag).scatter_reduce_(-1, run, tag & 2, "amax")
-    valid = index < _NO_ENTRY
-    count = (first & (value < _NO_ENTRY)).sum(-1, dtype=torch.int32)
-    return (torch.where(valid, index, -1).contiguous(), torch.where(valid, bits, 0).contiguous(), count)
-
-
-def _pair_tables(rows: Sequence[Any], block_size: int) -> tuple[list[tuple], list[int], list[int]]:
-    """Meta rows of query-block pairs, and per pair the positions of its two blocks on the
-    concatenated query-block axis (-1 where a row's last block has no partner). Host ints."""
-    entries, first, second = [], [], []
-    qb0 = 0
-    for r in rows:
-        bt_row, tok, q_len, ctx = _row_fields(r)
-        for s in range(0, q_len, 2 * block_size):
-            entries.append((bt_row, tok + s, min(2 * block_size, q_len - s), ctx + s, ctx + q_len))
-            first.append(qb0 + s // block_size)
-            second.append(qb0 + s // block_size + 1 if s + block_size < q_len else -1)
-        qb0 += (q_len + block_size - 1) // block_size
-    return entries, first, second
-
-
-def pair_query_blocks(bix: BatchedSparseIndex, rows: Sequence[Any]) -> BatchedSparseIndex:
-    """Stack consecutive query blocks of each row in pairs: one program then computes 128
-    queries of one head over the union of the two blocks' lists, masking per entry which half
-    uses it. Each K/V tile is loaded once for twice the queries; that pays where neighbouring
-    query blocks select mostly the same keys (vertical-slash: the same columns, slash ranges
-    shifted by one block), not for unrelated block lists. ``rows`` must be the rows ``bix`` was
-    packed from. Torch on the index's device; no host sync."""
-    if bix.dense or bix.merged:
-        raise ValueError("pairs are built from a per-head sparse index (not dense, not merged)")
-    entries, first, second = _pair_tables(rows, bix.block_size)
-    if len(first) == 0:
-        return bix
-    dev = bix.block_index.device
-    meta = torch.tensor(entries, dtype=torch.int32).reshape(-1, META_WIDTH)
-    idx = torch.tensor([first, second], dtype=torch.int64)
-    idx[1][idx[1] < 0] = bix.num_query_blocks  # an all-empty list appended below
-    if dev.type == "cuda":
-        meta, idx = meta.pin_memory().to(dev, non_blocking=True), idx.pin_memory().to(dev, non_blocking=True)
-    else:
-        meta, idx = meta.to(dev), idx.to(dev)
-
-    def lists(index: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the kernel reads a list up to its count only: entries past it are not part of the list
-        index = torch.where(torch.arange(index.shape[-1], device=dev) < count[..., None], index, -1)
-        padded = torch.cat([index, index.new_full((index.shape[0], 1, index.shape[2]), -1)], dim=1)
-        return padded[:, idx[0]], padded[:, idx[1]]
-
-    bi, bb, bc = union_with_bits(*lists(bix.block_index, bix.block_count))
-    ci, cb, cc = union_with_bits(*lists(bix.column_index, bix.column_count))
-    return BatchedSparseIndex(bix.block_size, meta, bc, bi, cc, ci, 1, bb, cb, query_pairs=True)
-
-
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
@@ -326,9 +244,8 @@ def _sparse_fwd_kernel(
     PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
-    QROWS: tl.constexpr,  # queries per meta row: BLOCK, or 2 * BLOCK for query-block pairs (GH = 1)
 ):
-    BLOCK_M: tl.constexpr = GH * QROWS
+    BLOCK_M: tl.constexpr = GH * BLOCK
     KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
     LPK: tl.constexpr = (GROUP + GH - 1) // GH  # programs (list owners) per KV head and query block
     pid = tl.program_id(0)
@@ -354,10 +271,9 @@ def _sparse_fwd_kernel(
     bt_row_ptr = bt_ptr + bt_row.to(tl.int64) * s_bt
 
     offs_m = tl.arange(0, BLOCK_M)
-    r_in = offs_m % QROWS  # query within the meta row
-    # bit of a merged entry's mask: the stacked head (GH > 1) or the query block of a pair
+    r_in = offs_m % BLOCK  # query within the block
     head_bit = offs_m // BLOCK
-    hg = (pid_h % LPK) * GH + offs_m // QROWS  # head within the KV group (>= GROUP: padding, dense only)
+    hg = (pid_h % LPK) * GH + head_bit  # head within the KV group (>= GROUP: padding, dense only)
     head = kvh_i * GROUP + hg
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -390,14 +306,9 @@ def _sparse_fwd_kernel(
         n_all = (qpos0 + nq - 1) // BLOCK + 1
     else:
         n_all = tl.load(bcnt_ptr + lrow)
-        # sorted lists: only the last blocks can reach the queries' own positions (2 for 64
-        # queries, 3 for a pair's 128)
         last1 = tl.load(blist + n_all - 1, mask=n_all >= 1, other=-1)
         last2 = tl.load(blist + n_all - 2, mask=n_all >= 2, other=-1)
         n_full = n_all - (last1 >= kb_full).to(tl.int32) - (last2 >= kb_full).to(tl.int32)
-        if QROWS > BLOCK:
-            last3 = tl.load(blist + n_all - 3, mask=n_all >= 3, other=-1)
-            n_full = n_full - (last3 >= kb_full).to(tl.int32)
     n_full_tiles = n_full // KPT
     n_tiles = (n_all + KPT - 1) // KPT
 
@@ -444,8 +355,7 @@ def _sparse_fwd_kernel(
             k_off = k_off_n
             v_off = v_off_n
 
-    # 2) the rest: the (at most two, three for pairs) blocks reaching the queries' own positions,
-    # an odd block left
+    # 2) the rest: the (at most two) blocks reaching the queries' own positions, an odd block left
     for t in range(n_full_tiles, n_tiles):
         e = t * KPT + sub
         e_ok = e < n_all
@@ -492,7 +402,7 @@ def _sparse_fwd_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
-def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1, query_pairs: bool = False) -> dict:
+def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1) -> dict:
     """Launch parameters measured on H100 at 128K (benchmarks/KERNEL_NOTES.md, runs 2, 3 and 5).
 
     Dense, head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each
@@ -507,14 +417,11 @@ def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1
         return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 2, "block_n": 64, "kv_major": True,
                 "prefetch": False}
     gh = merged_heads
-    if query_pairs:
-        return {"heads_per_program": 1, "num_warps": 8, "num_stages": 2, "block_n": 64, "kv_major": True,
-                "prefetch": True, "query_pairs": True}
     if head_dim >= 128 or gh > 1:
         return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 3 if gh == 1 else 2, "block_n": 64,
-                "kv_major": True, "prefetch": True, "query_pairs": False}
+                "kv_major": True, "prefetch": True}
     return {"heads_per_program": gh, "num_warps": 4, "num_stages": 2, "block_n": 128, "kv_major": True,
-            "prefetch": True, "query_pairs": False}
+            "prefetch": True}
 
 
 def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -523,8 +430,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
                              out: torch.Tensor, softcap: float = 0.0, return_lse: bool = False,
                              *, heads_per_program: int | None = None, num_warps: int | None = None,
                              num_stages: int | None = None, block_n: int | None = None,
-                             kv_major: bool | None = None, prefetch: bool | None = None,
-                             query_pairs: bool | None = None):
+                             kv_major: bool | None = None, prefetch: bool | None = None):
     """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
 
     q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
@@ -536,10 +442,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     fp32 [H, T] (natural log; -inf where a query selected nothing, whose output is zero).
     ``heads_per_program`` (dense only), ``num_warps``, ``num_stages``, ``block_n`` (keys per tile:
     64, or 128 = two listed blocks per tile), ``kv_major`` (program order) and ``prefetch`` (issue
-    the next tile's list/page lookups early) override :func:`default_config`. ``query_pairs``:
-    stack each row's query blocks in pairs over the union of their lists
-    (:func:`pair_query_blocks`; per-head sparse indices given as a list only; default from
-    :func:`default_config`).
+    the next tile's list/page lookups early) override :func:`default_config`.
     """
     t, h, d = q.shape
     page, hkv, dk = key_cache.shape[1:]
@@ -552,17 +455,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if h % hkv:
         raise ValueError(f"{h} query heads not a multiple of {hkv} KV heads")
     group = h // hkv
-    packed_here = index is None or not isinstance(index, BatchedSparseIndex)
-    if packed_here:
+    if index is None or not isinstance(index, BatchedSparseIndex):
         if rows is None:
             raise ValueError("rows are needed to pack the index")
         index = pack_rows(rows, index, device=q.device)
-        if query_pairs is None:
-            query_pairs = not index.dense and default_config(d, False, group)["query_pairs"]
-        if query_pairs and not index.dense:
-            index = pair_query_blocks(index, rows)
-    elif query_pairs and not index.query_pairs:
-        raise ValueError("query_pairs needs the per-row indices (or an index from pair_query_blocks)")
     bix = index
     if bix.block_size != 64:
         raise ValueError("the kernel is built for 64-wide blocks")
@@ -570,14 +466,12 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         gh = heads_per_program or default_config(d, True, group)["heads_per_program"]
     else:
         gh = bix.heads_per_list
-        if bix.query_pairs and heads_per_program not in (None, 1):
-            raise ValueError("query-block pairs run one head per program")
         if heads_per_program not in (None, gh):
             raise ValueError("a sparse index's heads per program is fixed by merge_group_heads")
     if gh & (gh - 1) or (not bix.dense and group % gh):
         raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when sparse)")
     lists = hkv * ((group + gh - 1) // gh)
-    cfg = default_config(d, bix.dense, group, gh, bix.query_pairs)
+    cfg = default_config(d, bix.dense, group, gh)
     warps = num_warps or cfg["num_warps"]
     stages = num_stages or cfg["num_stages"]
     bn = block_n or cfg["block_n"]
@@ -609,6 +503,6 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         float(scale), float(softcap) if softcap > 0 else 1.0,
         GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
-        QROWS=bix.queries_per_row, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )
     return (out, lse) if return_lse else out
