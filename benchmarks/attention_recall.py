@@ -1,0 +1,138 @@
+"""Attention recall of the sparse patterns on a real model's Q/K/V: no generation needed.
+
+transformers runs the model (fp32, SDPA) once per prompt length on a real long prompt (a
+multi-key needle prompt cut from offline text, ``evaluation.tasks``); each layer's post-RoPE
+Q/K/V goes through every variant's estimator (the backend's own code) and is scored against exact
+dense attention: the share of the true softmax mass the selection keeps (recall), the relative
+output error, and the exact density. See ``vllm_sparse_backend.evaluation.attention_check``.
+
+    python benchmarks/attention_recall.py --model qwen-coder --lengths 8192 16384 \\
+        --variants vs flex0.9 flex0.95 ashape block 'vs-small=vertical_size=250,slash_size=1000'
+
+Writes ``<out>.json`` (per layer and variant) and ``<out>.txt`` (summary per length and
+variant; per-layer table with --per-layer). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import sys
+import time
+
+# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from vllm_sparse_backend.evaluation import attention_check as ac  # noqa: E402
+from vllm_sparse_backend.evaluation import inputs  # noqa: E402
+from vllm_sparse_backend.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
+
+REPO = _HERE.parent
+DEFAULT_VARIANTS = ["vs", "flex0.9", "flex0.95", "ashape", "block"]
+
+
+def format_summary(summary: dict[int, dict[str, dict]]) -> str:
+    head = (f"{'tokens':>6} {'variant':<28} {'density':>7} {'recall':>7} {'min lay':>7} "
+            f"{'min head':>8} {'out err':>7} {'max lay':>7}")
+    lines = [head, "-" * len(head)]
+    for n, per_variant in summary.items():
+        for label, m in per_variant.items():
+            lines.append(f"{n:>6} {label:<28} {m['density']:>7.3f} {m['recall']:>7.4f} "
+                         f"{m['recall_min_layer']:>7.4f} {m['recall_min_head']:>8.4f} "
+                         f"{m['error']:>7.4f} {m['error_max_layer']:>7.4f}")
+    return "\n".join(lines)
+
+
+def format_layers(results: list[dict], n: int) -> str:
+    labels = list(dict.fromkeys(r["variant"] for r in results))
+    head = f"{'layer':>5}" + "".join(f" | {lab[:20]:^20}" for lab in labels)
+    sub = f"{'':>5}" + "".join(f" | {'dens':>6} {'recall':>6} {'err':>6}" for _ in labels)
+    lines = [f"# per layer at {n} tokens", head, sub]
+    for layer in sorted({r["layer"] for r in results}):
+        line = f"{layer:>5}"
+        for lab in labels:
+            r = next(x for x in results if x["layer"] == layer and x["variant"] == lab)
+            line += f" | {r['density']:>6.3f} {r['recall']:>6.4f} {r['error']:>6.4f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    inputs.add_arguments(p, DEFAULT_VARIANTS, REPO / "head_configs")
+    p.add_argument("--task", default="multi_key", choices=list(TASKS),
+                   help="which task's prompt to run (the text around the facts dominates)")
+    p.add_argument("--lengths", nargs="+", type=int, default=[2048, 4096, 8000])
+    p.add_argument("--rows", type=int, default=1024, help="sampled query rows per layer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-budget", type=int, default=None,
+                   help="FlexPrefill min_budget for every variant (library default 1024)")
+    p.add_argument("--per-layer", action="store_true", help="also print per-layer tables")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--out", help="output path without extension")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    run = inputs.from_arguments(p, args)
+    model_dir, model_name, text, text_name = run.model_dir, run.model_name, run.text, run.text_name
+    variants = run.variants
+    tok = HFTokenizer(str(model_dir))
+    base = {} if args.min_budget is None else {"min_budget": args.min_budget}
+
+    date = datetime.date.today().isoformat()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
+                       f"attention_recall_{device}_{run.short_name}_{date}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"model": model_name, "text": text_name, "task": args.task, "device": device,
+            "host": platform.node(), "date": date, "rows": args.rows, "seed": args.seed,
+            "variants": {v.label: v.overrides for v in variants}, "base_settings": base,
+            "torch": torch.__version__, "command": " ".join(sys.argv)}
+    per_length: dict[int, list[dict]] = {}
+    summary: dict[int, dict] = {}
+    for n in args.lengths:
+        sample = TASKS[args.task](tok, text, n, args.seed, 0.5)
+        checker = ac.LayerChecker(variants, rows=args.rows, seed=args.seed, base_settings=base)
+        t0 = time.monotonic()
+
+        def on_layer(layer, q, k, v, scale, o):
+            t = time.monotonic()
+            res = checker(layer, q, k, v, scale, o)
+            print(f"{sample.n_tokens} tok layer {layer:>2}: " + ", ".join(
+                f"{r.variant} d={r.density:.3f} r={r.recall:.4f} e={r.error:.4f}" for r in res)
+                + f" ({time.monotonic() - t:.1f} s)", flush=True)
+
+        ac.capture_attention(str(model_dir), sample.prompt_ids, on_layer, device=device)
+        print(f"{sample.n_tokens} tokens: {time.monotonic() - t0:.0f} s; capture check: our dense "
+              f"output vs the model's SDPA output, max relative difference "
+              f"{checker.capture_diff:.2e}", flush=True)
+        per_length[sample.n_tokens] = ac.results_json(checker.results)
+        summary[sample.n_tokens] = ac.summarize(checker.results)
+        meta.setdefault("capture_diff", {})[sample.n_tokens] = checker.capture_diff
+        out.with_suffix(".json").write_text(json.dumps(
+            {"meta": meta, "summary": summary, "layers": per_length}, indent=1) + "\n")
+
+    lines = [f"# {model_name}, {device}, {date}: {args.task} prompt from {text_name}; "
+             f"{args.rows} sampled query rows per layer",
+             "# density = selected / causal pairs; recall = kept softmax mass (mean over heads, "
+             "rows, layers; 'min lay' worst layer, 'min head' worst head);",
+             "# out err = ||o_sparse - o_dense|| / ||o_dense|| (mean over layers; 'max lay' worst)",
+             format_summary(summary)]
+    if args.per_layer:
+        for n, res in per_length.items():
+            lines += ["", format_layers(res, n)]
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}.json and {out}.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
