@@ -27,6 +27,7 @@ import datetime
 import json
 import pathlib
 import platform
+import signal
 import sys
 import tempfile
 import time
@@ -45,6 +46,9 @@ REPO = _HERE.parent
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `timeout` and job control send SIGTERM: unwind, so that the running server is stopped (it
+    # runs in its own session and would otherwise keep the accelerator's memory).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     inputs.add_arguments(p, ["dense", "vs", "flex0.9", "flex0.95"], REPO / "head_configs")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -157,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ServerError, OSError) as e:  # a dead server: record it, go on with the rest
             print(f"[{v.label}] FAILED: {e}", flush=True)
             meta.setdefault("errors", {})[v.label] = str(e)[:2000]
+        else:  # an earlier run's failure of this variant (on --resume) is no longer the story
+            meta.get("errors", {}).pop(v.label, None)
         print(f"[{v.label}] done in {time.monotonic() - t1:.0f} s", flush=True)
         save()
     save()  # also when every variant was already there (--resume re-renders the table)

@@ -3,6 +3,8 @@
 Writes a dummy-weight model folder (Llama-3-8B shape, ``--layers`` of them, ``--load-format
 dummy``), then runs each variant in its own subprocess (a fresh engine each):
 
+* warm-up (``--warmup-len``, default 48K): one untimed prefill, so that no timed one includes the
+  Triton kernels' JIT compilation;
 * prefill: random token ids of each length, one ``generate`` with max_tokens=1 (prefill + first
   token = TTFT of a lone request), best of ``--repeats``;
 * tokens: 8 greedy tokens per length, compared with the first variant's (a density-1 variant,
@@ -116,6 +118,11 @@ def worker(args) -> None:
         out = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, out
 
+    if args.warmup_len:
+        # untimed: the first sparse forward JIT-compiles the Triton kernels (seconds, once per
+        # process with a cold cache), which a single timed prefill would otherwise include
+        t = timed([{"prompt_token_ids": prompt_ids(args.warmup_len, 7)}], greedy(1))[0]
+        emit("warmup", n=args.warmup_len, seconds=t)
     for n in args.lengths:
         prompt = {"prompt_token_ids": prompt_ids(n, n)}
         best = min(timed([prompt], greedy(1))[0] for _ in range(args.repeats if n <= args.tokens_max_len else 1))
@@ -215,6 +222,8 @@ def main() -> None:
     ap.add_argument("--tokens-max-len", type=int, default=65536,
                     help="compare 8 greedy tokens up to this length (one more prefill each)")
     ap.add_argument("--structure", choices=["band", "none"], default="band", help="see the module doc")
+    ap.add_argument("--warmup-len", type=int, default=49152,
+                    help="untimed prefill first (3 chunks: sparse at the default budgets); 0 = none")
     ap.add_argument("--decode-batch", type=int, default=0)
     ap.add_argument("--decode-len", type=int, default=32768)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -251,7 +260,8 @@ def main() -> None:
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
                "--decode-batch", str(args.decode_batch), "--decode-len", str(args.decode_len),
                "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
-               "--structure", args.structure, "--lengths", *map(str, args.lengths)] + \
+               "--structure", args.structure, "--warmup-len", str(min(args.warmup_len, args.max_len - 16)),
+               "--lengths", *map(str, args.lengths)] + \
               (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
