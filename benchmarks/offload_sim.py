@@ -26,6 +26,7 @@ import argparse
 import glob
 import json
 import math
+import pathlib
 from dataclasses import dataclass
 
 GB = 1e9
@@ -64,6 +65,11 @@ class Step:
     union: float = 1.0  # selected tokens per KV head / k: the union over the group's query heads
 
 
+def page_bytes(shape: Shape, page: int) -> int:
+    """K and V of one page of one KV head in one layer."""
+    return page * 2 * shape.head_dim * shape.kv_bytes
+
+
 def pages_per_head(s: Step) -> float:
     """Pages one (layer, KV head) needs per step."""
     return s.context * s.topk_frac * s.union / (s.page * s.utilisation)
@@ -71,8 +77,7 @@ def pages_per_head(s: Step) -> float:
 
 def transfer_bytes(shape: Shape, s: Step) -> float:
     """Bytes crossing PCIe per decode step (all layers and KV heads), missed pages only."""
-    page_bytes = s.page * 2 * shape.head_dim * shape.kv_bytes  # K + V of one page, one head
-    return shape.layers * shape.kv_heads * pages_per_head(s) * (1.0 - s.hit) * page_bytes
+    return shape.layers * shape.kv_heads * pages_per_head(s) * (1.0 - s.hit) * page_bytes(shape, s.page)
 
 
 def weight_read_seconds(shape: Shape, m: Machine, weight_bytes: float) -> float:
@@ -84,11 +89,10 @@ def resident_bytes(shape: Shape, s: Step, weight_bytes: float, window: int, cach
                    summary_bytes: float) -> dict[str, float]:
     """GPU memory: weights, sinks + window KV, page cache (``cache_factor`` x a step's pages per
     head), page summaries (``summary_bytes`` per page and KV head, every page of the context)."""
-    per_head_page = s.page * 2 * shape.head_dim * shape.kv_bytes
     return {
         "weights": shape.params * weight_bytes,
         "window": window * shape.kv_bytes_per_token(),
-        "page cache": shape.layers * shape.kv_heads * cache_factor * pages_per_head(s) * per_head_page,
+        "page cache": shape.layers * shape.kv_heads * cache_factor * pages_per_head(s) * page_bytes(shape, s.page),
         "summaries": shape.layers * shape.kv_heads * math.ceil(s.context / s.page) * summary_bytes,
     }
 
@@ -99,7 +103,7 @@ def trace_points(pattern: str, page: int, cache_factor: float) -> list[tuple[flo
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise SystemExit(f"--trace {pattern}: no such file")
-    results = json.loads(open(paths[-1]).read())["results"]
+    results = json.loads(pathlib.Path(paths[-1]).read_text())["results"]
     key = f"hit_{cache_factor:g}x"
     points = []
     for frac, by_page in sorted(results.items(), key=lambda kv: float(kv[0])):
