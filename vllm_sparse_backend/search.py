@@ -140,29 +140,19 @@ def search_layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, density: flo
 # Whole model: capture each layer's Q/K/V with transformers on calibration prompts, search.
 # ---------------------------------------------------------------------------------------------
 
-_CAPTURE = "vllm_sparse_capture"
-
-
 def capture_qkv(model_dir: str, token_ids: list[int]) -> tuple[dict[int, tuple], dict]:
     """Run the model (transformers, CPU or CUDA, fp32) once on ``token_ids``; return per layer
     (q [L, H, D], k [L, Hkv, D], v [L, Hkv, D], scale) after rotary embedding, and the config."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from .evaluation.attention_check import capture_attention
 
     captured: dict[int, tuple] = {}
 
-    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        captured[module.layer_idx] = (query[0].transpose(0, 1).detach().cpu(), key[0].transpose(0, 1).detach().cpu(),
-                                      value[0].transpose(0, 1).detach().cpu(), float(scaling))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    def keep(layer, q, k, v, scale, out):
+        captured[layer] = (q, k, v, scale)
 
-    AttentionInterface.register(_CAPTURE, capture)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=_CAPTURE, dtype=torch.float32)
-    model.to(device).eval()
-    with torch.no_grad():
-        model(torch.tensor([token_ids], device=device), use_cache=False)
-    return captured, model.config
+    config = capture_attention(model_dir, token_ids, keep, device=device)
+    return captured, config
 
 
 def search_model(model_dir: str, samples: list[list[int]], density: float, settings: SparseSettings,
