@@ -53,7 +53,7 @@ def _load_kernels():
 sa = _load_kernels()
 from vllm_sparse_backend.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64)}
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64)}
 PAGE = 16
 
 
@@ -308,6 +308,89 @@ def index_bench(n: int, gen) -> str:
             f"{same}; scores rel. err vs torch fp32: {err:.1e}")
 
 
+def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
+    """Group-shared lists (one list per KV head, the group's query heads stacked in one program)
+    vs the same lists run per head (expanded); plus estimation with per-group top-k.
+    Prints one line per (n, index, variant); returns the lines."""
+    from vllm_sparse_backend.triton_kernels import vs_index as vsi
+    h, hkv, d = SHAPES[shape]
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    dev = "cuda"
+    lines = []
+
+    def say(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    for nk in sizes:
+        n = nk * 1024
+        q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        best = min(sdpa_times(q, k, v, group).values())
+        key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+        rows = [(0, 0, n, 0)]
+        out = torch.empty_like(q)
+        ref = torch.empty_like(q)
+        say(f"{shape} n={nk}K best dense SDPA {best:.2f} ms")
+        for name, make in (("vs1000_6096", lambda: vs_index(hkv, n, 1000, 6096, dev, gen)),
+                           ("bs100", lambda: bs_index(hkv, n, 100, dev, gen))):
+            ix_kv = make()
+            ix_h = type(ix_kv)(64, *(t.repeat_interleave(group, dim=0) for t in
+                                     (ix_kv.block_count, ix_kv.block_index, ix_kv.column_count, ix_kv.column_index)))
+            pairs = index_pairs(ix_h, n)
+            per_head = sa.pack_rows(rows, [ix_h], device=dev)
+            t_h = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, per_head, scale, ref))
+            tf = 4 * d * pairs / (t_h * 1e-3) / 1e12
+            say(f"  {name} density {pairs / (h * n * (n + 1) / 2):.3f}: per head (gh1 default) {t_h:.2f} ms "
+                f"({best / t_h:.1f}x, {tf:.0f} TFLOP/s)")
+            for var in ((dict(num_stages=2), dict(num_stages=4)) if d >= 128 else (dict(block_n=64),)):
+                t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, per_head, scale,
+                                                              out, **var))
+                say(f"    per head {vtag(var)}: {t:.2f} ms ({best / t:.1f}x)")
+            for gh in (2, 4):
+                lists = type(ix_kv)(64, *(t.repeat_interleave(group // gh, dim=0) for t in
+                                          (ix_kv.block_count, ix_kv.block_index, ix_kv.column_count,
+                                           ix_kv.column_index)))
+                shared = sa.pack_rows(rows, [lists], device=dev, heads_per_list=gh)
+                if d >= 128:
+                    variants = (dict(), dict(num_warps=8, num_stages=3), dict(num_warps=4 * gh, num_stages=4))
+                else:
+                    variants = (dict(num_warps=4 * gh, num_stages=3), dict(num_warps=4 * gh, num_stages=2),
+                                dict(num_warps=4 * gh, num_stages=2, block_n=128))
+                for var in variants:
+                    try:
+                        out.zero_()
+                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, shared,
+                                                                      scale, out, **var))
+                        err = ((out.float() - ref.float()).abs().max()).item()
+                        say(f"    shared gh{gh} {vtag(var)}: {t:.2f} ms ({best / t:.1f}x, "
+                            f"{4 * d * pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s), max |diff| vs per head {err:.2e}")
+                    except Exception as e:
+                        say(f"    shared gh{gh} {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+                del shared, lists
+            del per_head, ix_h, ix_kv
+            torch.cuda.empty_cache()
+        # estimation: per-head top-k + conversion vs per-group (scores summed over the group)
+        nv, ns = 1000, 6096
+
+        def est(shared: bool):
+            vert, slash = vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale)
+            if shared:
+                vert, slash = vert.view(hkv, group, n).sum(1), slash.view(hkv, group, n).sum(1)
+            vert[:, :30] = float("inf")
+            slash[:, :30] = float("inf")
+            return vsi.vertical_slash_index(*vsi.vs_topk(vert, slash, nv, ns, nv, ns), n, 0)
+
+        t_scores = bench(lambda: vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale))
+        say(f"  estimation VS 1000/6096: scores {t_scores:.2f} ms, + top-k + conversion per head "
+            f"{bench(lambda: est(False)):.2f} ms, per KV group {bench(lambda: est(True)):.2f} ms")
+        del q, k, v, key_cache, value_cache, out, ref
+        torch.cuda.empty_cache()
+    return lines
+
+
 def fmt_table(shape, recs, d):
     lines = [f"\n### {shape} (H/Hkv/D = {'/'.join(map(str, SHAPES[shape]))}), bf16, page {PAGE}, "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {sa.triton.__version__}",
@@ -340,8 +423,14 @@ def main():
     ap.add_argument("--merged", action="store_true", help="with --sweep: also time merge_group_heads(4)")
     ap.add_argument("--index-bench", type=int, default=0, help="only time index building at this n (K tokens)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--shared-sweep", action="store_true",
+                    help="only time group-shared lists (one per KV head, heads stacked) vs per head")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.shared_sweep:
+        for shape in args.shapes.split(","):
+            shared_sweep([int(s) for s in args.sizes.split(",")], gen, shape)
+        return
     if args.index_bench:
         print(index_bench(args.index_bench * 1024, gen))
         return

@@ -81,7 +81,7 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
-             n_cols=24, softcap=0.0, merge=1, check_lse=False, tol=None, device=DEV, **launch):
+             n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, **launch):
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
@@ -98,8 +98,14 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         indices = [full_index(h, q_len, ctx, device) for q_len, ctx in shapes]
         bix = sa.pack_rows(rows, None, device=device)
     else:
-        indices = [random_index(h, q_len, ctx, density, n_cols, gen, device) for q_len, ctx in shapes]
-        bix = sa.pack_rows(rows, indices, device=device)
+        # share > 1: one list per `share` heads of a group (pack_rows(heads_per_list=share)); the
+        # reference gets each list repeated for its heads
+        lists = [random_index(h // share, q_len, ctx, density, n_cols, gen, device) for q_len, ctx in shapes]
+        indices = [type(ix)(64, *(t.repeat_interleave(share, dim=0) for t in
+                                  (ix.block_count, ix.block_index, ix.column_count, ix.column_index)))
+                   for ix in lists]
+        # pack=False: the launcher gets the per-row lists and picks the stacking itself
+        bix = sa.pack_rows(rows, lists, device=device, heads_per_list=share) if pack else lists
         if merge > 1:
             bix = sa.merge_group_heads(bix, merge)
     kw = {"heads_per_program": merge} if mode == "dense" else {}
@@ -181,6 +187,22 @@ def test_interp_launch_variants(mode, merge, kv_major, block_n, prefetch):
 
 
 @cpu_only
+@pytest.mark.parametrize("group,share,hkv", [(4, 4, 1), (4, 2, 2), (8, 4, 1)])
+def test_interp_group_shared_lists(group, share, hkv):
+    # one key list per `share` query heads of a KV group, the heads stacked in one program
+    run_case(SMALL, hkv, group, 64, 16, torch.float32, seed=31 + share, share=share, check_lse=True)
+
+
+@cpu_only
+@pytest.mark.parametrize("group,d", [(4, 64), (6, 64), (4, 128), (8, 128), (6, 128), (7, 128)])
+def test_interp_launcher_stacks_shared_lists(group, d):
+    # one list per KV head handed to the launcher unpacked: it stacks up to 4 heads (d=128:
+    # 4 of 4, 4 of 8, 2 of 6, 1 of 7; d=64: 4 or 1) and repeats the list for the remaining stacks
+    run_case(SMALL[:2], 1, group, d, 16, torch.float32, seed=41 + group, share=group, pack=False)
+    assert sa.shared_stack(d, group) == ({4: 4, 8: 4, 6: 2, 7: 1} if d == 128 else {4: 4, 8: 4, 6: 1, 7: 1})[group]
+
+
+@cpu_only
 def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
@@ -208,6 +230,12 @@ def test_gpu_sparse(group, d, page, dtype):
 def test_gpu_dense(group, merge):
     run_case(BIG, 2, group, 128, 16, torch.bfloat16, seed=group + merge, mode="dense", merge=merge)
     run_case(BIG, 2, group, 128, 16, torch.bfloat16, seed=group + merge, mode="dense", merge=merge, block_n=128)
+
+
+@gpu
+@pytest.mark.parametrize("group,share,d", [(4, 4, 128), (4, 2, 128), (8, 4, 64)])
+def test_gpu_group_shared_lists(group, share, d):
+    run_case(BIG, 2, group, d, 16, torch.bfloat16, seed=group * share + d, share=share, density=0.2, n_cols=300)
 
 
 @gpu

@@ -19,11 +19,12 @@ lists materialised (a constexpr flag), for comparing against cuDNN / FlashAttent
 
 GQA: a program may stack ``heads_per_program`` query heads of one KV group along M
 (BLOCK_M = heads_per_program * 64), so each K/V tile is loaded once for all of them. This needs
-one key list for the stacked heads: the dense mode (no lists; padded stacks for groups like 7)
+one key list for the stacked heads: the dense mode (no lists; padded stacks for groups like 7),
+a group-shared index (one list per KV group or sub-group, ``pack_rows(..., heads_per_list=g)``)
 and a merged index (:func:`merge_group_heads`: union of the heads' lists plus a per-entry head
-bitmask) qualify. Measured on H100 (benchmarks/KERNEL_NOTES.md): stacking wins for dense at head
-dim 128; for per-head sparse lists that differ between heads the union costs more than it saves,
-so sparse defaults to one head per program.
+bitmask) qualify. Measured (benchmarks/KERNEL_NOTES.md): stacking wins for dense at head dim
+128 and for group-shared lists (4 heads: 1.5x at head dim 128 on H200); for per-head lists that
+differ between heads the union costs more than it saves, so those run one head per program.
 
 K/V are read through the block table with the cache tensors' own strides
 (``[num_pages, page_size, Hkv, D]`` views, NHD or HND physical layout, any power-of-two page
@@ -112,9 +113,11 @@ def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device=None,
-              block_size: int = 64) -> BatchedSparseIndex:
+              block_size: int = 64, heads_per_list: int = 1) -> BatchedSparseIndex:
     """Build the batched index of ``rows`` (SparseRow-like: row, tok_start, q_len, ctx_len; or
     4-tuples in that order). ``indices=None`` gives the dense (full causal) variant.
+    ``heads_per_list`` > 1: each index has one list per ``heads_per_list`` consecutive query heads
+    of a KV group (a group-shared pattern), and the kernel stacks those heads in one program.
     No device synchronisation: widths come from tensor shapes, metadata from host ints."""
     if indices is None:
         if device is None:
@@ -138,6 +141,7 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
         cat([_pad_last(ix.block_index.to(torch.int32), maxb) for ix in indices]),
         cat([ix.column_count.to(torch.int32) for ix in indices]),
         cat([_pad_last(ix.column_index.to(torch.int32), maxc) for ix in indices]),
+        heads_per_list,
     )
 
 
@@ -402,13 +406,28 @@ def _sparse_fwd_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
-def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1) -> dict:
+def shared_stack(head_dim: int, heads_per_list: int) -> int:
+    """Heads stacked per program for lists shared by ``heads_per_list`` query heads (H200,
+    benchmarks/KERNEL_NOTES.md run 15). Head dim 128: the largest power of two dividing it, at
+    most 4 (M = 256): 1.5x over one head per program, 2 heads 1.15x. Head dim 64: 4 when it
+    divides (1.02-1.07x), else 1 (2 heads were 1.2x slower than one)."""
+    if head_dim < 128:
+        return 4 if heads_per_list % 4 == 0 else 1
+    gh = 1
+    while gh < 4 and heads_per_list % (2 * gh) == 0:
+        gh *= 2
+    return gh
+
+
+def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1, shared: bool = False) -> dict:
     """Launch parameters measured on H100 at 128K (benchmarks/KERNEL_NOTES.md, runs 2, 3 and 5).
 
     Dense, head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each
     K/V tile serves 4 heads; head dim 64: one head per program (stacking, padded or not, was
     slower). Sparse, per-head lists: M = 64, 4 warps, next tile's offsets prefetched; head dim
     64 takes two listed blocks per 128-wide key tile, head dim 128 one block and 3 stages.
+    Sparse, lists shared by the stacked heads (``shared``): 4 warps per head and 3 stages (H200,
+    run 15); merged lists (``merge_group_heads``): 2 stages.
     """
     if dense:
         gh = 1
@@ -418,8 +437,8 @@ def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1
                 "prefetch": False}
     gh = merged_heads
     if head_dim >= 128 or gh > 1:
-        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 3 if gh == 1 else 2, "block_n": 64,
-                "kv_major": True, "prefetch": True}
+        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 3 if gh == 1 or shared else 2,
+                "block_n": 64, "kv_major": True, "prefetch": True}
     return {"heads_per_program": gh, "num_warps": 4, "num_stages": 2, "block_n": 128, "kv_major": True,
             "prefetch": True}
 
@@ -437,7 +456,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     (any strides); block_table: int32 [num_reqs, max_pages]; rows: SparseRow-like objects (row,
     tok_start, q_len, ctx_len) or 4-tuples, needed unless ``index`` is already packed;
     index: a :class:`BatchedSparseIndex` (from :func:`pack_rows`, possibly merged with
-    :func:`merge_group_heads`), a list of per-row :class:`SparseIndex`, or None for dense causal.
+    :func:`merge_group_heads`), a list of per-row :class:`SparseIndex` (one list per query head,
+    or one per ``H / lists`` consecutive heads of a KV group: then stacked, see
+    :func:`shared_stack`), or None for dense causal.
     Only the rows' tokens of ``out`` are written. Returns ``out``, or ``(out, lse)`` with lse
     fp32 [H, T] (natural log; -inf where a query selected nothing, whose output is zero).
     ``heads_per_program`` (dense only), ``num_warps``, ``num_stages``, ``block_n`` (keys per tile:
@@ -458,7 +479,20 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if index is None or not isinstance(index, BatchedSparseIndex):
         if rows is None:
             raise ValueError("rows are needed to pack the index")
-        index = pack_rows(rows, index, device=q.device)
+        per_list = 1
+        if index is not None and index and index[0].num_heads != h:
+            # lists shared by consecutive heads of a KV group: stack shared_stack() of them per
+            # program, repeating each list for the group's remaining stacks
+            lists = index[0].num_heads
+            if h % lists or group % (h // lists):
+                raise ValueError(f"{lists} lists for {h} query heads in groups of {group}")
+            per_list = shared_stack(d, h // lists)
+            rep = h // lists // per_list
+            if rep > 1:
+                index = [SparseIndex(ix.block_size, *(t.repeat_interleave(rep, dim=0) for t in
+                                                      (ix.block_count, ix.block_index, ix.column_count,
+                                                       ix.column_index))) for ix in index]
+        index = pack_rows(rows, index, device=q.device, heads_per_list=per_list)
     bix = index
     if bix.block_size != 64:
         raise ValueError("the kernel is built for 64-wide blocks")
@@ -467,11 +501,11 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     else:
         gh = bix.heads_per_list
         if heads_per_program not in (None, gh):
-            raise ValueError("a sparse index's heads per program is fixed by merge_group_heads")
+            raise ValueError("a sparse index's heads per program is fixed by the index (heads_per_list)")
     if gh & (gh - 1) or (not bix.dense and group % gh):
         raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when sparse)")
     lists = hkv * ((group + gh - 1) // gh)
-    cfg = default_config(d, bix.dense, group, gh)
+    cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1)
     warps = num_warps or cfg["num_warps"]
     stages = num_stages or cfg["num_stages"]
     bn = block_n or cfg["block_n"]
