@@ -15,6 +15,9 @@ d=128), bf16, page 16 in random order.
 
     python benchmarks/backend_path.py --sizes 16,32,64,128 --chunk 16384
 
+Variants: the default vertical-slash, FlexPrefill gamma 0.9, A-shape, and vertical-slash / A-shape
+with ``kv_group_shared`` (one selection per KV head, the group's heads stacked in the kernel).
+
 Prints a table; asserts nothing.
 """
 
@@ -37,7 +40,7 @@ from vllm_sparse_backend.config import PatternName, SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.index import count_pairs  # noqa: E402
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
-from vllm_sparse_backend.plan import SparseRow  # noqa: E402
+from vllm_sparse_backend.plan import SparseRow, kv_group_share  # noqa: E402
 from vllm_sparse_backend.triton_kernels import sparse_attention as sa  # noqa: E402
 
 
@@ -78,14 +81,15 @@ def run(n, chunk, settings_list, gen, h=32, hkv=8, d=128, dev="cuda"):
                                                                   scale, out))
     causal = h * n * (n + 1) // 2
     for name, cfg in settings_list:
-        groups = HeadGroups.from_heads([resolve_head(None, cfg)] * h, dev)
+        heads = [resolve_head(None, cfg)] * h
+        groups = HeadGroups.from_heads(heads, dev, kv_group_share(heads, hkv, cfg))
 
         def est(r):
             return estimate_index_paged(q[r.tok_start:r.tok_start + r.q_len], key_cache, table[0], r.ctx_len,
                                         groups, cfg, scale).index
 
         indices = [est(r) for r in rows]
-        pairs = sum(count_pairs(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows))
+        pairs = sum(count_pairs(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows)) * groups.share
 
         def kernel_only():
             for r, ix in zip(rows, indices):
@@ -110,12 +114,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,32,64,128")
     ap.add_argument("--chunk", type=int, default=16384)
+    ap.add_argument("--skip-flex", action="store_true", help="leave FlexPrefill out (its estimation is slow)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     base = SparseSettings()
+    shared = {"kv_group_shared": True}
     settings_list = [("VS 1000/6096", base),
+                     ("VS 1000/6096 shared", base.model_copy(update=shared)),
                      ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),
-                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": PatternName.A_SHAPE}))]
+                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": PatternName.A_SHAPE})),
+                     ("A-shape shared", base.model_copy(update={"default_pattern": PatternName.A_SHAPE, **shared}))]
+    if args.skip_flex:
+        settings_list = [x for x in settings_list if not x[0].startswith("Flex")]
     recs = []
     for nk in (int(s) for s in args.sizes.split(",")):
         try:

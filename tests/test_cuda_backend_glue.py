@@ -46,9 +46,10 @@ def _step(dtype, gen):
     return query, kv_cache, md, (h, hkv, d)
 
 
-def _impl(settings, h, d):
+def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
+    impl.num_kv_heads = hkv  # FlashAttentionImpl.__init__ sets it
     impl.sparse_heads = [resolve_head(None, settings)] * h
     return impl
 
@@ -71,7 +72,7 @@ def _check(kernel, dtype, sparse_env, tol):
     gen = torch.Generator().manual_seed(3)
     query, kv_cache, md, (h, hkv, d) = _step(dtype, gen)
     output = torch.full((query.shape[0], h, d), float("nan"), dtype=dtype)
-    impl = _impl(settings, h, d)
+    impl = _impl(settings, h, d, hkv)
     impl.forward(None, query, None, None, kv_cache, md, output)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(d, dim=-1)
     for r in md.sparse_rows:
@@ -96,3 +97,4 @@ def test_sparse_branch_with_the_triton_kernel(sparse_env, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     impl = _check("triton", torch.float16, sparse_env, 1e-2)
     assert impl._use_triton is True
+    assert impl._head_groups.share == 4  # kv_group_shared (default): one list per KV head, 4 heads stacked

@@ -20,7 +20,9 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 
 from vllm_sparse_backend.config import PatternName, SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+from vllm_sparse_backend.index import SparseIndex
 from vllm_sparse_backend.patterns import estimate_index
+from vllm_sparse_backend.plan import kv_group_share
 
 kernel_module("estimate")
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
@@ -47,20 +49,30 @@ def check(patterns, q_len, ctx_len, hkv, d, page, dtype, seed, device, settings,
     group = len(patterns) // hkv
     q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=1.5)
     heads = _heads(patterns, settings, seed)
+    if settings.kv_group_shared:  # uniform KV groups: every head takes its group's first head's budgets
+        heads = [heads[i - i % group] for i in range(len(heads))]
     scale = 1.0 / math.sqrt(d)
     ref = estimate_index(q, k, ctx_len, heads, settings, scale)
-    groups = HeadGroups.from_heads(heads, device)
+    share = kv_group_share(heads, hkv, settings)
+    groups = HeadGroups.from_heads(heads, device, share)
     q_dev = q.to(device)
     with no_host_sync(device):
         got = estimate_index_paged(q_dev, key_cache, table, ctx_len, groups, settings, scale)
+    assert got.heads_per_list == share and got.index.num_heads == len(heads) // share
+    if share > 1:  # the torch path repeats each KV group's selection for its heads
+        got.index = SparseIndex(got.index.block_size, *(t.repeat_interleave(share, dim=0) for t in (
+            got.index.block_count, got.index.block_index, got.index.column_count, got.index.column_index)))
     assert_same_index(got.index, ref.index, tol)
+    check.last = (ref.index, share)
     for name in {p for p in patterns if p != "flex_prefill"}:
         assert got.head_patterns[name] == ref.head_patterns[name]
     if "flex_prefill" in patterns:
         assert int(got.query_aware_heads) == ref.head_patterns["flex_prefill/query_aware"]
 
 
-SETTINGS = SparseSettings(last_q=32, keep_first_columns=3, keep_last_diagonals=4, min_budget=64, tau=0.3)
+# one selection per query head (per-head budgets differ); SHARED below covers kv_group_shared
+SETTINGS = SparseSettings(last_q=32, keep_first_columns=3, keep_last_diagonals=4, min_budget=64, tau=0.3,
+                          kv_group_shared=False)
 MIXED = ["vertical_slash", "block_sparse", "a_shape", "dense", "flex_prefill", "vertical_slash", "block_sparse",
          "flex_prefill"]
 
@@ -76,6 +88,26 @@ def test_interp_one_pattern_layer(q_len, ctx_len):
                                                             (200, 333, 1, 128, 32, torch.float16)])
 def test_interp_mixed_layer(q_len, ctx_len, hkv, d, page, dtype):
     check(MIXED, q_len, ctx_len, hkv, d, page, dtype, 2, "cpu", SETTINGS)
+
+
+SHARED = SETTINGS.model_copy(update={"kv_group_shared": True})
+
+
+@cpu_only
+@pytest.mark.parametrize("patterns,hkv", [
+    (["vertical_slash"] * 8, 2), (["block_sparse"] * 6, 2),
+    # one pattern per KV group (a head-config file's mix), dense and A-shape included
+    (["vertical_slash"] * 2 + ["block_sparse"] * 2 + ["a_shape"] * 2 + ["dense"] * 2, 4),
+    # FlexPrefill in the layer: no sharing, one selection per head
+    (["vertical_slash"] * 4 + ["flex_prefill"] * 4, 2)])
+def test_interp_kv_group_shared(patterns, hkv):
+    check(patterns, 200, 333, hkv, 64, 16, torch.float32, 8, "cpu", SHARED)
+    ref, share = check.last
+    group = len(patterns) // hkv
+    assert share == (1 if "flex_prefill" in patterns else group)
+    if share > 1:  # the torch path gives every head of a group the same lists
+        for t in (ref.block_index, ref.column_index):
+            assert torch.equal(t, t[::group].repeat_interleave(group, dim=0))
 
 
 @cpu_only
@@ -96,8 +128,15 @@ def test_head_count_mismatch_is_an_error():
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, MIXED * 4])
 def test_gpu_layer(patterns):
-    settings = SparseSettings(min_budget=256)
+    settings = SparseSettings(min_budget=256, kv_group_shared=False)
     check(patterns, 4096 + 77, 9000, 8, 128, 16, torch.bfloat16, 5, "cuda", settings, tol=0.02)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_layer_kv_group_shared():
+    check(["vertical_slash"] * 16 + ["block_sparse"] * 16, 4096 + 77, 9000, 8, 128, 16, torch.bfloat16, 5, "cuda",
+          SparseSettings(kv_group_shared=True), tol=0.02)
 
 
 def test_pattern_names_cover_the_enum():
@@ -135,6 +174,40 @@ def test_density_fallback(max_density, expect_dense):
     idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
     ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
     assert ((out.double() - ref).norm() / ref.norm()) < 1e-4
+
+
+@cpu_only
+def test_kv_group_shared_rows_match_float64_reference(tmp_path):
+    """Shared selections through the whole GPU path (paged estimation, one list per KV head, the
+    kernel stacking or repeating the lists) give float64 attention over the torch path's
+    per-head index, and the stats count every query head's pairs."""
+    from conftest import masked_attention_f64
+    from vllm_sparse_backend.index import count_pairs, index_to_dense_mask
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+    from vllm_sparse_backend.stats import STATS
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SHARED.model_copy(update={"max_density": 1.0, "vertical_size": 8, "slash_size": 16,
+                                         "stats_file": str(tmp_path / "stats.json")})  # exact pair counts
+    for d in (64, 128):  # 64: lists repeated per head; 128: the group's heads stacked in one program
+        q_len, ctx, hkv, group = 200, 300, 2, 4
+        q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 9, "cpu", structure=1.5)
+        v = torch.randn_like(k)
+        value_cache = torch.full_like(key_cache, float("nan"))
+        for pos in range(ctx + q_len):
+            value_cache[int(table[pos // 16]), pos % 16] = v[pos]
+        heads = [resolve_head(None, settings)] * (hkv * group)
+        out = torch.full_like(q, float("nan"))
+        before = STATS.as_dict()
+        run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None],
+                              HeadGroups.from_heads(heads, "cpu", group), settings, d ** -0.5, 0.0,
+                              sparse_prefill_attention)
+        idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
+        assert idx.num_heads == hkv * group
+        ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
+        assert ((out.double() - ref).norm() / ref.norm()) < 1e-4
+        assert STATS.as_dict()["computed_pairs"] - before["computed_pairs"] == count_pairs(idx, q_len, ctx)
 
 
 def test_index_density_bounds_count_pairs():

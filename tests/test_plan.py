@@ -67,3 +67,21 @@ def test_budget_density_by_hand():
     default = [resolve_head(None, SparseSettings())]
     assert budget_density(default, 32768, 0, SparseSettings()) > 0.4 > budget_density(default, 65536, 0,
                                                                                      SparseSettings())
+
+
+def test_kv_group_share_needs_the_setting_and_uniform_groups():
+    from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+    from vllm_sparse_backend.plan import kv_group_share
+
+    on, off = SparseSettings(), SparseSettings(kv_group_shared=False)
+    vs = resolve_head(None, on)
+    small = resolve_head(HeadPattern(pattern="vertical_slash", vertical_size=10, slash_size=20), on)
+    block = resolve_head(HeadPattern(pattern="block_sparse"), on)
+    flex = resolve_head(HeadPattern(pattern="flex_prefill"), on)
+    assert kv_group_share([vs] * 8, 2, on) == 4
+    assert kv_group_share([vs] * 8, 2, off) == 1  # switched off
+    assert kv_group_share([vs] * 4 + [block] * 4, 2, on) == 4  # one pattern per group is enough
+    assert kv_group_share([vs] * 3 + [small] + [vs] * 4, 2, on) == 1  # budgets differ inside a group
+    assert kv_group_share([vs] * 4 + [flex] * 4, 2, on) == 1  # FlexPrefill decides per head
+    assert kv_group_share([vs] * 4, 4, on) == 1  # no GQA: nothing to share
+    assert kv_group_share([vs] * 7, 1, on) == 7

@@ -177,14 +177,15 @@ def _no_columns(h: int, nqb: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int, topk: torch.Tensor,
-                       block_size: int = 64, max_topk: int | None = None) -> SparseIndex:
+                       block_size: int = 64, max_topk: int | None = None, share: int = 1) -> SparseIndex:
     """MInference block-sparse heads (``patterns/block_sparse.py``) on the device.
 
     q_row: [q_len, H, D] the row's queries; pooled_k: [Hkv, NKB, D] from :func:`pooled_keys` at
     ``block_size``; topk: int [H] key blocks per query block. ``max_topk`` (host int, e.g. the
     largest topk of the config) bounds the top-k width and the list width (max_topk + 1: the
     second diagonal block of an unaligned chunk comes on top); default NKB. Per-head values
-    above it are clipped to it.
+    above it are clipped to it. ``share`` > 1: one selection per ``share`` consecutive heads (a KV
+    group), from their summed scores; the index then has H / share lists and topk is per list.
     """
     q_len, h, _ = q_row.shape
     hkv, nkb, d = pooled_k.shape
@@ -192,6 +193,9 @@ def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int
     nqb = num_blocks(q_len, block_size)
     w = nkb if max_topk is None else max(1, min(max_topk, nkb))
     qp = block_means(q_row, block_size)  # [H, NQB, D] fp32
+    if share > 1:  # summed scores of the group's heads = the summed pooled query against the keys
+        qp = qp.view(h // share, share, nqb, -1).sum(1)
+        h = h // share
     # GQA without gathering K: the group's query heads share one [NKB, D] operand.
     scores = torch.matmul(qp.reshape(hkv, (h // hkv) * nqb, d), pooled_k.transpose(1, 2)).view(h, nqb, nkb)
     causal = causal_block_mask(q_len, ctx_len, block_size, dev)

@@ -12,6 +12,11 @@ Heads are grouped by pattern once per layer (:class:`HeadGroups`); each group is
 batched call. The score passes run over all heads of the layer (their GQA mapping is fixed by
 head order) and the group's heads are picked afterwards: with the usual one-pattern layers that
 is exactly the work needed.
+
+With ``kv_group_shared`` (and a layer that allows it, :func:`vllm_sparse_backend.plan.kv_group_share`)
+the unit of selection is the KV group instead of the query head: scores are summed over each
+group's heads and the index holds one list per KV head (``PagedEstimate.heads_per_list`` = the
+group size), which the kernel runs with the group's heads stacked.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from .plan import budget_density
 @dataclass
 class HeadGroup:
     pattern: PatternName
-    ids: torch.Tensor  # int64 [h] query heads of the layer with this pattern
-    params: dict[str, torch.Tensor]  # per-head budgets [h] (ResolvedHead fields)
+    ids: torch.Tensor  # int64 [n] lists of the layer with this pattern (query heads, or KV heads when shared)
+    params: dict[str, torch.Tensor]  # per-list budgets [n] (ResolvedHead fields)
     max_params: dict[str, float]  # the largest of each, as host numbers (output widths)
     all_heads: bool  # the group is the whole layer (no head selection or scatter needed)
 
@@ -41,22 +46,30 @@ class HeadGroups:
     groups: list[HeadGroup]
     num_heads: int
     head_counts: Counter  # distinct ResolvedHead -> number of heads (host-side budget checks)
+    share: int = 1  # query heads per list: 1, or the GQA group size (kv_group_shared)
+
+    @property
+    def num_lists(self) -> int:
+        return self.num_heads // self.share
 
     @classmethod
-    def from_heads(cls, heads: list[ResolvedHead], device) -> "HeadGroups":
+    def from_heads(cls, heads: list[ResolvedHead], device, share: int = 1) -> "HeadGroups":
+        """``share``: from :func:`vllm_sparse_backend.plan.kv_group_share` (the heads of each
+        group of ``share`` are then identical, so one list per group stands for all of them)."""
+        lists = heads[::share]
         by_pattern: dict[PatternName, list[int]] = {}
-        for i, hp in enumerate(heads):
+        for i, hp in enumerate(lists):
             by_pattern.setdefault(hp.pattern, []).append(i)
         groups = []
         for pattern, ids in by_pattern.items():
             params, max_params = {}, {}
             for name in ("vertical_size", "slash_size", "topk_blocks", "sink_tokens", "local_window", "gamma"):
-                vals = [getattr(heads[i], name) for i in ids]
+                vals = [getattr(lists[i], name) for i in ids]
                 params[name] = torch.tensor(vals, device=device)
                 max_params[name] = max(vals)
             groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params,
-                                    len(ids) == len(heads)))
-        return cls(groups, len(heads), Counter(heads))
+                                    len(ids) == len(lists)))
+        return cls(groups, len(heads), Counter(heads), share)
 
     def budget_density(self, q_len: int, ctx_len: int, settings: SparseSettings) -> float:
         """:func:`vllm_sparse_backend.plan.budget_density` of this layer's heads."""
@@ -70,6 +83,7 @@ class PagedEstimate:
     # on the device: query_aware_heads is an int64 scalar tensor (or None without such heads).
     head_patterns: dict[str, int]
     query_aware_heads: torch.Tensor | None = None
+    heads_per_list: int = 1  # the index has one list per this many consecutive query heads
 
 
 def _select(ix: SparseIndex, ids: torch.Tensor) -> SparseIndex:
@@ -96,13 +110,16 @@ def _merge(parts: list[tuple[torch.Tensor, SparseIndex]], num_heads: int) -> Spa
 
 
 def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings: SparseSettings,
-                    scale: float) -> SparseIndex:
+                    scale: float, share: int) -> SparseIndex:
     from vllm_sparse_backend.triton_kernels.estimate import representative_scores
     from vllm_sparse_backend.triton_kernels.vs_index import vertical_slash_index, vs_topk
 
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
     vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale)
+    if share > 1:  # the group's column / diagonal mass
+        vertical = vertical.view(-1, share, kv_len).sum(1)
+        slash = slash.view(-1, share, kv_len).sum(1)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
@@ -126,6 +143,7 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
     b = settings.block_size
     kv_len = ctx_len + q_len
     dev = q_row.device
+    share, num_lists = groups.share, groups.num_lists
     parts: list[tuple[torch.Tensor, SparseIndex]] = []
     counts: dict[str, int] = {}
     query_aware = None
@@ -141,15 +159,18 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
             ix = est.a_shape_index(g.params["sink_tokens"], g.params["local_window"], q_len, ctx_len, b,
                                    max_blocks=width)
         elif g.pattern is PatternName.VERTICAL_SLASH:
-            ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale)
+            ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale, share)
         elif g.pattern is PatternName.BLOCK_SPARSE:
             pooled = est.pooled_keys(key_cache, block_table_row, kv_len, b)
-            topk = torch.full((num_heads,), 1, dtype=torch.int64, device=dev)
+            topk = torch.full((num_lists,), 1, dtype=torch.int64, device=dev)
             topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
-            ix = est.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=int(g.max_params["topk_blocks"]))
+            ix = est.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=int(g.max_params["topk_blocks"]),
+                                        share=share)
             if not g.all_heads:
                 ix = _select(ix, g.ids)
         elif g.pattern is PatternName.FLEX_PREFILL:
+            if share > 1:  # kv_group_share never shares FlexPrefill heads
+                raise ValueError("FlexPrefill heads cannot share one selection per KV group")
             gamma = torch.full((num_heads,), settings.gamma, dtype=torch.float32, device=dev)
             gamma[g.ids] = g.params["gamma"].float()
             ix, qa = est.flex_prefill_index(
@@ -161,7 +182,7 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
             query_aware = qa.sum()
         else:  # pragma: no cover - PatternName is closed
             raise ValueError(f"unknown pattern {g.pattern}")
-        counts[g.pattern.value] = n
+        counts[g.pattern.value] = n * share
         parts.append((g.ids, ix))
-    index = parts[0][1] if len(parts) == 1 else _merge(parts, num_heads)
-    return PagedEstimate(index, counts, query_aware)
+    index = parts[0][1] if len(parts) == 1 else _merge(parts, num_lists)
+    return PagedEstimate(index, counts, query_aware, share)

@@ -35,6 +35,22 @@ class StepPlan:
         return bool(self.sparse_rows)
 
 
+def kv_group_share(heads: list[ResolvedHead], num_kv_heads: int, settings: SparseSettings) -> int:
+    """Query heads per shared key selection in a layer: the GQA group size when
+    ``settings.kv_group_shared`` is on and the layer allows it (every KV group's heads have the
+    same pattern and budgets, and none is FlexPrefill, whose per-head query-aware decision has
+    no group form), else 1. Heads are in vLLM's order: group g holds heads g*G .. g*G + G - 1."""
+    h = len(heads)
+    if not settings.kv_group_shared or num_kv_heads <= 0 or h % num_kv_heads or h == num_kv_heads:
+        return 1
+    g = h // num_kv_heads
+    for start in range(0, h, g):
+        first = heads[start]
+        if first.pattern is PatternName.FLEX_PREFILL or any(x != first for x in heads[start:start + g]):
+            return 1
+    return g
+
+
 def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
                    settings: SparseSettings) -> float:
     """The share of a row's causal (query, key) pairs the heads' budgets alone would select,

@@ -113,7 +113,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
             n_flex = patterns.pop("flex_prefill")
             patterns["flex_prefill/query_aware"] = n_qa
             patterns["flex_prefill/vertical_slash"] = n_flex - n_qa
-        computed = count_pairs(est.index, row.q_len, row.ctx_len) if exact_stats else None
+        computed = count_pairs(est.index, row.q_len, row.ctx_len) * est.heads_per_list if exact_stats else None
         _record(row, num_heads, computed, patterns)
     if rows:
         timing.mark()

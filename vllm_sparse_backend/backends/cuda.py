@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 
 from .._compat import current_vllm_config, sparse_backend_selected
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow, budget_density
+from ..plan import SparseRow, budget_density, kv_group_share
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, group_head_counts, log_once,
@@ -139,8 +139,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
             return  # no step can hold a sparse row
         heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads)
-        groups = HeadGroups.from_heads(heads, query.device)
-        signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups),
+        groups = HeadGroups.from_heads(heads, query.device, kv_group_share(heads, self.num_kv_heads, cfg))
+        signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
                      q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, query.dtype)
         if signature in _scratch_claimed:
             return
@@ -159,7 +159,12 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def _groups(self, device) -> HeadGroups:
         if self._head_groups is None:
-            self._head_groups = HeadGroups.from_heads(self.sparse_heads, device)
+            cfg = settings()
+            share = kv_group_share(self.sparse_heads, self.num_kv_heads, cfg)
+            if cfg.kv_group_shared and share == 1:
+                log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
+                         "heads, keep one selection per query head")
+            self._head_groups = HeadGroups.from_heads(self.sparse_heads, device, share)
         return self._head_groups
 
     def _triton_kernel(self, query):

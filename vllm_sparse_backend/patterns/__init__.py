@@ -15,6 +15,7 @@ import torch
 from ..config import PatternName, SparseSettings
 from ..head_configs import ResolvedHead
 from ..index import SparseIndex, build_index, num_blocks
+from ..plan import kv_group_share
 from ..reference import kv_head_map
 from .a_shape import a_shape_selection
 from .block_sparse import block_sparse_selection
@@ -42,6 +43,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
     b = settings.block_size
     kv_len = k.shape[0]
     kvh = kv_head_map(num_heads, k.shape[1], device)
+    share = kv_group_share(heads, k.shape[1], settings)  # 1, or the GQA group (one selection per KV head)
     block_mask = torch.zeros(num_heads, num_blocks(q_len, b), num_blocks(kv_len, b), dtype=torch.bool, device=device)
     column_parts: list[tuple[torch.Tensor, PatternSelection]] = []
     counts: Counter = Counter()
@@ -64,9 +66,10 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
             sel = vertical_slash_selection(
                 q[:, ids], k, kvh[ids], ctx_len, per_head("vertical_size"), per_head("slash_size"),
                 last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
-                keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale)
+                keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale, share=share)
         elif pattern is PatternName.BLOCK_SPARSE:
-            sel = block_sparse_selection(q[:, ids], k, kvh[ids], ctx_len, per_head("topk_blocks"), block_size=b)
+            sel = block_sparse_selection(q[:, ids], k, kvh[ids], ctx_len, per_head("topk_blocks"), block_size=b,
+                                         share=share)
         elif pattern is PatternName.FLEX_PREFILL:
             sel, decision = flex_prefill_selection(
                 q[:, ids], k, kvh[ids], ctx_len, per_head("gamma").float(), tau=settings.tau,

@@ -28,6 +28,19 @@ class PatternSelection:
         return PatternSelection(block_mask, empty, empty.bool())
 
 
+    def repeat_heads(self, n: int) -> "PatternSelection":
+        """Each selection used by ``n`` consecutive heads (a KV group's shared selection)."""
+        if n == 1:
+            return self
+        return PatternSelection(*(t.repeat_interleave(n, dim=0) for t in (self.block_mask, self.columns,
+                                                                          self.column_keep)))
+
+
+def sum_head_groups(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Sum of every ``n`` consecutive heads (leading axis): [h, ...] -> [h // n, ...]."""
+    return x if n == 1 else x.reshape(x.shape[0] // n, n, *x.shape[1:]).sum(1)
+
+
 def last_queries_probs(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int, n: int,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax of the last ``n`` queries of the chunk against all keys (fp32).

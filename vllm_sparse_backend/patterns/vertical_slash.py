@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..index import compact, num_blocks, query_block_bounds
-from .common import PatternSelection, keep_top, last_queries_probs, vertical_and_slash_sums
+from .common import PatternSelection, keep_top, last_queries_probs, sum_head_groups, vertical_and_slash_sums
 
 
 def slash_block_mask(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -48,13 +48,18 @@ def vertical_slash_to_selection(vertical_keep: torch.Tensor, slash_keep: torch.T
 def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
-                             scale: float) -> PatternSelection:
-    """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head."""
+                             scale: float, share: int = 1) -> PatternSelection:
+    """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head.
+    ``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from their
+    column and diagonal sums added up (budgets: the group's first head's)."""
     q_len, kv_len = q.shape[0], k.shape[0]
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
     vertical, slash = vertical_and_slash_sums(probs, qpos)
+    if share > 1:
+        vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
+        vertical_size, slash_size = vertical_size[::share], slash_size[::share]
     vertical[:, :keep_first_columns] = float("inf")
     slash[:, :max(1, keep_last_diagonals)] = float("inf")  # the main diagonal at least: no empty rows
     v_keep = keep_top(vertical, vertical_size.clamp(max=kv_len))
     s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
-    return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size)
+    return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size).repeat_heads(share)
