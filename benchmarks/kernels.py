@@ -337,8 +337,7 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
         for name, make in (("vs1000_6096", lambda: vs_index(hkv, n, 1000, 6096, dev, gen)),
                            ("bs100", lambda: bs_index(hkv, n, 100, dev, gen))):
             ix_kv = make()
-            ix_h = type(ix_kv)(64, *(t.repeat_interleave(group, dim=0) for t in
-                                     (ix_kv.block_count, ix_kv.block_index, ix_kv.column_count, ix_kv.column_index)))
+            ix_h = ix_kv.repeat_heads(group)
             pairs = index_pairs(ix_h, n)
             per_head = sa.pack_rows(rows, [ix_h], device=dev)
             t_h = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, per_head, scale, ref))
@@ -350,9 +349,7 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
                                                               out, **var))
                 say(f"    per head {vtag(var)}: {t:.2f} ms ({best / t:.1f}x)")
             for gh in (2, 4):
-                lists = type(ix_kv)(64, *(t.repeat_interleave(group // gh, dim=0) for t in
-                                          (ix_kv.block_count, ix_kv.block_index, ix_kv.column_count,
-                                           ix_kv.column_index)))
+                lists = ix_kv.repeat_heads(group // gh)
                 shared = sa.pack_rows(rows, [lists], device=dev, heads_per_list=gh)
                 if d >= 128:
                     variants = (dict(), dict(num_warps=8, num_stages=3), dict(num_warps=4 * gh, num_stages=4))

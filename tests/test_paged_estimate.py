@@ -20,7 +20,6 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 
 from vllm_sparse_backend.config import PatternName, SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-from vllm_sparse_backend.index import SparseIndex
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.plan import kv_group_share
 
@@ -59,10 +58,8 @@ def check(patterns, q_len, ctx_len, hkv, d, page, dtype, seed, device, settings,
     with no_host_sync(device):
         got = estimate_index_paged(q_dev, key_cache, table, ctx_len, groups, settings, scale)
     assert got.heads_per_list == share and got.index.num_heads == len(heads) // share
-    if share > 1:  # the torch path repeats each KV group's selection for its heads
-        got.index = SparseIndex(got.index.block_size, *(t.repeat_interleave(share, dim=0) for t in (
-            got.index.block_count, got.index.block_index, got.index.column_count, got.index.column_index)))
-    assert_same_index(got.index, ref.index, tol)
+    # the torch path repeats each KV group's selection for its heads
+    assert_same_index(got.index.repeat_heads(share), ref.index, tol)
     check.last = (ref.index, share)
     for name in {p for p in patterns if p != "flex_prefill"}:
         assert got.head_patterns[name] == ref.head_patterns[name]

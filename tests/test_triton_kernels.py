@@ -101,9 +101,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         # share > 1: one list per `share` heads of a group (pack_rows(heads_per_list=share)); the
         # reference gets each list repeated for its heads
         lists = [random_index(h // share, q_len, ctx, density, n_cols, gen, device) for q_len, ctx in shapes]
-        indices = [type(ix)(64, *(t.repeat_interleave(share, dim=0) for t in
-                                  (ix.block_count, ix.block_index, ix.column_count, ix.column_index)))
-                   for ix in lists]
+        indices = [ix.repeat_heads(share) for ix in lists]
         # pack=False: the launcher gets the per-row lists and picks the stacking itself
         bix = sa.pack_rows(rows, lists, device=device, heads_per_list=share) if pack else lists
         if merge > 1:

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from vllm_sparse_backend.index import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, \
     query_block_bounds
-from vllm_sparse_backend.patterns.common import block_means, cumulative_budget
+from vllm_sparse_backend.patterns.common import block_means, cumulative_budget, sum_head_groups
 from vllm_sparse_backend.patterns.flex_prefill import rescale_block_mask, sqrt_js_divergence
 
 from .vs_index import last_q_scores, vertical_slash_index, vs_topk
@@ -192,10 +192,9 @@ def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int
     dev = q_row.device
     nqb = num_blocks(q_len, block_size)
     w = nkb if max_topk is None else max(1, min(max_topk, nkb))
-    qp = block_means(q_row, block_size)  # [H, NQB, D] fp32
-    if share > 1:  # summed scores of the group's heads = the summed pooled query against the keys
-        qp = qp.view(h // share, share, nqb, -1).sum(1)
-        h = h // share
+    # summed scores of a group's heads = the group's summed pooled query against the keys
+    qp = sum_head_groups(block_means(q_row, block_size), share)  # [H / share, NQB, D] fp32
+    h = h // share
     # GQA without gathering K: the group's query heads share one [NKB, D] operand.
     scores = torch.matmul(qp.reshape(hkv, (h // hkv) * nqb, d), pooled_k.transpose(1, 2)).view(h, nqb, nkb)
     causal = causal_block_mask(q_len, ctx_len, block_size, dev)

@@ -487,11 +487,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
             if h % lists or group % (h // lists):
                 raise ValueError(f"{lists} lists for {h} query heads in groups of {group}")
             per_list = shared_stack(d, h // lists)
-            rep = h // lists // per_list
-            if rep > 1:
-                index = [SparseIndex(ix.block_size, *(t.repeat_interleave(rep, dim=0) for t in
-                                                      (ix.block_count, ix.block_index, ix.column_count,
-                                                       ix.column_index))) for ix in index]
+            index = [ix.repeat_heads(h // lists // per_list) for ix in index]
         index = pack_rows(rows, index, device=q.device, heads_per_list=per_list)
     bix = index
     if bix.block_size != 64:

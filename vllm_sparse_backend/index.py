@@ -40,6 +40,13 @@ class SparseIndex:
     def num_query_blocks(self) -> int:
         return self.block_count.shape[1]
 
+    def repeat_heads(self, n: int) -> "SparseIndex":
+        """Each list used by ``n`` consecutive heads (a KV group's shared lists, per head)."""
+        if n == 1:
+            return self
+        return SparseIndex(self.block_size, *(t.repeat_interleave(n, dim=0) for t in (
+            self.block_count, self.block_index, self.column_count, self.column_index)))
+
     def to(self, device: torch.device | str) -> "SparseIndex":
         return SparseIndex(
             self.block_size,

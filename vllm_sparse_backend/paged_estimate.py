@@ -29,6 +29,7 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
+from .patterns.common import sum_head_groups
 from .plan import budget_density
 
 
@@ -117,9 +118,7 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
     vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale)
-    if share > 1:  # the group's column / diagonal mass
-        vertical = vertical.view(-1, share, kv_len).sum(1)
-        slash = slash.view(-1, share, kv_len).sum(1)
+    vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)  # a KV group's mass
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")

@@ -161,7 +161,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if self._head_groups is None:
             cfg = settings()
             share = kv_group_share(self.sparse_heads, self.num_kv_heads, cfg)
-            if cfg.kv_group_shared and share == 1:
+            if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
                 log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
                          "heads, keep one selection per query head")
             self._head_groups = HeadGroups.from_heads(self.sparse_heads, device, share)

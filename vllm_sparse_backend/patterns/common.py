@@ -27,7 +27,6 @@ class PatternSelection:
         empty = torch.zeros(h, 0, dtype=torch.int64, device=block_mask.device)
         return PatternSelection(block_mask, empty, empty.bool())
 
-
     def repeat_heads(self, n: int) -> "PatternSelection":
         """Each selection used by ``n`` consecutive heads (a KV group's shared selection)."""
         if n == 1:

@@ -55,9 +55,8 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
     q_len, kv_len = q.shape[0], k.shape[0]
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
     vertical, slash = vertical_and_slash_sums(probs, qpos)
-    if share > 1:
-        vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
-        vertical_size, slash_size = vertical_size[::share], slash_size[::share]
+    vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
+    vertical_size, slash_size = vertical_size[::share], slash_size[::share]
     vertical[:, :keep_first_columns] = float("inf")
     slash[:, :max(1, keep_last_diagonals)] = float("inf")  # the main diagonal at least: no empty rows
     v_keep = keep_top(vertical, vertical_size.clamp(max=kv_len))
