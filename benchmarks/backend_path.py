@@ -15,8 +15,10 @@ d=128), bf16, page 16 in random order.
 
     python benchmarks/backend_path.py --sizes 16,32,64,128 --chunk 16384
 
-Variants: the default vertical-slash, FlexPrefill gamma 0.9, A-shape, and vertical-slash / A-shape
-with ``kv_group_shared`` (one selection per KV head, the group's heads stacked in the kernel).
+Variants: vertical-slash 1000/6096 with one selection per query head and with ``kv_group_shared``
+(the default: one selection per KV head, the group's heads stacked in the kernel), block-sparse
+top-100 (shared), FlexPrefill gamma 0.9 and 0.95 (per head: FlexPrefill never shares) and A-shape.
+``--chunk 0`` runs the whole prompt as one row (the kernel benchmark's setting, with estimation).
 
 Prints a table; asserts nothing.
 """
@@ -75,6 +77,7 @@ def run(n, chunk, settings_list, gen, h=32, hkv=8, d=128, dev="cuda"):
     key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
     del k, v
     out = torch.empty_like(q)
+    chunk = chunk or n  # 0: the whole prompt is one row
     rows = [SparseRow(0, s, min(chunk, n - s), s) for s in range(0, n, chunk)]
     dense = sa.pack_rows(rows, None, device=dev)  # all chunks in one launch (same area)
     rec["ours_dense"] = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, dense,
@@ -113,19 +116,25 @@ def run(n, chunk, settings_list, gen, h=32, hkv=8, d=128, dev="cuda"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,32,64,128")
-    ap.add_argument("--chunk", type=int, default=16384)
+    ap.add_argument("--chunk", type=int, default=16384, help="queries per chunk; 0: one row of n queries")
     ap.add_argument("--skip-flex", action="store_true", help="leave FlexPrefill out (its estimation is slow)")
+    ap.add_argument("--variants", default="", help="comma-separated name prefixes to run (default: all)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    base = SparseSettings()
-    shared = {"kv_group_shared": True}
-    settings_list = [("VS 1000/6096", base),
+    base = SparseSettings(kv_group_shared=False)  # one selection per query head
+    shared = {"kv_group_shared": True}  # the default
+    settings_list = [("VS 1000/6096 per head", base),
                      ("VS 1000/6096 shared", base.model_copy(update=shared)),
+                     ("BS top-100 shared", base.model_copy(update={"default_pattern": PatternName.BLOCK_SPARSE,
+                                                                    **shared})),
                      ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),
-                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": PatternName.A_SHAPE})),
-                     ("A-shape shared", base.model_copy(update={"default_pattern": PatternName.A_SHAPE, **shared}))]
+                     ("FlexPrefill g0.95", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL,
+                                                                   "gamma": 0.95})),
+                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": PatternName.A_SHAPE, **shared}))]
     if args.skip_flex:
         settings_list = [x for x in settings_list if not x[0].startswith("Flex")]
+    if args.variants:
+        settings_list = [x for x in settings_list if x[0].startswith(tuple(args.variants.split(",")))]
     recs = []
     for nk in (int(s) for s in args.sizes.split(",")):
         try:
@@ -136,7 +145,7 @@ def main():
         torch.cuda.empty_cache()
     import triton
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; Llama-3-8B "
-          f"shape (32/8/128), bf16, page {PAGE}, chunk {args.chunk}; one layer, all chunks summed")
+          f"shape (32/8/128), bf16, page {PAGE}, chunk {args.chunk or 'none (one row)'}; one layer, all chunks summed")
     head = "| n | best dense SDPA ms | ours dense ms |"
     for name, _ in settings_list:
         head += f" {name}: density / estimate + kernel = total ms (x vs dense) |"

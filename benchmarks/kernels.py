@@ -388,6 +388,99 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     return lines
 
 
+def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
+    """Where vertical-slash estimation time goes, and our dense path's launch variants.
+
+    Per n: cuDNN and our dense kernel (default and a few stage/warp variants); last-q scores per
+    query head then summed per KV group (the old shared path) vs summed in the kernel with the
+    group's heads stacked (``group_sum``, several stacks); top-k with per-head tensor budgets vs
+    one host budget; the conversion; ``estimate_index_paged`` as the backend calls it (shared and
+    per head); the sparse kernel on planted group-shared VS 1000/6096 lists for the share.
+    Prints one line per measurement; returns the lines."""
+    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.head_configs import resolve_head
+    from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
+    from vllm_sparse_backend.plan import kv_group_share
+    from vllm_sparse_backend.triton_kernels import vs_index as vsi
+    h, hkv, d = SHAPES[shape]
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    dev = "cuda"
+    lines = []
+
+    def say(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    for nk in sizes:
+        n = nk * 1024
+        q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        sd = sdpa_times(q, k, v, group)
+        best = min(sd.values())
+        key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+        del k, v
+        rows = [(0, 0, n, 0)]
+        out = torch.empty_like(q)
+        say(f"{shape} n={nk}K: SDPA flash {sd['flash']:.2f} ms, cuDNN {sd['cudnn']:.2f} ms")
+        if nk <= 256:
+            dense = sa.pack_rows(rows, None, device=dev)
+            variants = (dict(), dict(num_stages=2, prefetch=False), dict(num_stages=4, prefetch=True),
+                        dict(num_warps=8, num_stages=3, prefetch=True)) if d >= 128 else (dict(),)
+            for var in variants:
+                try:
+                    t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, dense, scale,
+                                                                  out, **var))
+                    say(f"  ours dense {vtag(var) or '[default]'}: {t:.2f} ms ({t / best:.3f}x best dense)")
+                except Exception as e:
+                    say(f"  ours dense {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+            del dense
+        # sparse kernel on planted shared lists: the denominator of the estimation share
+        ix_kv = vs_index(hkv, n, 1000, 6096, dev, gen)
+        # one list per KV head, handed over unpacked as the backend does (the launcher stacks)
+        t_kernel = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, [ix_kv], scale,
+                                                             out))
+        say(f"  sparse kernel, planted VS 1000/6096 shared lists: {t_kernel:.2f} ms ({best / t_kernel:.1f}x)")
+        del ix_kv
+        ql = q[n - 64:]
+        t_old = bench(lambda: [t.view(hkv, group, n).sum(1)
+                               for t in vsi.last_q_scores(ql, key_cache, table[0], n, scale)])
+        ref_v, ref_s = [t.view(hkv, group, n).sum(1) for t in vsi.last_q_scores(ql, key_cache, table[0], n, scale)]
+        say(f"  last-q scores per head + group sum: {t_old:.3f} ms")
+        for st, w, split in ((None, None, None), (4, 8, 4096), (4, 8, 2048), (4, 8, 1024), (2, 4, 4096), (2, 4, 2048),
+                             (2, 4, 1024), (1, 4, 2048)):
+            if group % (st or 1):
+                continue
+            fn = lambda: vsi.last_q_scores(ql, key_cache, table[0], n, scale, group_sum=True, stack=st,  # noqa: E731
+                                           num_warps=w, split=split)
+            gv, gs = fn()
+            err = max(((gv - ref_v).norm() / ref_v.norm()).item(), ((gs - ref_s).norm() / ref_s.norm()).item())
+            tag = "default" if st is None else f"stack {st} w{w} split {split}"
+            say(f"  last-q scores group_sum {tag}: {bench(fn):.3f} ms (rel diff {err:.1e})")
+        ref_v[:, :30] = float("inf")
+        ref_s[:, :30] = float("inf")
+        nv_t = torch.full((hkv,), 1000, device=dev)
+        ns_t = torch.full((hkv,), 6096, device=dev)
+        t_topk_t = bench(lambda: vsi.vs_topk(ref_v, ref_s, nv_t, ns_t, 1000, 6096))
+        t_topk_i = bench(lambda: vsi.vs_topk(ref_v, ref_s, 1000, 6096, 1000, 6096))
+        a, b = vsi.vs_topk(ref_v, ref_s, nv_t, ns_t, 1000, 6096), vsi.vs_topk(ref_v, ref_s, 1000, 6096, 1000, 6096)
+        same = all(torch.equal(x, y) for x, y in zip(a, b))
+        t_conv = bench(lambda: vsi.vertical_slash_index(*b, n, 0))
+        say(f"  top-k tensor budgets {t_topk_t:.3f} ms, host budgets {t_topk_i:.3f} ms (same lists: {same}); "
+            f"conversion {t_conv:.3f} ms")
+        for shared_sel in (True, False):
+            cfg = SparseSettings(kv_group_shared=shared_sel)
+            heads = [resolve_head(None, cfg)] * h
+            groups = HeadGroups.from_heads(heads, dev, kv_group_share(heads, hkv, cfg))
+            t_est = bench(lambda: estimate_index_paged(q, key_cache, table[0], 0, groups, cfg, scale))
+            say(f"  estimate_index_paged {'shared' if shared_sel else 'per head'} (default settings): {t_est:.3f} ms"
+                + (f" = {t_est / (t_est + t_kernel):.1%} of estimate + planted kernel" if shared_sel else ""))
+        del q, key_cache, value_cache, out
+        torch.cuda.empty_cache()
+    return lines
+
+
 def fmt_table(shape, recs, d):
     lines = [f"\n### {shape} (H/Hkv/D = {'/'.join(map(str, SHAPES[shape]))}), bf16, page {PAGE}, "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {sa.triton.__version__}",
@@ -420,10 +513,16 @@ def main():
     ap.add_argument("--merged", action="store_true", help="with --sweep: also time merge_group_heads(4)")
     ap.add_argument("--index-bench", type=int, default=0, help="only time index building at this n (K tokens)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--estimate-bench", action="store_true",
+                    help="only estimation split (scores / top-k / conversion) and dense launch variants")
     ap.add_argument("--shared-sweep", action="store_true",
                     help="only time group-shared lists (one per KV head, heads stacked) vs per head")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.estimate_bench:
+        for shape in args.shapes.split(","):
+            estimate_bench([int(s) for s in args.sizes.split(",")], gen, shape)
+        return
     if args.shared_sweep:
         for shape in args.shapes.split(","):
             shared_sweep([int(s) for s in args.sizes.split(",")], gen, shape)

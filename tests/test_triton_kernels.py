@@ -256,7 +256,8 @@ def _padded_equal(a, b):
     return torch.equal(pad(a), pad(b))
 
 
-def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device):
+def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False):
+    """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path)."""
     from vllm_sparse_backend.patterns.common import keep_top
     from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
 
@@ -266,15 +267,18 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device):
     slash = torch.rand(h, kv_len, generator=gen) ** 4  # favour nothing in particular; distinct values
     vert[:, :min(30, kv_len)] = float("inf")
     slash[:, :min(30, kv_len)] = float("inf")
-    v_count = torch.randint(max(1, max_v // 2), max_v + 1, (h,), generator=gen)
-    s_count = torch.randint(max(1, max_s // 2), max_s + 1, (h,), generator=gen)
+    if uniform:
+        v_count, s_count = torch.full((h,), max_v), torch.full((h,), max_s)
+    else:
+        v_count = torch.randint(max(1, max_v // 2), max_v + 1, (h,), generator=gen)
+        s_count = torch.randint(max(1, max_s // 2), max_s + 1, (h,), generator=gen)
     v_keep = keep_top(vert, v_count.clamp(max=kv_len))
     s_keep = keep_top(slash, s_count.clamp(max=kv_len))
     sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, 64)
     ref = build_index(sel.block_mask, 64, q_len, ctx_len, sel.columns, sel.column_keep)
 
-    v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), v_count.to(device),
-                                             s_count.to(device), max_v, max_s)
+    counts = (max_v, max_s) if uniform else (v_count.to(device), s_count.to(device))
+    v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), *counts, max_v, max_s)
     got = vsi.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len)
     assert torch.equal(got.block_count.cpu(), ref.block_count)
     assert _padded_equal(got.block_index, ref.block_index)
@@ -282,7 +286,10 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device):
     assert _padded_equal(got.column_index, ref.column_index)
 
 
-def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile_diagonals=True):
+def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile_diagonals=True, group_sum=False,
+                 stack=None):
+    """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
+    the reference sums the per-head float scores afterwards."""
     from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.reference import kv_head_map
 
@@ -295,7 +302,10 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile
     probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
     ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
     got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=128,
-                                     tile_diagonals=tile_diagonals)
+                                     tile_diagonals=tile_diagonals, group_sum=group_sum, stack=stack)
+    if group_sum:
+        ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
+    assert got_v.shape == ref_v.shape and got_s.shape == ref_s.shape
     for got, ref in ((got_v, ref_v), (got_s, ref_s)):
         err = ((got.cpu().double() - ref.double()).norm() / ref.double().norm()).item()
         assert err < tol, f"rel err {err:.2e}"
@@ -309,11 +319,28 @@ def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s):
 
 
 @cpu_only
+@pytest.mark.parametrize("h,q_len,ctx_len,max_v,max_s", [(3, 300, 0, 40, 50), (2, 130, 211, 400, 300),
+                                                          (2, 40, 0, 64, 100)])
+def test_interp_vs_index_uniform_budgets(h, q_len, ctx_len, max_v, max_s):
+    # host-int budgets, some wider than the row (kv_len < max_v / max_s): padded with -1
+    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len + 1, device="cpu", uniform=True)
+
+
+@cpu_only
 @pytest.mark.parametrize("tile_diagonals", [True, False])
 @pytest.mark.parametrize("q_len,ctx_len", [(100, 230), (40, 0), (64, 77)])
 def test_interp_last_q_scores(tile_diagonals, q_len, ctx_len):
     check_last_q(4, 2, 64, q_len, ctx_len, 16, torch.float32, seed=2, device="cpu", tol=1e-4,
                  tile_diagonals=tile_diagonals)
+
+
+@cpu_only
+@pytest.mark.parametrize("h,hkv,stack", [(8, 2, None), (8, 2, 2), (8, 2, 1), (6, 2, None), (7, 1, None)])
+@pytest.mark.parametrize("tile_diagonals", [True, False])
+def test_interp_last_q_scores_group_sum(h, hkv, stack, tile_diagonals):
+    # stack = group: one program writes each KV head's sums; smaller stacks add atomically
+    check_last_q(h, hkv, 64, 100, 230, 16, torch.float32, seed=4, device="cpu", tol=1e-4,
+                 tile_diagonals=tile_diagonals, group_sum=True, stack=stack)
 
 
 @gpu
@@ -326,6 +353,15 @@ def test_gpu_vs_index():
 def test_gpu_last_q_scores(tile_diagonals):
     check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2,
                  tile_diagonals=tile_diagonals)
+
+
+@gpu
+@pytest.mark.parametrize("h,hkv,d,stack", [(32, 8, 128, None), (32, 8, 128, 2), (16, 2, 128, None),
+                                           (14, 2, 64, None), (24, 3, 64, None)])
+@pytest.mark.parametrize("tile_diagonals", [True, False])
+def test_gpu_last_q_scores_group_sum(h, hkv, d, stack, tile_diagonals):
+    check_last_q(h, hkv, d, 3000, 2500, 16, torch.bfloat16, seed=5, device="cuda", tol=2e-2,
+                 tile_diagonals=tile_diagonals, group_sum=True, stack=stack)
 
 
 def _glue_case(dtype, device, seed=5):

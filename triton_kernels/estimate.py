@@ -261,8 +261,9 @@ def _query_aware_mask(q_row, kp, ctx_len, gamma, fb, min_blocks, max_blocks, blo
 
 
 def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
-                          n: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Vertical and slash sums [H, kv_len] fp32 of the last ``n`` queries of the row (any n).
+                          n: int, scale: float, group_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vertical and slash sums [H, kv_len] fp32 of the last ``n`` queries of the row (any n);
+    [Hkv, kv_len] summed over each KV group's heads with ``group_sum``.
 
     ``last_q_scores`` takes at most 64 queries ending at kv_len; queries are independent rows of
     the softmax, so the last n are split into chunks of 64 ending at kv_len, kv_len - 64, ... and
@@ -272,7 +273,7 @@ def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_ta
     for end in range(q_len, q_len - n, -64):  # host ints only
         start = max(end - 64, q_len - n)
         kv_end = kv_len - (q_len - end)
-        v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale)
+        v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale, group_sum=group_sum)
         if vert is None:
             vert, slash = v, s
         else:

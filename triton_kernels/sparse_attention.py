@@ -423,17 +423,20 @@ def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1
     """Launch parameters measured on H100 at 128K (benchmarks/KERNEL_NOTES.md, runs 2, 3 and 5).
 
     Dense, head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each
-    K/V tile serves 4 heads; head dim 64: one head per program (stacking, padded or not, was
-    slower). Sparse, per-head lists: M = 64, 4 warps, next tile's offsets prefetched; head dim
+    K/V tile serves 4 heads, 3 stages with the next tile's offsets prefetched (H200, session 6:
+    1.22x cuDNN's time at 128K vs 1.34x with 2 stages and no prefetch; 3 stages without the
+    prefetch: 1.35x); head dim 64: one head per program (stacking, padded or not, was slower; so
+    were 3 stages). Sparse, per-head lists: M = 64, 4 warps, next tile's offsets prefetched; head dim
     64 takes two listed blocks per 128-wide key tile, head dim 128 one block and 3 stages.
     Sparse, lists shared by the stacked heads (``shared``): 4 warps per head and 3 stages (H200,
     run 15); merged lists (``merge_group_heads``): 2 stages.
     """
     if dense:
-        gh = 1
         if head_dim >= 128:
             gh = 4 if group % 4 == 0 else (2 if group % 2 == 0 else 1)
-        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 2, "block_n": 64, "kv_major": True,
+            return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": 3, "block_n": 64, "kv_major": True,
+                    "prefetch": True}
+        return {"heads_per_program": 1, "num_warps": 4, "num_stages": 2, "block_n": 64, "kv_major": True,
                 "prefetch": False}
     gh = merged_heads
     if head_dim >= 128 or gh > 1:
@@ -503,8 +506,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     lists = hkv * ((group + gh - 1) // gh)
     cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1)
     warps = num_warps or cfg["num_warps"]
-    stages = num_stages or cfg["num_stages"]
     bn = block_n or cfg["block_n"]
+    # the default stage count is for the default tile; with wider key tiles and stacked heads,
+    # 3 stages of K/V plus the M = 256 query tile exceed Hopper's 228 KB of shared memory
+    stages = num_stages or (2 if bn > cfg["block_n"] and gh > 1 else cfg["num_stages"])
     kvm = cfg["kv_major"] if kv_major is None else kv_major
     pf = cfg["prefetch"] if prefetch is None else prefetch
     tqb = bix.num_query_blocks

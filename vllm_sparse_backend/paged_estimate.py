@@ -39,6 +39,7 @@ class HeadGroup:
     ids: torch.Tensor  # int64 [n] lists of the layer with this pattern (query heads, or KV heads when shared)
     params: dict[str, torch.Tensor]  # per-list budgets [n] (ResolvedHead fields)
     max_params: dict[str, float]  # the largest of each, as host numbers (output widths)
+    min_params: dict[str, float]  # the smallest (equal to the largest: one budget for the group)
     all_heads: bool  # the group is the whole layer (no head selection or scatter needed)
 
 
@@ -63,12 +64,12 @@ class HeadGroups:
             by_pattern.setdefault(hp.pattern, []).append(i)
         groups = []
         for pattern, ids in by_pattern.items():
-            params, max_params = {}, {}
+            params, max_params, min_params = {}, {}, {}
             for name in ("vertical_size", "slash_size", "topk_blocks", "sink_tokens", "local_window", "gamma"):
                 vals = [getattr(lists[i], name) for i in ids]
                 params[name] = torch.tensor(vals, device=device)
-                max_params[name] = max(vals)
-            groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params,
+                max_params[name], min_params[name] = max(vals), min(vals)
+            groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params, min_params,
                                     len(ids) == len(lists)))
         return cls(groups, len(heads), Counter(heads), share)
 
@@ -117,16 +118,24 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
 
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
-    vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale)
-    vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)  # a KV group's mass
+    n = min(settings.last_q, q_len)
+    if share > 1 and share == q_row.shape[1] // key_cache.shape[2]:
+        # a KV group's mass, summed inside the kernel (the group's heads share each K tile)
+        vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, n, scale, group_sum=True)
+    else:
+        vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, n, scale)
+        vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
     slash[:, : max(1, settings.keep_last_diagonals)] = float("inf")  # at least the main diagonal
     max_v = min(int(group.max_params["vertical_size"]), kv_len)
     max_s = min(int(group.max_params["slash_size"]), kv_len)
-    v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, group.params["vertical_size"],
-                                         group.params["slash_size"], max_v, max_s)
+    def budget(name):  # a host int when the group has one budget (vs_topk then skips the per-head cut)
+        lo, hi = group.min_params[name], group.max_params[name]
+        return int(hi) if lo == hi else group.params[name]
+
+    v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"), max_v, max_s)
     return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
 
 
