@@ -183,7 +183,7 @@ def server_worker(args, env) -> list[dict]:
                     raise RuntimeError(f"server did not start (exit {proc.poll()})") from None
                 time.sleep(2)
         for n in args.lengths:
-            best = None
+            best = first = None
             for _ in range(args.repeats):
                 body = json.dumps({"model": args.model, "prompt": prompt_ids(n, n), "max_tokens": 4, "temperature": 0,
                                    "stream": True, "ignore_eos": True}).encode()
@@ -195,7 +195,9 @@ def server_worker(args, env) -> list[dict]:
                             ttft = time.perf_counter() - t
                             break
                 best = ttft if best is None else min(best, ttft)
-            recs.append({"kind": "server", "n": n, "seconds": best})
+                first = ttft if first is None else first
+            # first: the first request of this length (includes any one-time work, e.g. a JIT compile)
+            recs.append({"kind": "server", "n": n, "seconds": best, "first_seconds": first})
     finally:
         proc.terminate()
         try:
@@ -255,6 +257,7 @@ def main() -> None:
                 print(f"[{label}] server run failed: {e}; log in {args.log_dir}/server-{label}.log")
                 results[label] = []
             print(f"[{label}] {time.perf_counter() - t0:.0f} s", flush=True)
+            (Path(args.log_dir) / "e2e-results.json").write_text(json.dumps(results, indent=1))
             continue
         cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
@@ -309,6 +312,9 @@ def main() -> None:
                       for r in rs[1:]]
         print("| " + " | ".join(cells) + " |")
     if args.server:
+        print("\nfirst request of each length (the table above: best of --repeats), seconds: "
+              + "; ".join(f"{label} " + ", ".join(f"{r['n']}: {r['first_seconds']:.3f}" for r in results.get(label, [])
+                                                  if r["kind"] == "server") for label in labels))
         return
     if args.decode_batch:
         print(f"\ndecode: {args.decode_batch} requests x {args.decode_len} tokens of context, "

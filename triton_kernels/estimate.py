@@ -63,7 +63,7 @@ DEFAULT_MAX_COLUMNS = 4096
 # Pooled keys
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["kv_len"])
 def _pool_kernel(k_ptr, bt_ptr, out_ptr, s_kp, s_kt, s_kh, s_oh, s_ob, kv_len,
                  PAGE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr):
     kvh = tl.program_id(0).to(tl.int64)
@@ -103,7 +103,7 @@ def pooled_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: 
 # Mask / list assembly
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_mh", "s_mq", "q_len", "ctx_len", "nqb", "nkb", "max_vb", "max_b"])
 def _assemble_kernel(mask_ptr, pick_ptr, vcnt_ptr, vidx_ptr, bcnt_ptr, bidx_ptr,
                      s_mh, s_mq, q_len, ctx_len, nqb, nkb, max_vb, max_b,
                      BLOCK: tl.constexpr, CH: tl.constexpr, HAS_VS: tl.constexpr):
@@ -299,7 +299,7 @@ def flex_prefill_index(q_row: torch.Tensor, key_cache: torch.Tensor, block_table
     dev = q_row.device
     fb, b = flex_block_size, block_size
     kv_len = ctx_len + q_len
-    nqb, nkb, nkb_f = num_blocks(q_len, b), num_blocks(kv_len, b), num_blocks(kv_len, fb)
+    nkb, nkb_f = num_blocks(kv_len, b), num_blocks(kv_len, fb)
     gamma = gamma.to(device=dev, dtype=torch.float32)
     kvh = torch.arange(h, device=dev) // (h // hkv)
 

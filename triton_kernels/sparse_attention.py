@@ -234,7 +234,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
     return acc, m_new, l_i
 
 
-@triton.jit
+# Lengths and list widths change from step to step: compile once for all of them (Triton would
+# otherwise specialise each int argument on divisibility by 16 and on == 1, and a new prompt
+# length could trigger a compile of several seconds in the middle of serving).
+@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc"])
 def _sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
     bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr,

@@ -66,7 +66,7 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
     return v_idx, v_cnt, s_idx, s_cnt
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "ctx_len", "nqb", "max_v", "max_s", "max_b", "max_c"])
 def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
                        bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr,
                        q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
@@ -171,11 +171,11 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 # paged cache like the attention kernel.
 # --------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"])  # one compile for all rows
 def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, scratch_ptr,
-                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split,
+                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                 SECOND: tl.constexpr, TILE_DIAG: tl.constexpr):
     # One program per (STACK consecutive query heads of one KV group, key range). The heads'
     # queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so each K
@@ -204,8 +204,8 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
     else:
         m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l = tl.zeros([ROWS], dtype=tl.float32)
-    k_end = tl.minimum(kv_len, (sp + 1) * SPLIT)
-    for j in range(sp * SPLIT, k_end, BLOCK_N):
+    k_end = tl.minimum(kv_len, (sp + 1) * split)
+    for j in range(sp * split, k_end, BLOCK_N):
         kpos = j + offs_n
         k_ok = kpos < k_end
         page = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -309,9 +309,9 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     scratch = torch.empty(n_prog * n_split * 64 * 64 if tile_diagonals else 1, dtype=torch.float32, device=dev)
     args = (q_last, key_cache, block_table_row, part, stats, vert, slash, scratch, q_last.stride(0), q_last.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
-            n_split)
-    meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=64, SPLIT=split,
-                HEAD_DIM=d, num_warps=num_warps or max(4, 2 * st))
+            n_split, split)
+    meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=64, HEAD_DIM=d,
+                num_warps=num_warps or max(4, 2 * st))
     _lastq_pass[(n_prog, n_split)](*args, SECOND=False, TILE_DIAG=False, **meta)
     m_part, l_part = part[:, :, 0], part[:, :, 1]  # [h, n_split, 64]
     m = m_part.amax(1)
