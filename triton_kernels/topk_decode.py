@@ -8,7 +8,7 @@ into the cache:
    channel-wise min and max of the page's keys per KV head (Quest-style summaries, kept in two
    tensors ``[num_pages, num_kv_heads, head_dim]`` beside the cache and indexed by physical page).
    :func:`build_page_summaries` does every page of every sequence at once (after a prefill).
-2. :func:`select_pages` (Triton scores + ``torch.topk``): per sequence and KV head (or per query
+2. :func:`select_pages` (Triton scores + :func:`topk_select.topk_ascending`): per sequence and KV head (or per query
    head), the Quest upper bound of every page of the sequence,
    ``sum_d max(q_d * min_d, q_d * max_d)`` summed over the query heads that share the selection;
    the first ``sink_pages`` and last ``recent_pages`` pages are always kept, and the
@@ -53,7 +53,7 @@ Design notes:
   byte once for at most a group of query heads, so the slower fp32 MMA should not show (not yet
   measured on a GPU), and Triton's interpreter computes bf16 dots wrongly, which this avoids.
 
-Imports nothing from vLLM, nothing from this package: torch and triton only. The ``reference_*``
+Imports nothing from vLLM; torch, triton and ``topk_select`` of this folder only. The ``reference_*``
 functions at the end are plain torch (float64, loops over sequences) for tests and debugging;
 tests/test_topk_decode.py checks the kernels against them and against references of its own.
 """
@@ -64,9 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk_select import topk_ascending
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Selected entries past the count carry this id before sorting (then -1).
-_BIG_ID = 2**30
 # Programs that keep an H100/H200 busy for a decode step; below that, split the selected pages
 # (flash-decoding). A guess of the SM count, not a measurement.
 _TARGET_PROGRAMS = 132
@@ -300,11 +300,11 @@ def select_pages(q: torch.Tensor, summary_min: torch.Tensor, summary_max: torch.
         GROUP=group, HPS=hps, PAGE=page_size, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_H=triton.next_power_of_2(hps), BLOCK_P=block_p,
     )
-    # forced pages are +inf, so they always make the width; pages past the sequence are -inf
-    top = scores.topk(width, dim=-1, sorted=False)
-    ok = top.values > float("-inf")
-    ids = torch.where(ok, top.indices, torch.full_like(top.indices, _BIG_ID)).sort(dim=-1).values
-    selected = torch.where(ids == _BIG_ID, torch.full_like(ids, -1), ids).to(torch.int32)
+    # forced pages are +inf, so they always make the width; pages past the sequence are -inf and
+    # have the highest page numbers, so in ascending order they come last and are cut off there
+    ids, _, vals = topk_ascending(scores.view(batch * n_sel, score_width), width, return_values=True)
+    ok = (vals > float("-inf")).view(batch, n_sel, width)
+    selected = torch.where(ok, ids.view(batch, n_sel, width), -1)
     return selected, ok.sum(-1, dtype=torch.int32)
 
 
