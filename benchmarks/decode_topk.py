@@ -103,7 +103,8 @@ def cdiv(a: int, b: int) -> int:
 # Timing
 # ---------------------------------------------------------------------------------------------
 
-def _capture(fn):
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph (after one run on a side stream, as torch requires)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -132,7 +133,7 @@ def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50
     run = fn
     if graphs:
         try:
-            run = _capture(fn).replay
+            run = capture_graph(fn).replay
         except Exception as e:  # not capturable: time it eagerly
             GRAPH_FAILURES.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
             torch.cuda.synchronize(device)

@@ -12,13 +12,12 @@ host launch cost where the GPU waits for it, "graph" replays the call captured i
 "host" is the host time per call when launches queue back to back (the eager floor: Triton's
 launch cost). ``--sweep`` also times graph replays for tile sizes, warps and programs per SM.
 
-Run from the repo root: ``python benchmarks/topk_select_bench.py [--reps 20] [--sweep]``.
+Run where the package is installed: ``python benchmarks/topk_select_bench.py [--reps 20] [--sweep]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -26,23 +25,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_topk import capture_graph  # noqa: E402
 
 SHAPES = [(8, 128 * 1024, 6096), (8, 512 * 1024, 6096), (8, 128 * 1024, 1000), (32, 128 * 1024, 6096),
           (8 * 32, 8192, 170)]
-
-
-def _load():
-    try:
-        from vllm_sparse_backend.triton_kernels import topk_select
-        return topk_select
-    except ImportError:  # not pip-installed: load the file directly
-        name = "vllm_sparse_backend.triton_kernels.topk_select"
-        spec = importlib.util.spec_from_file_location(name, ROOT / "triton_kernels" / "topk_select.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        return mod
 
 
 def time_ms(fn, reps: int, warmup: int = 5) -> float:
@@ -61,15 +48,7 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
 
 
 def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    return capture_graph(fn).replay
 
 
 def host_us(fn, reps: int) -> float:
@@ -93,7 +72,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to time")
         return 0
-    ts = _load()
+    from vllm_sparse_backend.triton_kernels import topk_select as ts
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print()
     print("| R | N | k | torch topk+sort eager (us) | ours eager (us) | ours host (us) | ours graph (us) "
