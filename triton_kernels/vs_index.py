@@ -255,7 +255,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
         tl.store(base + BLOCK_Q + rq, l)
 
 
-def lastq_stack(group: int, head_dim: int) -> int:
+def lastq_stack(group: int) -> int:
     """Query heads stacked per program in :func:`last_q_scores` with ``group_sum``: the largest
     power of two dividing the group, at most 4 (M = 256 rows, 8 warps; 8 heads would be 512 rows
     of fp32 scores per tile). H200, 128K, Llama-3-8B shape: 1.85 ms vs 2.67 ms for per-head
@@ -294,7 +294,7 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     if n > 64 or key_cache.stride(3) != 1 or q_last.stride(2) != 1:
         raise ValueError("last_q_scores needs at most 64 queries and unit stride over the head dim")
     group = h // hkv
-    st = (stack or lastq_stack(group, d)) if group_sum else 1
+    st = (stack or lastq_stack(group)) if group_sum else 1
     if group % st:
         raise ValueError(f"stack {st} does not divide the KV group of {group} heads")
     dev = q_last.device
