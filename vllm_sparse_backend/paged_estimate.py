@@ -29,7 +29,6 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
-from .patterns.common import sum_head_groups
 from .plan import budget_density
 
 
@@ -118,13 +117,9 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
 
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
-    n = min(settings.last_q, q_len)
-    if share > 1 and share == q_row.shape[1] // key_cache.shape[2]:
-        # a KV group's mass, summed inside the kernel (the group's heads share each K tile)
-        vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, n, scale, group_sum=True)
-    else:
-        vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, n, scale)
-        vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
+    # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
+    vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale,
+                                            group_sum=share > 1)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
@@ -152,6 +147,8 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
     kv_len = ctx_len + q_len
     dev = q_row.device
     share, num_lists = groups.share, groups.num_lists
+    if share not in (1, num_heads // key_cache.shape[2]):
+        raise ValueError(f"one selection per {share} heads: must be 1 or the KV group size")
     parts: list[tuple[torch.Tensor, SparseIndex]] = []
     counts: dict[str, int] = {}
     query_aware = None
