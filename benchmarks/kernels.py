@@ -76,6 +76,23 @@ def bench(fn, budget_ms: float = 1500.0, max_reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def random_qkv(n, shape, gen, device="cuda"):
+    """Standard normal bf16 q [n, H, D], k and v [n, Hkv, D] of a model shape (drawn in that order)."""
+    h, hkv, d = SHAPES[shape]
+    return tuple(torch.randn(n, heads, d, device=device, dtype=torch.bfloat16, generator=gen) for heads in (h, hkv, hkv))
+
+
+def line_printer():
+    """(lines, say): say(msg) prints msg at once and keeps it in lines."""
+    lines = []
+
+    def say(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    return lines, say
+
+
 def paged_cache(k, v, page, gen_device):
     """[n, Hkv, D] K/V -> NHD-physical paged cache views [pages, page, Hkv, D] + block table."""
     n, hkv, d = k.shape
@@ -180,9 +197,7 @@ def run_shape(shape, sizes, args, gen, results):
         n = nk * 1024
         rec = {"shape": shape, "n": n}
         try:
-            q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
-            k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
-            v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+            q, k, v = random_qkv(n, shape, gen, dev)
             rec.update({f"sdpa_{kk}": vv for kk, vv in sdpa_times(q, k, v, group).items()})
             key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
             del k, v
@@ -317,17 +332,11 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
     dev = "cuda"
-    lines = []
-
-    def say(msg):
-        print(msg, flush=True)
-        lines.append(msg)
+    lines, say = line_printer()
 
     for nk in sizes:
         n = nk * 1024
-        q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        q, k, v = random_qkv(n, shape, gen, dev)
         best = min(sdpa_times(q, k, v, group).values())
         key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
         rows = [(0, 0, n, 0)]
@@ -406,17 +415,11 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
     dev = "cuda"
-    lines = []
-
-    def say(msg):
-        print(msg, flush=True)
-        lines.append(msg)
+    lines, say = line_printer()
 
     for nk in sizes:
         n = nk * 1024
-        q = torch.randn(n, h, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        k = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
-        v = torch.randn(n, hkv, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        q, k, v = random_qkv(n, shape, gen, dev)
         sd = sdpa_times(q, k, v, group)
         best = min(sd.values())
         key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
