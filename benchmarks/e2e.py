@@ -17,6 +17,10 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
   batch; time and whether the short requests' tokens equal the first variant's.
 * ``--server``: the same prompts through the OpenAI-compatible HTTP server
   (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token.
+* ``--profile-lengths N ...`` (with ``--profile-variants``): one more prefill of each such length
+  under vLLM's torch profiler; the trace is reduced on the spot to GPU time per kernel category
+  (GEMMs, FlashAttention, our sparse kernel, last-q scores, top-k/sort, conversion, the rest),
+  GPU busy time (union of kernel intervals) vs the profiled span, and the largest kernels.
 
 Structure (``--structure band``, the default, offline engine only): dummy weights make every
 attention row nearly uniform, where no sparse pattern finds anything to skip (every row then falls
@@ -89,6 +93,56 @@ def plant_band(worker, logit_at_zero: float = 12.0) -> str:
     return f"band planted in {len(inner.layers)} layers"
 
 
+# Kernel-name patterns -> category of the profile breakdown (first match wins).
+KERNEL_CATEGORIES = [
+    ("sparse attention (ours)", r"_sparse_fwd_kernel"),
+    ("last-q scores (ours)", r"_lastq_pass"),
+    ("vs conversion (ours)", r"_vs_convert_kernel"),
+    ("top-k select (ours)", r"_hist_kernel|_compact_kernel"),
+    ("top-k / sort (torch)", r"(?i)topk|sort|radix|bitonic|scan"),
+    ("FlashAttention", r"(?i)flash|fmha|flash_fwd"),
+    ("GEMM", r"(?i)gemm|nvjet|cutlass|xmma|sm90_|sm80_|ampere_|cublas"),
+]
+
+
+def kernel_breakdown(trace_paths: list[Path], top: int = 12) -> dict:
+    """GPU time of a torch-profiler trace (chrome JSON, possibly gzipped), by kernel category."""
+    import gzip
+    import re
+
+    events = []
+    for path in trace_paths:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            data = json.load(f)
+        events += [e for e in data.get("traceEvents", []) if e.get("ph") == "X"
+                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        return {"error": f"no kernel events in {[str(p) for p in trace_paths]}"}
+    cats: dict[str, float] = {}
+    names: dict[str, list] = {}
+    intervals = []
+    for e in events:
+        name, dur = e.get("name", "?"), float(e.get("dur", 0.0))
+        intervals.append((float(e["ts"]), float(e["ts"]) + dur))
+        cat = next((c for c, pat in KERNEL_CATEGORIES if re.search(pat, name)), "other")
+        cats[cat] = cats.get(cat, 0.0) + dur
+        rec = names.setdefault(name[:90], [0.0, 0])
+        rec[0] += dur
+        rec[1] += 1
+    intervals.sort()
+    busy, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    biggest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"span_s": span / 1e6, "busy_s": busy / 1e6, "kernels": len(events),
+            "categories_s": {k: v / 1e6 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top": [{"name": k, "s": v[0] / 1e6, "calls": v[1]} for k, v in biggest]}
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 100000) for _ in range(n)]
@@ -103,11 +157,15 @@ def worker(args) -> None:
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    profile_dir = Path(tempfile.mkdtemp(prefix=f"e2e-profile-{args.label}-")) if args.profile_lengths else None
+    extra = {} if profile_dir is None else {"profiler_config": {
+        "profiler": "torch", "torch_profiler_dir": str(profile_dir), "torch_profiler_with_stack": False,
+        "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False}}
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
               seed=0, max_num_seqs=max(8, args.decode_batch),
-              disable_log_stats=False)  # per-request token timestamps (decode step time)
+              disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
     emit("startup", seconds=time.perf_counter() - t0)
     if args.structure == "band":
         emit("structure", workers=llm.collective_rpc(plant_band))
@@ -130,6 +188,21 @@ def worker(args) -> None:
         if n <= args.tokens_max_len:
             tokens = list(timed([prompt], greedy(8))[1][0].outputs[0].token_ids)
         emit("prefill", n=n, seconds=best, tokens=tokens)
+    for n in args.profile_lengths:
+        before = set(profile_dir.rglob("*.json*"))
+        llm.start_profile()
+        t = timed([{"prompt_token_ids": prompt_ids(n, n)}], greedy(1))[0]
+        llm.stop_profile()
+        deadline = time.time() + 120  # the worker writes the trace after stop_profile returns
+        new = []
+        while time.time() < deadline:
+            new = [p for p in profile_dir.rglob("*.json*") if p not in before and "worker" in p.name.lower()] or \
+                  [p for p in profile_dir.rglob("*.json*") if p not in before]
+            if new and all(p.stat().st_size > 0 for p in new):
+                time.sleep(2)
+                break
+            time.sleep(1)
+        emit("profile", n=n, seconds=t, files=[p.name for p in new], **kernel_breakdown(new))
     if args.decode_batch:
         prompts = [{"prompt_token_ids": prompt_ids(args.decode_len, 1000 + i)} for i in range(args.decode_batch)]
         # decode time = (prefill + 1 + N tokens) - (prefill + 1 token); both vary with the prefill, so
@@ -232,6 +305,10 @@ def main() -> None:
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--server", action="store_true", help="measure TTFT through the HTTP server instead")
     ap.add_argument("--cudagraphs", action="store_true", help="default CUDA-graph mode instead of --enforce-eager")
+    ap.add_argument("--profile-lengths", type=int, nargs="*", default=[],
+                    help="one more prefill of each under the torch profiler: GPU time by kernel category")
+    ap.add_argument("--profile-variants", nargs="*", default=None,
+                    help="labels of the variants to profile (default: all)")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
@@ -265,6 +342,8 @@ def main() -> None:
                "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
                "--structure", args.structure, "--warmup-len", str(min(args.warmup_len, args.max_len - 16)),
                "--lengths", *map(str, args.lengths)] + \
+              (["--profile-lengths", *map(str, args.profile_lengths)]
+               if args.profile_variants is None or label in args.profile_variants else []) + \
               (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
@@ -345,6 +424,17 @@ def main() -> None:
                 eq_s = m0 and m["tokens"][1:] == m0["tokens"][1:]
                 eq_l = m0 and m["tokens"][0] == m0["tokens"][0]
                 print(f"| {label} | {m['seconds']:.3f} | {eq_s} | {eq_l} |")
+    for label in labels:
+        for pr in (r for r in results.get(label, []) if r["kind"] == "profile"):
+            if "error" in pr:
+                print(f"\n{label} profile n={pr['n']}: {pr['error']}")
+                continue
+            print(f"\n{label} profile n={pr['n']}: {pr['seconds']:.3f} s under the profiler, kernels span "
+                  f"{pr['span_s']:.3f} s, GPU busy {pr['busy_s']:.3f} s ({pr['kernels']} kernels)")
+            print("| category | GPU s | share of busy |\n|---|---|---|")
+            for cat, sec in pr["categories_s"].items():
+                print(f"| {cat} | {sec:.3f} | {sec / pr['busy_s']:.1%} |")
+            print("largest kernels: " + "; ".join(f"{k['name'][:60]} {k['s']:.3f} s x{k['calls']}" for k in pr["top"]))
     for label in labels:
         st = get(label, "stats")
         if st:
