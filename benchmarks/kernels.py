@@ -166,7 +166,7 @@ def index_pairs(ix, n) -> int:
 
 def vtag(var: dict) -> str:
     short = {"heads_per_program": "gh", "num_warps": "w", "num_stages": "s", "block_n": "n", "kv_major": "kv",
-             "prefetch": "pf"}
+             "prefetch": "pf", "split": "sp", "stack": "st"}
     return "[" + ",".join(f"{short[k]}{int(v)}" for k, v in var.items()) + "]" if var else ""
 
 
@@ -309,7 +309,7 @@ def index_bench(n: int, gen) -> str:
         return convert(vert, slash)
 
     t_est = bench(lambda: vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale))
-    t_est_atomic = bench(lambda: vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale, tile_diagonals=False))
+    t_est_atomic = bench(lambda: vsi.last_q_scores(q[n - 64:], key_cache, table[0], n, scale, diagonals="atomic"))
     t_ours = bench(ours)
     t_torch = bench(torch_path, budget_ms=500)
     a, b = convert(*torch_scores()), torch_path()  # same scores: conversion must agree exactly
@@ -484,6 +484,84 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     return lines
 
 
+def graph_ms(fn, reps: int = 20) -> float:
+    """GPU time of ``fn`` (mean of ``reps`` replays of a CUDA graph of it): what it costs when the
+    host is ahead, as in the engine's eager forward with no sync in the layer."""
+    from decode_topk import capture_graph
+    fn()
+    torch.cuda.synchronize()
+    graph = capture_graph(fn)
+    graph.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+def lastq_bench(sizes, gen, chunk: int = 16384, shape="llama3-8b") -> list[str]:
+    """Vertical-slash estimation of one chunk at the end of n tokens of context, stage by stage:
+    ``last_q_scores`` (group-summed, as the default shared path) for each way of getting the
+    diagonal sums and a few launch variants, ``vs_topk`` torch vs radix select, and the whole
+    ``estimate_index_paged`` of a ``chunk``-query row. Each: eager median (host launch included)
+    and GPU time (CUDA-graph replay); scores compared with the scratch mode (the old default)."""
+    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.head_configs import resolve_head
+    from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
+    from vllm_sparse_backend.plan import kv_group_share
+    from vllm_sparse_backend.triton_kernels import vs_index as vsi
+    h, hkv, d = SHAPES[shape]
+    scale = 1.0 / math.sqrt(d)
+    lines, say = line_printer()
+    for nk in sizes:
+        n = nk * 1024
+        q, k, v = random_qkv(n, shape, gen)
+        key_cache, value_cache, table = paged_cache(k, v, PAGE, "cuda")
+        del k, v
+        ql = q[n - 64:]
+        say(f"{shape} context {nk}K, 64 last queries, group-summed scores; eager ms / GPU ms (graph)")
+        ref = vsi.last_q_scores(ql, key_cache, table[0], n, scale, group_sum=True, diagonals="scratch")
+        w4 = dict(num_warps=4)
+        variants = [("scratch", {}), ("gather", {}), ("skew", dict(num_warps=8)), ("skew", {}),
+                    ("skew", dict(w4, num_stages=2)), ("skew", dict(w4, num_stages=4)), ("skew", dict(w4, block_n=32)),
+                    ("skew", dict(w4, block_n=32, num_stages=4)), ("skew", dict(w4, block_n=128)),
+                    ("skew", dict(num_warps=2)), ("skew", dict(stack=2, num_warps=2)), ("skew", dict(w4, split=1024)),
+                    ("skew", dict(w4, split=4096)), ("skew", dict(num_warps=8, block_n=32))]
+        for mode, var in variants:
+            fn = lambda: vsi.last_q_scores(ql, key_cache, table[0], n, scale, group_sum=True,  # noqa: E731
+                                           diagonals=mode, **var)
+            try:
+                got = fn()
+                err = max(((g - r).norm() / r.norm()).item() for g, r in zip(got, ref))
+                say(f"  last-q {mode} {vtag(var) or '[default]'}: {bench(fn):.3f} / {graph_ms(fn):.3f} ms "
+                    f"(rel diff {err:.1e})")
+            except Exception as e:  # noqa: BLE001 - a variant that does not compile is a result too
+                say(f"  last-q {mode} {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+        vert, slash = ref
+        vert[:, :30] = float("inf")
+        slash[:, :30] = float("inf")
+        picks = {}
+        for sel in ("torch", "radix"):
+            fn = lambda: vsi.vs_topk(vert, slash, 1000, 6096, 1000, 6096, select=sel)  # noqa: E731
+            picks[sel] = fn()
+            say(f"  vs_topk {sel}: {bench(fn):.3f} / {graph_ms(fn):.3f} ms")
+        same = all(torch.equal(a, b) for a, b in zip(picks["torch"], picks["radix"]))
+        say(f"  vs_topk torch and radix give the same lists: {same}")
+        cfg = SparseSettings()
+        heads = [resolve_head(None, cfg)] * h
+        groups = HeadGroups.from_heads(heads, "cuda", kv_group_share(heads, hkv, cfg))
+        ctx = n - chunk
+        fn = lambda: estimate_index_paged(q[ctx:], key_cache, table[0], ctx, groups, cfg, scale)  # noqa: E731
+        say(f"  estimate_index_paged, {chunk // 1024}K chunk at {ctx // 1024}K context (defaults): "
+            f"{bench(fn):.3f} / {graph_ms(fn):.3f} ms")
+        del q, key_cache, value_cache, ref, vert, slash, picks
+        torch.cuda.empty_cache()
+    return lines
+
+
 def fmt_table(shape, recs, d):
     lines = [f"\n### {shape} (H/Hkv/D = {'/'.join(map(str, SHAPES[shape]))}), bf16, page {PAGE}, "
              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {sa.triton.__version__}",
@@ -516,12 +594,18 @@ def main():
     ap.add_argument("--merged", action="store_true", help="with --sweep: also time merge_group_heads(4)")
     ap.add_argument("--index-bench", type=int, default=0, help="only time index building at this n (K tokens)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--lastq-bench", action="store_true",
+                    help="only time the vertical-slash estimation stages of a chunk (--sizes: context in K)")
     ap.add_argument("--estimate-bench", action="store_true",
                     help="only estimation split (scores / top-k / conversion) and dense launch variants")
     ap.add_argument("--shared-sweep", action="store_true",
                     help="only time group-shared lists (one per KV head, heads stacked) vs per head")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.lastq_bench:
+        for shape in args.shapes.split(","):
+            lastq_bench([int(s) for s in args.sizes.split(",")], gen, shape=shape)
+        return
     if args.estimate_bench:
         for shape in args.shapes.split(","):
             estimate_bench([int(s) for s in args.sizes.split(",")], gen, shape)

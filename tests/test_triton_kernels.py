@@ -81,7 +81,8 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
-             n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, **launch):
+             n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, whole=None,
+             **launch):
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
@@ -108,6 +109,9 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
             bix = sa.merge_group_heads(bix, merge)
     kw = {"heads_per_program": merge} if mode == "dense" else {}
     kw.update(launch)
+    if whole is not None:  # flagged rows ignore their lists: every causal key
+        kw["whole_rows"] = torch.tensor(whole, device=device)
+        indices = [full_index(h, q_len, ctx, device) if w else ix for w, ix, (q_len, ctx) in zip(whole, indices, shapes)]
     res = sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, out,
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
@@ -201,6 +205,15 @@ def test_interp_launcher_stacks_shared_lists(group, d):
 
 
 @cpu_only
+@pytest.mark.parametrize("share", [1, 2])
+def test_interp_whole_rows_run_every_causal_block(share):
+    # the density fallback decided on the GPU: flagged rows (here the 2nd of 3, and a row with
+    # context) attend to every causal key whatever their lists say, the others to their lists
+    run_case([(130, 0), (70, 200), (64, 77)], 2, 2, 64, 16, torch.float32, seed=21, share=share,
+             whole=[False, True, True] if share == 1 else [True, False, False])
+
+
+@cpu_only
 def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
@@ -237,6 +250,13 @@ def test_gpu_group_shared_lists(group, share, d):
 
 
 @gpu
+@pytest.mark.parametrize("share", [1, 4])
+def test_gpu_whole_rows_run_every_causal_block(share):
+    run_case([(1000, 0), (700, 3000), (2000, 500)], 2, 4, 128, 16, torch.bfloat16, seed=22, share=share,
+             whole=[False, True, False] if share == 1 else [True, False, True])
+
+
+@gpu
 def test_gpu_merged_lse_softcap():
     run_case(BIG[1:2], 2, 4, 128, 16, torch.bfloat16, seed=1, merge=4, density=0.2, n_cols=300, softcap=30.0,
              check_lse=True)
@@ -248,6 +268,7 @@ def test_gpu_merged_lse_softcap():
 
 vsi = pytest.importorskip("vllm_sparse_backend.triton_kernels.vs_index",
                           reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
+DIAG_MODES = sorted(vsi.DIAG_MODES)
 
 
 def _padded_equal(a, b):
@@ -256,8 +277,9 @@ def _padded_equal(a, b):
     return torch.equal(pad(a), pad(b))
 
 
-def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False):
-    """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path)."""
+def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False, select="auto"):
+    """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path,
+    by ``select``)."""
     from vllm_sparse_backend.patterns.common import keep_top
     from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
 
@@ -278,7 +300,7 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False)
     ref = build_index(sel.block_mask, 64, q_len, ctx_len, sel.columns, sel.column_keep)
 
     counts = (max_v, max_s) if uniform else (v_count.to(device), s_count.to(device))
-    v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), *counts, max_v, max_s)
+    v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), *counts, max_v, max_s, select=select)
     got = vsi.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len)
     assert torch.equal(got.block_count.cpu(), ref.block_count)
     assert _padded_equal(got.block_index, ref.block_index)
@@ -286,8 +308,8 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False)
     assert _padded_equal(got.column_index, ref.column_index)
 
 
-def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile_diagonals=True, group_sum=False,
-                 stack=None):
+def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diagonals="skew", group_sum=False,
+                 stack=None, **launch):
     """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
     the reference sums the per-head float scores afterwards."""
     from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
@@ -302,7 +324,7 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, tile
     probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
     ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
     got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=128,
-                                     tile_diagonals=tile_diagonals, group_sum=group_sum, stack=stack)
+                                     diagonals=diagonals, group_sum=group_sum, stack=stack, **launch)
     if group_sum:
         ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
     assert got_v.shape == ref_v.shape and got_s.shape == ref_s.shape
@@ -321,26 +343,36 @@ def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s):
 @cpu_only
 @pytest.mark.parametrize("h,q_len,ctx_len,max_v,max_s", [(3, 300, 0, 40, 50), (2, 130, 211, 400, 300),
                                                           (2, 40, 0, 64, 100)])
-def test_interp_vs_index_uniform_budgets(h, q_len, ctx_len, max_v, max_s):
+@pytest.mark.parametrize("select", ["torch", "radix"])
+def test_interp_vs_index_uniform_budgets(h, q_len, ctx_len, max_v, max_s, select):
     # host-int budgets, some wider than the row (kv_len < max_v / max_s): padded with -1
-    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len + 1, device="cpu", uniform=True)
+    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len + 1, device="cpu", uniform=True,
+                   select=select)
 
 
 @cpu_only
-@pytest.mark.parametrize("tile_diagonals", [True, False])
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
 @pytest.mark.parametrize("q_len,ctx_len", [(100, 230), (40, 0), (64, 77)])
-def test_interp_last_q_scores(tile_diagonals, q_len, ctx_len):
+def test_interp_last_q_scores(diagonals, q_len, ctx_len):
     check_last_q(4, 2, 64, q_len, ctx_len, 16, torch.float32, seed=2, device="cpu", tol=1e-4,
-                 tile_diagonals=tile_diagonals)
+                 diagonals=diagonals)
 
 
 @cpu_only
 @pytest.mark.parametrize("h,hkv,stack", [(8, 2, None), (8, 2, 2), (8, 2, 1), (6, 2, None), (7, 1, None)])
-@pytest.mark.parametrize("tile_diagonals", [True, False])
-def test_interp_last_q_scores_group_sum(h, hkv, stack, tile_diagonals):
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_interp_last_q_scores_group_sum(h, hkv, stack, diagonals):
     # stack = group: one program writes each KV head's sums; smaller stacks add atomically
     check_last_q(h, hkv, 64, 100, 230, 16, torch.float32, seed=4, device="cpu", tol=1e-4,
-                 tile_diagonals=tile_diagonals, group_sum=True, stack=stack)
+                 diagonals=diagonals, group_sum=True, stack=stack)
+
+
+@cpu_only
+@pytest.mark.parametrize("block_n", [32, 128])
+def test_interp_last_q_scores_skew_tiles(block_n):
+    # the skew mode takes any key tile width (the slab is indexed by key position, not by tile)
+    check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=6, device="cpu", tol=1e-4, group_sum=True,
+                 block_n=block_n)
 
 
 @gpu
@@ -349,19 +381,25 @@ def test_gpu_vs_index():
 
 
 @gpu
-@pytest.mark.parametrize("tile_diagonals", [True, False])
-def test_gpu_last_q_scores(tile_diagonals):
+@pytest.mark.parametrize("select", ["torch", "radix"])
+def test_gpu_vs_index_uniform_budgets(select):
+    check_vs_index(8, 16384, 40000, 1000, 6096, seed=2, device="cuda", uniform=True, select=select)
+
+
+@gpu
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_gpu_last_q_scores(diagonals):
     check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2,
-                 tile_diagonals=tile_diagonals)
+                 diagonals=diagonals)
 
 
 @gpu
 @pytest.mark.parametrize("h,hkv,d,stack", [(32, 8, 128, None), (32, 8, 128, 2), (16, 2, 128, None),
                                            (14, 2, 64, None), (24, 3, 64, None)])
-@pytest.mark.parametrize("tile_diagonals", [True, False])
-def test_gpu_last_q_scores_group_sum(h, hkv, d, stack, tile_diagonals):
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_gpu_last_q_scores_group_sum(h, hkv, d, stack, diagonals):
     check_last_q(h, hkv, d, 3000, 2500, 16, torch.bfloat16, seed=5, device="cuda", tol=2e-2,
-                 tile_diagonals=tile_diagonals, group_sum=True, stack=stack)
+                 diagonals=diagonals, group_sum=True, stack=stack)
 
 
 def _glue_case(dtype, device, seed=5):

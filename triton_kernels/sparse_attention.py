@@ -206,6 +206,19 @@ def _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE: tl.constexpr, s_kp, s_kt, s_
 
 
 @triton.jit
+def _listed_block(blist, e, ok, whole, DENSE: tl.constexpr, FALLBACK: tl.constexpr):
+    """Key block of list entry e: e itself in dense mode (or for a row running every causal block,
+    ``whole``), else the listed one (0 where ``ok`` is false)."""
+    if DENSE:
+        return e
+    elif FALLBACK:
+        listed = (ok.to(tl.int32) * (1 - whole.to(tl.int32))) != 0  # ok and not whole (interpreter-safe)
+        return tl.where(whole, e, tl.load(blist + e, mask=listed, other=0))
+    else:
+        return tl.load(blist + e, mask=ok, other=0)
+
+
+@triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
                  s_kd, s_vd, qk_scale, softcap,
                  MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -240,7 +253,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
 @triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc"])
 def _sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
-    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr,
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
     s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
     s_bt, s_lh, s_lse_h,
@@ -250,7 +263,7 @@ def _sparse_fwd_kernel(
     GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
     PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr,
+    KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = GH * BLOCK
     KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
@@ -308,14 +321,20 @@ def _sparse_fwd_kernel(
     kb_full = (qpos0 + 1) // BLOCK
     lrow = pid_h.to(tl.int64) * s_lh + qb
     blist = bidx_ptr + lrow * maxb
+    n_causal = (qpos0 + nq - 1) // BLOCK + 1
+    whole = n_causal < 0  # FALLBACK: this query block's row runs every causal block (its list is too dense)
     if DENSE:
         n_full = kb_full
-        n_all = (qpos0 + nq - 1) // BLOCK + 1
+        n_all = n_causal
     else:
         n_all = tl.load(bcnt_ptr + lrow)
         last1 = tl.load(blist + n_all - 1, mask=n_all >= 1, other=-1)
         last2 = tl.load(blist + n_all - 2, mask=n_all >= 2, other=-1)
         n_full = n_all - (last1 >= kb_full).to(tl.int32) - (last2 >= kb_full).to(tl.int32)
+        if FALLBACK:
+            whole = tl.load(whole_ptr + qb) != 0
+            n_all = tl.where(whole, n_causal, n_all)
+            n_full = tl.where(whole, kb_full, n_full)
     n_full_tiles = n_full // KPT
     n_tiles = (n_all + KPT - 1) // KPT
 
@@ -324,10 +343,7 @@ def _sparse_fwd_kernel(
     # math, so the K/V loads of a tile depend only on loop-carried offsets.
     n_full_e = n_full_tiles * KPT
     if PREFETCH:
-        if DENSE:
-            kb = sub
-        else:
-            kb = tl.load(blist + sub, mask=sub < n_full_e, other=0)
+        kb = _listed_block(blist, sub, sub < n_full_e, whole, DENSE, FALLBACK)
         kpos = kb * BLOCK + within
         k_off, v_off = _kv_offsets(bt_row_ptr, kpos, (sub + zero_n) < n_full_e, kvh, PAGE,
                                    s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
@@ -336,18 +352,12 @@ def _sparse_fwd_kernel(
         if PREFETCH:
             e_n = e + KPT
             ok_n = e_n < n_full_e
-            if DENSE:
-                kb_n = e_n
-            else:
-                kb_n = tl.load(blist + e_n, mask=ok_n, other=0)
+            kb_n = _listed_block(blist, e_n, ok_n, whole, DENSE, FALLBACK)
             kpos_n = kb_n * BLOCK + within
             k_off_n, v_off_n = _kv_offsets(bt_row_ptr, kpos_n, (e_n + zero_n) < n_full_e, kvh, PAGE,
                                            s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
         else:
-            if DENSE:
-                kb = e
-            else:
-                kb = tl.load(blist + e)
+            kb = _listed_block(blist, e, e >= 0, whole, DENSE, FALLBACK)
             kpos = kb * BLOCK + within
             k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kpos >= 0, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
         if MERGED:
@@ -366,10 +376,7 @@ def _sparse_fwd_kernel(
     for t in range(n_full_tiles, n_tiles):
         e = t * KPT + sub
         e_ok = e < n_all
-        if DENSE:
-            kb = e
-        else:
-            kb = tl.load(blist + e, mask=e_ok, other=0)
+        kb = _listed_block(blist, e, e_ok, whole, DENSE, FALLBACK)
         kpos = kb * BLOCK + within
         kv_ok = ((e + zero_n) < n_all) & (kpos < kv_len)  # (vector form: the interpreter mis-types scalar & vector)
         k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
@@ -383,6 +390,8 @@ def _sparse_fwd_kernel(
     # 3) single columns, BLOCK_N at a time
     if not DENSE:
         n_col = tl.load(ccnt_ptr + lrow)
+        if FALLBACK:
+            n_col = tl.where(whole, 0, n_col)
         clist = cidx_ptr + lrow * maxc
         for j in range(0, n_col, BLOCK_N):
             c_ok = (j + offs_n) < n_col
@@ -455,7 +464,8 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
                              out: torch.Tensor, softcap: float = 0.0, return_lse: bool = False,
                              *, heads_per_program: int | None = None, num_warps: int | None = None,
                              num_stages: int | None = None, block_n: int | None = None,
-                             kv_major: bool | None = None, prefetch: bool | None = None):
+                             kv_major: bool | None = None, prefetch: bool | None = None,
+                             whole_rows: torch.Tensor | None = None):
     """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
 
     q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
@@ -470,6 +480,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     ``heads_per_program`` (dense only), ``num_warps``, ``num_stages``, ``block_n`` (keys per tile:
     64, or 128 = two listed blocks per tile), ``kv_major`` (program order) and ``prefetch`` (issue
     the next tile's list/page lookups early) override :func:`default_config`.
+    ``whole_rows`` (optional, bool/int tensor [num rows] on the device, needs ``rows``): rows
+    flagged there ignore their lists and attend to every causal key (the dense mode, decided on
+    the GPU: the density fallback without a host sync).
     """
     t, h, d = q.shape
     page, hkv, dk = key_cache.shape[1:]
@@ -529,10 +542,18 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         maxb, maxc = bidx.shape[-1], cidx.shape[-1]
         if tuple(bcnt.shape) != (lists, tqb):
             raise ValueError(f"index has {tuple(bcnt.shape)} lists, expected {(lists, tqb)}")
+    whole = bcnt  # placeholder: not read without FALLBACK
+    fallback = whole_rows is not None and not bix.dense
+    if fallback:
+        if bix.merged or rows is None or len(rows) != whole_rows.numel():
+            raise ValueError("whole_rows needs one flag per row (of rows) and an index that is not merged")
+        # one flag per packed query block (device ops only: no sync)
+        per_qb = [whole_rows[i].view(1).expand(-(-_row_fields(r)[2] // bix.block_size)) for i, r in enumerate(rows)]
+        whole = torch.cat(per_qb).to(torch.int32)
     grid = (lists * tqb,)
     _sparse_fwd_kernel[grid](
         q, key_cache, value_cache, out, lse, block_table, bix.meta,
-        bcnt, bidx, ccnt, cidx, bb, cb,
+        bcnt, bidx, ccnt, cidx, bb, cb, whole,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
@@ -541,6 +562,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         float(scale), float(softcap) if softcap > 0 else 1.0,
         GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
+        FALLBACK=fallback,
         num_warps=warps, num_stages=stages,
     )
     return (out, lse) if return_lse else out

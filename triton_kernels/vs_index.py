@@ -33,21 +33,28 @@ BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
 
 
 def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor | int, s_count: torch.Tensor | int,
-            max_v: int, max_s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            max_v: int, max_s: int, select: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top entries of the scores [h, kv_len] -> (v_idx int32 [h, max_v] ascending key positions,
     v_cnt int32 [h], s_idx int32 [h, max_s] ascending diagonals, s_cnt int32 [h]); -1 padded.
 
     Per-head sizes ``v_count`` / ``s_count`` (int or int tensor [h]) are clipped to
     ``max_v`` / ``max_s`` (host ints) and to kv_len. Entries to keep unconditionally (first columns,
     nearest diagonals) should carry +inf scores, as the torch estimator does.
+    ``select``: with one host budget for all heads, ``radix`` takes the columns with
+    :func:`topk_select.topk_ascending` (already ascending, no sort), ``torch`` with
+    ``torch.topk`` + a sort; ``auto`` = radix on CUDA. Per-head budgets always use torch.
     """
     h, kv_len = vertical.shape
     dev = vertical.device
+    radix = select == "radix" or (select == "auto" and vertical.is_cuda)
 
     def pick(scores, count, width):
         w = min(width, kv_len)
         if isinstance(count, int) and count >= w:
             # every head keeps its top w: no best-first order needed, only ascending positions
+            if radix:
+                from .topk_select import topk_ascending
+                return topk_ascending(scores, w, width)
             idx = scores.topk(w, dim=-1, sorted=False).indices.sort(-1).values.to(torch.int32)
             if w < width:
                 idx = torch.nn.functional.pad(idx, (0, width - w), value=-1)
@@ -171,12 +178,16 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 # paged cache like the attention kernel.
 # --------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"])  # one compile for all rows
+# How pass 2 turns a tile's probabilities into diagonal (slash) sums (``last_q_scores(diagonals=)``).
+DIAG_MODES = {"atomic": 0, "scratch": 1, "gather": 2, "skew": 3}
+
+
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split", "skew_w"])  # one compile for all rows
 def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, scratch_ptr,
-                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
+                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split, skew_w,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                SECOND: tl.constexpr, TILE_DIAG: tl.constexpr):
+                SECOND: tl.constexpr, DIAG: tl.constexpr):
     # One program per (STACK consecutive query heads of one KV group, key range). The heads'
     # queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so each K
     # tile is loaded once for all of them. GROUP_SUM: outputs are per KV head, summed over its
@@ -223,7 +234,27 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
             if STACK > 1:
                 # the stacked heads' probabilities at each (query, key): diagonals are shared
                 p = tl.sum(tl.reshape(p, [STACK, BLOCK_Q, BLOCK_N]), 0)
-            if TILE_DIAG:
+            if DIAG == 3:
+                # skew: row i of the tile goes to row i of this program's slab, shifted left by i
+                # (column kpos - i + BLOCK_Q - 1), so every diagonal lands in one slab column;
+                # _skew_colsum sums the columns afterwards. No barrier, no atomic here.
+                ri = tl.arange(0, BLOCK_Q)
+                col = kpos[None, :] - ri[:, None] + (BLOCK_Q - 1)
+                slab = scratch_ptr + tl.program_id(0).to(tl.int64) * BLOCK_Q * skew_w
+                tl.store(slab + ri[:, None].to(tl.int64) * skew_w + col, p, mask=k_ok[None, :])
+            elif DIAG == 2:
+                # gather: the tile's BLOCK_Q + BLOCK_N - 1 diagonals summed in registers (row i,
+                # diagonal t holds p[i, i - t + BLOCK_N - 1]), one atomic per diagonal
+                ri = tl.arange(0, BLOCK_Q)
+                offs_t = tl.arange(0, BLOCK_Q + BLOCK_N)
+                jj = ri[:, None] - offs_t[None, :] + (BLOCK_N - 1)
+                in_tile = (jj >= 0) & (jj < BLOCK_N)
+                x = tl.gather(p, tl.where(in_tile, jj, 0), 1)
+                dsum = tl.sum(tl.where(in_tile, x, 0.0), 0)
+                dd = q0_pos - j + offs_t - (BLOCK_N - 1)
+                tl.atomic_add(slash_ptr + out_row * kv_len + dd, dsum,
+                              mask=(offs_t < BLOCK_Q + BLOCK_N - 1) & (dd >= 0))
+            elif DIAG == 1:
                 # Sum the tile's BLOCK_Q + BLOCK_N - 1 diagonals first, then one atomic per
                 # diagonal instead of one per element (32x fewer). The tile goes through a small
                 # per-program scratch so it can be re-read skewed: row i, diagonal t holds
@@ -257,9 +288,9 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
 
 def lastq_stack(group: int) -> int:
     """Query heads stacked per program in :func:`last_q_scores` with ``group_sum``: the largest
-    power of two dividing the group, at most 4 (M = 256 rows, 8 warps; 8 heads would be 512 rows
-    of fp32 scores per tile). H200, 128K, Llama-3-8B shape: 1.85 ms vs 2.67 ms for per-head
-    scores summed afterwards; 16 warps lost most of the gain (2.54 ms)."""
+    power of two dividing the group, at most 4 (M = 256 rows; 8 heads would be 512 rows of fp32
+    scores per tile). H200, 128K, Llama-3-8B shape, scratch mode: 1.85 ms vs 2.67 ms for per-head
+    scores summed afterwards; skew mode, 4 warps: 4 heads 0.99-1.05 ms, 2 heads 1.36 ms."""
     st = 1
     while st < 4 and group % (2 * st) == 0:
         st *= 2
@@ -275,9 +306,35 @@ def lastq_split(kv_len: int, programs_per_range: int) -> int:
     return split
 
 
+@triton.jit(do_not_specialize=["skew_w", "kv_len", "q0_pos", "n_q"])
+def _skew_colsum(skew_ptr, slash_ptr, skew_w, kv_len, q0_pos, n_q,
+                 SLABS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Diagonal sums from pass 2's skewed slabs: slab column c holds diagonal q0_pos + BLOCK_Q - 1 - c
+    # of every query row. Row i wrote columns whose key c + i - (BLOCK_Q - 1) is in [0, kv_len); the
+    # rest of the slab was never written and is masked. SLABS programs' slabs sum into one output
+    # row (the stacks of one KV group with group_sum).
+    o = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for sl in range(SLABS):
+        slab = skew_ptr + (o * SLABS + sl).to(tl.int64) * BLOCK_Q * skew_w
+        for i in range(0, n_q):
+            key = c + i - (BLOCK_Q - 1)
+            acc += tl.load(slab + i * skew_w + c, mask=(key >= 0) & (key < kv_len), other=0.0)
+    d = q0_pos + (BLOCK_Q - 1) - c
+    tl.store(slash_ptr + o.to(tl.int64) * kv_len + d, acc, mask=(d >= 0) & (d < kv_len))
+
+
+# The skew mode's slabs (64 x (kv_len + 63) fp32 per program) are a per-layer transient; above this
+# the gather mode (no slab, ~1.3x slower) takes over. KV-group-shared Llama-3-8B shape: 8 slabs,
+# skew up to ~768K tokens; one list per query head (32 slabs): up to ~192K.
+SKEW_SLAB_BYTES = 3 << 29  # 1.5 GiB
+
+
 def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
-                  scale: float, split: int | None = None, tile_diagonals: bool = True, group_sum: bool = False,
-                  stack: int | None = None, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, split: int | None = None, diagonals: str = "auto", group_sum: bool = False,
+                  stack: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores (fp32) of the row's last queries: [H, kv_len], or [Hkv, kv_len]
     summed over each KV group's query heads with ``group_sum``.
 
@@ -285,18 +342,26 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     kv_len - 1); key_cache: [pages, page, Hkv, D] view; block_table_row: int32 [max_pages].
     Same sums as ``patterns.common.last_queries_probs`` + ``vertical_and_slash_sums``: pass 1
     takes each key range's row max / sum (grid head stacks x key ranges), torch merges them, pass
-    2 writes normalised column sums and adds diagonal sums atomically (``tile_diagonals``: summed
-    per 64x64 tile first, one atomic per diagonal of the tile; False: one atomic per element).
+    2 writes normalised column sums and the diagonal sums. ``diagonals`` says how pass 2 gets
+    those from each 64 x 64 tile: ``skew`` stores the tile's rows shifted into a per-program
+    slab (64 x (kv_len + 63) fp32) that a second kernel sums by column; ``gather`` and
+    ``scratch`` sum the tile's diagonals in the program (a register gather, or a re-read through
+    a small global scratch) and add them atomically; ``atomic`` adds every element atomically;
+    ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`, else gather.
     With ``group_sum`` ``stack`` heads of a group (default :func:`lastq_stack`) share each K tile.
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
     if n > 64 or key_cache.stride(3) != 1 or q_last.stride(2) != 1:
         raise ValueError("last_q_scores needs at most 64 queries and unit stride over the head dim")
+    if diagonals not in DIAG_MODES and diagonals != "auto":
+        raise ValueError(f"diagonals={diagonals!r}: auto or one of {sorted(DIAG_MODES)}")
     group = h // hkv
     st = (stack or lastq_stack(group)) if group_sum else 1
     if group % st:
         raise ValueError(f"stack {st} does not divide the KV group of {group} heads")
+    if diagonals == "auto":
+        diagonals = "skew" if (h // st) * 64 * (kv_len + 63) * 4 <= SKEW_SLAB_BYTES else "gather"
     dev = q_last.device
     split = split or lastq_split(kv_len, h // st)
     n_split = (kv_len + split - 1) // split
@@ -304,18 +369,34 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     stats = torch.empty(h, 2, 64, dtype=torch.float32, device=dev)
     n_out = hkv if group_sum else h
     vert = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
-    slash = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
     n_prog = h // st
-    scratch = torch.empty(n_prog * n_split * 64 * 64 if tile_diagonals else 1, dtype=torch.float32, device=dev)
+    skew_w = kv_len + 63
+    if diagonals == "skew":  # every slash entry is written by _skew_colsum
+        slash = torch.empty(n_out, kv_len, dtype=torch.float32, device=dev)
+        scratch = torch.empty(n_prog * 64 * skew_w, dtype=torch.float32, device=dev)
+    else:
+        slash = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
+        scratch = torch.empty(n_prog * n_split * 64 * 64 if diagonals == "scratch" else 1, dtype=torch.float32,
+                              device=dev)
     args = (q_last, key_cache, block_table_row, part, stats, vert, slash, scratch, q_last.stride(0), q_last.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
-            n_split, split)
-    meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=64, HEAD_DIM=d,
-                num_warps=num_warps or max(4, 2 * st))
-    _lastq_pass[(n_prog, n_split)](*args, SECOND=False, TILE_DIAG=False, **meta)
+            n_split, split, skew_w)
+    if block_n != 64 and diagonals != "skew":
+        raise ValueError("only the skew mode takes key tiles other than 64 wide")
+    # skew: 4 warps and 2 stages whatever the stack (H200, 128K-256K, 4 heads stacked: 0.99 ms vs
+    # 1.33 with 8 warps, 1.61 for the scratch mode's 8 warps and 3 stages; benchmarks/KERNEL_NOTES.md)
+    meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=block_n, HEAD_DIM=d,
+                num_warps=num_warps or (4 if diagonals == "skew" else max(4, 2 * st)),
+                num_stages=num_stages or (2 if diagonals == "skew" else 3))
+    _lastq_pass[(n_prog, n_split)](*args, SECOND=False, DIAG=0, **meta)
     m_part, l_part = part[:, :, 0], part[:, :, 1]  # [h, n_split, 64]
     m = m_part.amax(1)
     stats[:, 0] = m
     stats[:, 1] = (l_part * torch.exp(m_part - m[:, None])).sum(1).clamp_min(1e-30)
-    _lastq_pass[(n_prog, n_split)](*args, SECOND=True, TILE_DIAG=tile_diagonals, **meta)
+    _lastq_pass[(n_prog, n_split)](*args, SECOND=True, DIAG=DIAG_MODES[diagonals], **meta)
+    if diagonals == "skew":
+        block_c = 512
+        _skew_colsum[(n_out, triton.cdiv(skew_w, block_c))](scratch, slash, skew_w, kv_len, kv_len - n, n,
+                                                             SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=block_c,
+                                                             num_warps=4)
     return vert, slash
