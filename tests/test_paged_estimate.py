@@ -140,37 +140,61 @@ def test_pattern_names_cover_the_enum():
     assert set(MIXED) == {p.value for p in PatternName}
 
 
-@cpu_only
-@pytest.mark.parametrize("max_density,expect_dense", [(1.0, False), (0.05, True)])
-def test_density_fallback(max_density, expect_dense):
-    """Rows whose estimated index is denser than max_density go to the dense kernel (and nothing
-    else writes their output); the others are computed sparse, matching the float64 reference."""
+def check_density_fallback(max_density, expect_dense, device, dtype, tol):
+    """Rows whose estimated index is denser than max_density run the kernel's dense mode, flagged
+    on the device without a host sync (dense_row, the FlashAttention fallback, is only for rows
+    the budgets rule out); the others are computed sparse. Both match the float64 reference of
+    what they ran, and the stats name the fallback once the flags are read."""
     from conftest import masked_attention_f64
     from vllm_sparse_backend.index import index_to_dense_mask
     from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+    from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.stats import STATS
     from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16})
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
-    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
+    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, dtype, 7, device)
     v = torch.randn_like(k)
     value_cache = torch.full_like(key_cache, float("nan"))  # V on the same pages as K:
     for pos in range(ctx + q_len):
-        value_cache[int(table[pos // 16]), pos % 16] = v[pos]
+        value_cache[int(table[pos // 16]), pos % 16] = v[pos].to(device)
     heads = [resolve_head(None, settings)] * (hkv * group)
-    out = torch.full_like(q, float("nan"))
+    q_dev = q.to(device)
+    out = torch.full_like(q_dev, float("nan"))
     sent_dense = []
     row = SparseRow(0, 0, q_len, ctx)
-    run_sparse_rows_paged(q, out, [row], key_cache, value_cache, table[None], HeadGroups.from_heads(heads, "cpu"),
-                          settings, d ** -0.5, 0.0, sparse_prefill_attention, sent_dense.append)
-    assert sent_dense == ([row] if expect_dense else [])
+    STATS.flush_deferred()
+    before = STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0)
+    every, STATS.timer.every = STATS.timer.every, 0  # no sampled forward (it would read back)
+    try:
+        groups = HeadGroups.from_heads(heads, device)
+        with no_host_sync(device):
+            run_sparse_rows_paged(q_dev, out, [row], key_cache, value_cache, table[None], groups, settings,
+                                  d ** -0.5, 0.0, sparse_prefill_attention, sent_dense.append)
+    finally:
+        STATS.timer.every = every
+    assert sent_dense == []  # the budgets (24 keys of ~400 visible: 0.06) allow max_density 0.1
     if expect_dense:
-        assert torch.isnan(out).all()
-        return
-    idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
-    ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
-    assert ((out.double() - ref).norm() / ref.norm()) < 1e-4
+        mask = torch.ones(q_len, ctx + q_len, dtype=torch.bool).tril(ctx)[None].expand(hkv * group, -1, -1)
+    else:
+        idx = estimate_index(q.float(), k.float(), ctx, heads, settings, d ** -0.5).index
+        mask = index_to_dense_mask(idx, q_len, ctx)
+    ref = masked_attention_f64(q, k, v, mask, d ** -0.5)
+    assert ((out.cpu().double() - ref).norm() / ref.norm()) < tol
+    STATS.flush_deferred()
+    assert STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) - before == int(expect_dense)
+
+
+@cpu_only
+@pytest.mark.parametrize("max_density,expect_dense", [(1.0, False), (0.1, True)])
+def test_density_fallback(max_density, expect_dense):
+    check_density_fallback(max_density, expect_dense, "cpu", torch.float32, 1e-4)
+
+
+@gpu
+def test_gpu_density_fallback():
+    check_density_fallback(0.1, True, "cuda", torch.bfloat16, 1e-2)
 
 
 @cpu_only

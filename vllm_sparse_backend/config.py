@@ -72,10 +72,12 @@ class SparseSettings(BaseModel):
     # Gating: which rows go sparse.
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
-    # Dense fallback (CUDA, Triton path): a row whose estimated index would compute more than this
-    # share of the causal (query, key) pairs runs on FlashAttention instead; per-block sparse
-    # tiles run at about half of FlashAttention's FLOP rate (benchmarks/KERNEL_NOTES.md), so above
-    # ~0.4 the sparse row is slower than dense. 1.0 = never fall back.
+    # Dense fallback (CUDA, Triton path), on the share of a row's causal (query, key) pairs: a row
+    # whose budgets alone allow more runs on FlashAttention without being estimated; a row whose
+    # estimated index computes more is flagged on the GPU and runs the kernel's dense mode (every
+    # causal key; no host sync decides it). Sparse tiles run at 50-75% of FlashAttention's FLOP
+    # rate (per-head lists / KV-group-shared lists, benchmarks/KERNEL_NOTES.md), so above ~0.4 a
+    # sparse row gains little or loses. 1.0 = never fall back.
     max_density: float = Field(0.4, gt=0.0, le=1.0, description="Rows denser than this run dense (CUDA).")
     # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
     # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on

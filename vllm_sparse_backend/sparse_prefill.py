@@ -67,18 +67,25 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
 
     key_cache / value_cache: [pages, page, Hkv, D] views; block_table: int32 [num_reqs, max_pages]
     (rows index it by ``row.row``). ``dense_row`` (the dense kernel for one row) enables the
-    density fallback: rows whose index would cover more than ``settings.max_density`` of their
-    causal pairs go there instead, decided with one host read of all rows' densities per layer;
-    rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`) go there
-    without being estimated.
-    Otherwise host syncs happen only when ``settings.stats_file`` is set or on the forwards the
-    stage timer samples (``timing_sample_every``): the computed density and FlexPrefill's per-head
+    density fallback (``settings.max_density`` < 1):
+
+    * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
+      arithmetic) go to ``dense_row`` without being estimated;
+    * rows whose estimated index covers more than ``max_density`` of their causal pairs are
+      flagged on the GPU and the kernel runs them in its dense mode (every causal key): no host
+      read decides it, so the layer never waits for the GPU. They stay counted as sparse rows
+      (they ran on the sparse path) and are also counted under ``dense_reasons`` when the flags
+      are next read (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
+
+    Host syncs happen only when ``settings.stats_file`` is set or on the forwards the stage timer
+    samples (``timing_sample_every``): the computed density, the flags and FlexPrefill's per-head
     decisions are then read back.
     """
     num_heads = query.shape[1]
     timing = STATS.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
     exact_stats = bool(settings.stats_file) or timing.sampled
-    if dense_row is not None and settings.max_density < 1.0:
+    fallback = dense_row is not None and settings.max_density < 1.0
+    if fallback:
         # Rows the budgets cannot make sparse enough skip estimation (short rows, mostly).
         sparse_enough = []
         for row in rows:
@@ -93,35 +100,40 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     for row in rows:
         q = query[row.tok_start:row.tok_start + row.q_len]
         estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale))
+    whole = None
+    if fallback and rows:
+        dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)])
+        whole = dens > settings.max_density
+        STATS.defer_dense_rows(DENSE_MODE_REASON, whole)
     timing.lap("estimate")
-    if dense_row is not None and rows and settings.max_density < 1.0:
-        dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]).tolist()
-        keep = []
-        for row, est, d in zip(rows, estimates, dens):
-            if d > settings.max_density:
-                dense_row(row)
-                STATS.record_dense_reason("estimated density above max_density", tokens=row.q_len)
-            else:
-                keep.append((row, est))
-        rows, estimates = [r for r, _ in keep], [e for _, e in keep]
-    indices = []
-    for row, est in zip(rows, estimates):
-        indices.append(est.index)
+    flags = whole.tolist() if exact_stats and whole is not None else [None] * len(rows)
+    if exact_stats:
+        STATS.flush_deferred()
+    for row, est, flag in zip(rows, estimates, flags):
         patterns = dict(est.head_patterns)
         if exact_stats and est.query_aware_heads is not None:
             n_qa = int(est.query_aware_heads)
             n_flex = patterns.pop("flex_prefill")
             patterns["flex_prefill/query_aware"] = n_qa
             patterns["flex_prefill/vertical_slash"] = n_flex - n_qa
-        computed = count_pairs(est.index, row.q_len, row.ctx_len) * est.heads_per_list if exact_stats else None
+        computed = None
+        if exact_stats:  # a row run dense computes all its causal pairs
+            computed = causal_pairs(row.q_len, row.ctx_len, num_heads) if flag else \
+                count_pairs(est.index, row.q_len, row.ctx_len) * est.heads_per_list
         _record(row, num_heads, computed, patterns)
     if rows:
         timing.mark()
-        kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap)
+        kernel(query, key_cache, value_cache, block_table, rows, [e.index for e in estimates], scale, output, softcap,
+               whole_rows=whole)
         timing.lap("kernel")
     timing.done()
     if settings.stats_file:
         STATS.dump(settings.stats_file)
+
+
+# Rows the kernel ran in its dense mode because their estimated index was too dense (flagged on
+# the GPU, counted when the flags are read).
+DENSE_MODE_REASON = "estimated density above max_density"
 
 
 def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,

@@ -33,6 +33,7 @@ class SparseStats:
     stage_seconds: Counter = field(default_factory=Counter)  # sampled seconds per stage (estimate, kernel)
     stage_samples: Counter = field(default_factory=Counter)  # sampled forwards per stage
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
     timer: metrics.SampledTimer = field(default=None, repr=False)
 
@@ -88,6 +89,25 @@ class SparseStats:
         if tokens:
             self.prom.dense_tokens(tokens)
 
+    def defer_dense_rows(self, reason: str, flags) -> None:
+        """Rows decided on the GPU (``flags``: bool tensor, one per row) that ran dense for
+        ``reason``: summed on the device, recorded by :meth:`flush_deferred` (no host sync here)."""
+        with self._lock:
+            n = flags.sum()
+            if reason in self._deferred:
+                self._deferred[reason] += n
+            else:
+                self._deferred[reason] = n
+
+    def flush_deferred(self) -> None:
+        """Read the deferred device counts (a host sync) into ``dense_reasons``."""
+        with self._lock:
+            pending, self._deferred = self._deferred, {}
+        for reason, n in pending.items():
+            rows = int(n)
+            if rows:
+                self.record_dense_reason(reason, rows=rows)
+
     def time_stages(self, device=None):
         """The stage timer of one sparse layer forward: a no-op unless this forward is sampled
         (see :class:`metrics.SampledTimer`; ``.sampled`` says which)."""
@@ -117,6 +137,7 @@ class SparseStats:
         }
 
     def dump(self, path: str) -> None:
+        self.flush_deferred()
         tmp = f"{path}.{os.getpid()}.tmp"
         with self._lock:
             data = self.as_dict()

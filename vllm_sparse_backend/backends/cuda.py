@@ -9,8 +9,9 @@ current chunk's K/V were written by vLLM's cache-update op before attention runs
 
 Sparse rows, Triton path (setting ``kernel`` = auto/triton, where the kernel supports the layer):
 indices are estimated on the GPU straight from the paged cache and the block+column kernel reads
-K/V through the block table; no gather, no host sync except one read of the rows' estimated
-densities per layer (rows denser than ``max_density`` go to FlashAttention instead). With
+K/V through the block table; no gather, no host sync. Rows whose budgets alone are denser than
+``max_density`` go to FlashAttention without estimation; rows whose estimated index is denser
+are flagged on the GPU and run in the kernel's dense mode. With
 ``kernel`` = torch (debugging) indices are estimated in PyTorch on K/V gathered out of the cache
 and the PyTorch reference computes the rows. With ``auto`` where the Triton path cannot run (no
 triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
@@ -200,8 +201,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
         kernel = self._triton_kernel(query)
         if kernel is not None:
             def dense_row(r: SparseRow) -> None:
-                log_once("rows whose estimated index covers more than max_density=%s of the causal pairs run "
-                         "dense (counted in the stats' dense_reasons)", settings().max_density)
+                log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
+                         "FlashAttention (counted in the stats' dense_reasons)", settings().max_density)
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super(SparsePrefillImpl, self).forward(
                     layer, query[s], None if key is None else key[s], None if value is None else value[s],
