@@ -309,6 +309,8 @@ def main() -> None:
                     help="one more prefill of each under the torch profiler: GPU time by kernel category")
     ap.add_argument("--profile-variants", nargs="*", default=None,
                     help="labels of the variants to profile (default: all)")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="engine max_model_len (default: the longest prompt + 128)")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
@@ -319,7 +321,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    args.max_len = max(max(args.lengths), args.decode_len if args.decode_batch else 0) + 128
+    args.max_len = max(args.max_model_len, max(max(args.lengths), args.decode_len if args.decode_batch else 0) + 128)
     args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
     variants = [parse_variant(v) for v in args.variants]
     results: dict[str, list[dict]] = {}
