@@ -3,9 +3,10 @@
 :func:`topk_ascending` computes ``scores.topk(k, sorted=False).indices.sort(-1).values`` on rows of
 fp32 scores. Used by the decode page selection (``topk_decode.select_pages``: 8..256 rows of
 2K..8K pages, k = 40..400), which runs in CUDA graphs where it is 1.3-3.5x faster than torch (see
-the table). The prefill estimation (``vs_index.vs_topk``: 8..32 rows of up to 512K columns,
-k = 1000 / 6096) keeps torch for now: it runs eagerly, where this is bound by the host's launch
-cost and only 1.0-1.6x faster.
+the table). Also the prefill estimation's (``vs_index.vs_topk`` with one host budget: 8..32 rows
+of up to 512K columns, k = 1000 / 6096): eagerly a call is bound by the host's launch cost (only
+1.0-1.6x faster), but in the engine the host runs ahead and the GPU time counts: 0.085 vs
+0.259 ms for torch's topk + sort at 8 x 128K (benchmarks/KERNEL_NOTES.md, run 29).
 
 Algorithm (no sort, no host synchronisation, shapes fixed by host ints: CUDA-graph capturable):
 
