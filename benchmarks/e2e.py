@@ -136,7 +136,7 @@ def kernel_breakdown(trace_paths: list[Path], top: int = 12) -> dict:
         if b > end:
             busy += b - max(a, end)
             end = b
-    span = intervals[-1][1] - intervals[0][0] if intervals else 0.0
+    span = intervals[-1][1] - intervals[0][0]
     biggest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
     return {"span_s": span / 1e6, "busy_s": busy / 1e6, "kernels": len(events),
             "categories_s": {k: v / 1e6 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
@@ -196,8 +196,8 @@ def worker(args) -> None:
         deadline = time.time() + 120  # the worker writes the trace after stop_profile returns
         new = []
         while time.time() < deadline:
-            new = [p for p in profile_dir.rglob("*.json*") if p not in before and "worker" in p.name.lower()] or \
-                  [p for p in profile_dir.rglob("*.json*") if p not in before]
+            new = [p for p in profile_dir.rglob("*.json*") if p not in before]
+            new = [p for p in new if "worker" in p.name.lower()] or new
             if new and all(p.stat().st_size > 0 for p in new):
                 time.sleep(2)
                 break

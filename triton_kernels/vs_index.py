@@ -179,11 +179,11 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 # --------------------------------------------------------------------------------------------
 
 # How pass 2 turns a tile's probabilities into diagonal (slash) sums (``last_q_scores(diagonals=)``).
-DIAG_MODES = {"atomic": 0, "scratch": 1, "gather": 2, "skew": 3}
+DIAG_MODES = {"atomic": 0, "gather": 1, "skew": 2}
 
 
 @triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split", "skew_w"])  # one compile for all rows
-def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, scratch_ptr,
+def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, slab_ptr,
                 s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split, skew_w,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -234,15 +234,15 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
             if STACK > 1:
                 # the stacked heads' probabilities at each (query, key): diagonals are shared
                 p = tl.sum(tl.reshape(p, [STACK, BLOCK_Q, BLOCK_N]), 0)
-            if DIAG == 3:
+            if DIAG == 2:
                 # skew: row i of the tile goes to row i of this program's slab, shifted left by i
                 # (column kpos - i + BLOCK_Q - 1), so every diagonal lands in one slab column;
                 # _skew_colsum sums the columns afterwards. No barrier, no atomic here.
                 ri = tl.arange(0, BLOCK_Q)
                 col = kpos[None, :] - ri[:, None] + (BLOCK_Q - 1)
-                slab = scratch_ptr + tl.program_id(0).to(tl.int64) * BLOCK_Q * skew_w
+                slab = slab_ptr + tl.program_id(0).to(tl.int64) * BLOCK_Q * skew_w
                 tl.store(slab + ri[:, None].to(tl.int64) * skew_w + col, p, mask=k_ok[None, :])
-            elif DIAG == 2:
+            elif DIAG == 1:
                 # gather: the tile's BLOCK_Q + BLOCK_N - 1 diagonals summed in registers (row i,
                 # diagonal t holds p[i, i - t + BLOCK_N - 1]), one atomic per diagonal
                 ri = tl.arange(0, BLOCK_Q)
@@ -252,23 +252,6 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
                 x = tl.gather(p, tl.where(in_tile, jj, 0), 1)
                 dsum = tl.sum(tl.where(in_tile, x, 0.0), 0)
                 dd = q0_pos - j + offs_t - (BLOCK_N - 1)
-                tl.atomic_add(slash_ptr + out_row * kv_len + dd, dsum,
-                              mask=(offs_t < BLOCK_Q + BLOCK_N - 1) & (dd >= 0))
-            elif DIAG == 1:
-                # Sum the tile's BLOCK_Q + BLOCK_N - 1 diagonals first, then one atomic per
-                # diagonal instead of one per element (32x fewer). The tile goes through a small
-                # per-program scratch so it can be re-read skewed: row i, diagonal t holds
-                # p[i, i - t + BLOCK_N - 1].
-                ri = tl.arange(0, BLOCK_Q)
-                scr = scratch_ptr + (tl.program_id(0) * n_split + sp).to(tl.int64) * (BLOCK_Q * BLOCK_N)
-                tl.store(scr + ri[:, None] * BLOCK_N + offs_n[None, :], p)
-                tl.debug_barrier()
-                offs_t = tl.arange(0, BLOCK_Q + BLOCK_N)
-                jj = ri[:, None] - offs_t[None, :] + (BLOCK_N - 1)
-                x = tl.load(scr + ri[:, None] * BLOCK_N + jj, mask=(jj >= 0) & (jj < BLOCK_N), other=0.0)
-                dsum = tl.sum(x, 0)
-                tl.debug_barrier()  # the next tile overwrites the scratch
-                dd = q0_pos - j + offs_t - (BLOCK_N - 1)  # d = qpos_i - kpos_j of diagonal t
                 tl.atomic_add(slash_ptr + out_row * kv_len + dd, dsum,
                               mask=(offs_t < BLOCK_Q + BLOCK_N - 1) & (dd >= 0))
             else:
@@ -289,8 +272,9 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
 def lastq_stack(group: int) -> int:
     """Query heads stacked per program in :func:`last_q_scores` with ``group_sum``: the largest
     power of two dividing the group, at most 4 (M = 256 rows; 8 heads would be 512 rows of fp32
-    scores per tile). H200, 128K, Llama-3-8B shape, scratch mode: 1.85 ms vs 2.67 ms for per-head
-    scores summed afterwards; skew mode, 4 warps: 4 heads 0.99-1.05 ms, 2 heads 1.36 ms."""
+    scores per tile). H200, 128K, Llama-3-8B shape, diagonals summed per tile through a global
+    scratch (the mode before skew): 1.85 ms vs 2.67 ms for per-head scores summed afterwards;
+    skew mode, 4 warps: 4 heads 0.99-1.05 ms, 2 heads 1.36 ms."""
     st = 1
     while st < 4 and group % (2 * st) == 0:
         st *= 2
@@ -344,9 +328,9 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     takes each key range's row max / sum (grid head stacks x key ranges), torch merges them, pass
     2 writes normalised column sums and the diagonal sums. ``diagonals`` says how pass 2 gets
     those from each 64 x 64 tile: ``skew`` stores the tile's rows shifted into a per-program
-    slab (64 x (kv_len + 63) fp32) that a second kernel sums by column; ``gather`` and
-    ``scratch`` sum the tile's diagonals in the program (a register gather, or a re-read through
-    a small global scratch) and add them atomically; ``atomic`` adds every element atomically;
+    slab (64 x (kv_len + 63) fp32) that a second kernel sums by column; ``gather`` sums the
+    tile's diagonals in registers (``tl.gather``) and adds them atomically; ``atomic`` adds every
+    element atomically;
     ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`, else gather.
     With ``group_sum`` ``stack`` heads of a group (default :func:`lastq_stack`) share each K tile.
     """
@@ -362,6 +346,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
         raise ValueError(f"stack {st} does not divide the KV group of {group} heads")
     if diagonals == "auto":
         diagonals = "skew" if (h // st) * 64 * (kv_len + 63) * 4 <= SKEW_SLAB_BYTES else "gather"
+    if block_n != 64 and diagonals != "skew":
+        raise ValueError("only the skew mode takes key tiles other than 64 wide")
     dev = q_last.device
     split = split or lastq_split(kv_len, h // st)
     n_split = (kv_len + split - 1) // split
@@ -373,18 +359,15 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     skew_w = kv_len + 63
     if diagonals == "skew":  # every slash entry is written by _skew_colsum
         slash = torch.empty(n_out, kv_len, dtype=torch.float32, device=dev)
-        scratch = torch.empty(n_prog * 64 * skew_w, dtype=torch.float32, device=dev)
+        slabs = torch.empty(n_prog * 64 * skew_w, dtype=torch.float32, device=dev)
     else:
         slash = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
-        scratch = torch.empty(n_prog * n_split * 64 * 64 if diagonals == "scratch" else 1, dtype=torch.float32,
-                              device=dev)
-    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, scratch, q_last.stride(0), q_last.stride(1),
+        slabs = slash  # not read
+    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, slabs, q_last.stride(0), q_last.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
             n_split, split, skew_w)
-    if block_n != 64 and diagonals != "skew":
-        raise ValueError("only the skew mode takes key tiles other than 64 wide")
     # skew: 4 warps and 2 stages whatever the stack (H200, 128K-256K, 4 heads stacked: 0.99 ms vs
-    # 1.33 with 8 warps, 1.61 for the scratch mode's 8 warps and 3 stages; benchmarks/KERNEL_NOTES.md)
+    # 1.33 with 8 warps; gather, 8 warps and 3 stages: 1.41; benchmarks/KERNEL_NOTES.md)
     meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=block_n, HEAD_DIM=d,
                 num_warps=num_warps or (4 if diagonals == "skew" else max(4, 2 * st)),
                 num_stages=num_stages or (2 if diagonals == "skew" else 3))
@@ -396,7 +379,7 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     _lastq_pass[(n_prog, n_split)](*args, SECOND=True, DIAG=DIAG_MODES[diagonals], **meta)
     if diagonals == "skew":
         block_c = 512
-        _skew_colsum[(n_out, triton.cdiv(skew_w, block_c))](scratch, slash, skew_w, kv_len, kv_len - n, n,
+        _skew_colsum[(n_out, triton.cdiv(skew_w, block_c))](slabs, slash, skew_w, kv_len, kv_len - n, n,
                                                              SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=block_c,
                                                              num_warps=4)
     return vert, slash
