@@ -309,7 +309,7 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False,
 
 
 def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diagonals="skew", group_sum=False,
-                 stack=None, **launch):
+                 stack=None, split=128, **launch):
     """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
     the reference sums the per-head float scores afterwards."""
     from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
@@ -323,7 +323,7 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
     n = min(64, q_len)
     probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
     ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
-    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=128,
+    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=split,
                                      diagonals=diagonals, group_sum=group_sum, stack=stack, **launch)
     if group_sum:
         ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
@@ -373,6 +373,15 @@ def test_interp_last_q_scores_skew_tiles(block_n):
     # the skew mode takes any key tile width (the slab is indexed by key position, not by tile)
     check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=6, device="cpu", tol=1e-4, group_sum=True,
                  block_n=block_n)
+
+
+@cpu_only
+@pytest.mark.parametrize("diagonals", ["skew", "gather"])
+def test_interp_last_q_scores_many_key_ranges(diagonals):
+    # 35 key ranges of 64 keys: the per-range row maxima/sums are merged 32 ranges at a time, most
+    # ranges lie wholly below the first query (the unmasked loops), the last ones straddle it
+    check_last_q(8, 2, 64, 100, 2140, 16, torch.float32, seed=8, device="cpu", tol=1e-4, diagonals=diagonals,
+                 group_sum=True, split=64)
 
 
 @gpu

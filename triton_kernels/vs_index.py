@@ -32,6 +32,20 @@ _BIG = 2**30
 BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
 
 
+_ROW_COUNTS: dict[tuple, torch.Tensor] = {}
+
+
+def _row_counts(h: int, wv: int, ws: int, dev) -> torch.Tensor:
+    """int32 [2h]: wv for the h vertical rows, ws for the h slash rows (cached per shape; built
+    on the device, so also inside a CUDA-graph capture)."""
+    key = (h, wv, ws, str(dev))
+    if key not in _ROW_COUNTS:
+        t = torch.full((2 * h,), ws, dtype=torch.int32, device=dev)
+        t[:h] = wv
+        _ROW_COUNTS[key] = t
+    return _ROW_COUNTS[key]
+
+
 def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor | int, s_count: torch.Tensor | int,
             max_v: int, max_s: int, select: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top entries of the scores [h, kv_len] -> (v_idx int32 [h, max_v] ascending key positions,
@@ -68,6 +82,13 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
             idx = torch.nn.functional.pad(idx, (0, width - w), value=-1)
         return idx.contiguous(), cnt.contiguous()
 
+    wv, ws = min(max_v, kv_len), min(max_s, kv_len)
+    if radix and isinstance(v_count, int) and isinstance(s_count, int) and v_count >= wv and s_count >= ws:
+        # both selections in one radix select with per-row counts: half the launches of two
+        from .topk_select import topk_ascending
+        idx, cnt = topk_ascending(torch.cat([vertical, slash]), max(wv, ws), max(max_v, max_s),
+                                  row_k=_row_counts(h, wv, ws, dev))
+        return idx[:h, :max_v].contiguous(), cnt[:h], idx[h:, :max_s].contiguous(), cnt[h:]
     v_idx, v_cnt = pick(vertical, v_count, max_v)
     s_idx, s_cnt = pick(slash, s_count, max_s)
     return v_idx, v_cnt, s_idx, s_cnt
@@ -146,12 +167,14 @@ def max_blocks_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64)
 
 def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor, s_cnt: torch.Tensor,
                          q_len: int, ctx_len: int, block_size: int = 64, max_blocks: int | None = None,
-                         max_columns: int | None = None) -> SparseIndex:
+                         max_columns: int | None = None, chunk: int = 512) -> SparseIndex:
     """Sorted vertical positions / diagonals (from :func:`vs_topk`) -> SparseIndex of one row.
 
     Widths are fixed from host ints (``max_blocks`` defaults to :func:`max_blocks_bound`,
     ``max_columns`` to ``v_idx.shape[1]``); lists longer than a width given smaller than that are
-    cut (their counts say so). No host synchronisation.
+    cut (their counts say so). No host synchronisation. ``chunk`` (a power of two): diagonals or
+    verticals a program handles per step (H200, 16K chunk at 112K, 6096 diagonals: 512 takes
+    0.078 ms, 128 0.097 ms; benchmarks/KERNEL_NOTES.md).
     """
     h, max_v = v_idx.shape
     max_s = s_idx.shape[1]
@@ -168,7 +191,7 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
             v_idx.contiguous(), v_cnt.to(torch.int32).contiguous(), s_idx.contiguous(),
             s_cnt.to(torch.int32).contiguous(), block_count, block_index, column_count, column_index,
             q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
-            BLOCK=block_size, CH=128, LOG_S=max(1, int(max_s).bit_length()), num_warps=4)
+            BLOCK=block_size, CH=chunk, LOG_S=max(1, int(max_s).bit_length()), num_warps=4)
     return SparseIndex(block_size, block_count, block_index, column_count, column_index)
 
 
@@ -182,16 +205,114 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 DIAG_MODES = {"atomic": 0, "gather": 1, "skew": 2}
 
 
-@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split", "skew_w"])  # one compile for all rows
-def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, slab_ptr,
-                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split, skew_w,
+@triton.jit
+def _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE: tl.constexpr, MASKED: tl.constexpr):
+    """K^T tile [HEAD_DIM, BLOCK_N] of key positions kpos through the block table."""
+    if MASKED:
+        page = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_ptr + kpos // PAGE).to(tl.int64)
+    k_off = page * s_kp + (kpos % PAGE).to(tl.int64) * s_kt + kvh * s_kh
+    if MASKED:
+        return tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+    return tl.load(k_ptr + k_off[None, :] + offs_d[:, None])
+
+
+@triton.jit
+def _unmasked_end(start, k_end, q0_pos, n_q, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
+    """End of the key tiles from ``start`` that need no mask: inside [start, k_end) and at or
+    before the first query's position, with all BLOCK_Q query rows present."""
+    n_full = (tl.minimum(k_end, q0_pos + 1) - start) // BLOCK_N
+    n_full = tl.where(n_q == BLOCK_Q, tl.maximum(n_full, 0), 0)
+    return start + n_full * BLOCK_N
+
+
+@triton.jit
+def _head_probs(q, kt, m, inv_l, allow, scale, MASKED: tl.constexpr):
+    """Normalised probabilities of one head's query rows over a key tile (0 where not allowed)."""
+    p = tl.exp(tl.dot(q, kt).to(tl.float32) * scale - m[:, None]) * inv_l[:, None]
+    if MASKED:
+        p = tl.where(allow, p, 0.0)
+    return p
+
+
+@triton.jit
+def _head_rows(q_ptr, stats_ptr, s_qt, s_qh, head, rq, q_ok, offs_d, BLOCK_Q: tl.constexpr):
+    """One head's last queries [BLOCK_Q, D], their row maxima and 1 / row sums (from pass 1)."""
+    q = tl.load(q_ptr + rq[:, None].to(tl.int64) * s_qt + head * s_qh + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+    m = tl.load(stats_ptr + head * 2 * BLOCK_Q + rq)
+    inv_l = 1.0 / tl.load(stats_ptr + head * 2 * BLOCK_Q + BLOCK_Q + rq)
+    return q, m, inv_l
+
+
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "split", "skew_w"])
+def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
+                     s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, split, skew_w,
+                     GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
+                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # Pass 2 of the skew mode. One program per (STACK heads of a KV group, key range), the heads
+    # as separate BLOCK_Q-row products over each K tile (not one stacked STACK * BLOCK_Q-row
+    # product as in pass 1): their probabilities add up in registers of one layout (the diagonal
+    # sums only need the group's total), the causal mask is built once for BLOCK_Q rows and the
+    # column sums reduce one BLOCK_Q-row tile; tiles wholly below the first query skip the mask.
+    # Each tile row i is stored into this program's slab shifted left by i (column kpos - i +
+    # BLOCK_Q - 1), so every diagonal lands in one slab column; _skew_colsum sums the columns.
+    # No barrier, no atomic here (GROUP_SUM with several stacks per group: vert adds atomically).
+    h0 = tl.program_id(0) * STACK
+    sp = tl.program_id(1)
+    kvh = (h0 // GROUP).to(tl.int64)
+    rq = tl.arange(0, BLOCK_Q)
+    q_ok = rq < n_q
+    qpos = q0_pos + rq
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    out_row = kvh if GROUP_SUM else h0.to(tl.int64)
+    qa, ma, la = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0, rq, q_ok, offs_d, BLOCK_Q)
+    if STACK >= 2:
+        qb, mb, lb = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0 + 1, rq, q_ok, offs_d, BLOCK_Q)
+    if STACK >= 4:
+        qc, mc, lc = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0 + 2, rq, q_ok, offs_d, BLOCK_Q)
+        qd, md, ld = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0 + 3, rq, q_ok, offs_d, BLOCK_Q)
+    start = sp * split
+    k_end = tl.minimum(kv_len, start + split)
+    j_mid = _unmasked_end(start, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
+    slab = slab_ptr + tl.program_id(0).to(tl.int64) * BLOCK_Q * skew_w + rq[:, None].to(tl.int64) * skew_w
+    for phase in tl.static_range(2):  # 0: unmasked tiles, 1: the rest
+        if phase == 0:
+            lo = start
+            hi = j_mid
+        else:
+            lo = j_mid
+            hi = k_end
+        for j in range(lo, hi, BLOCK_N):
+            kpos = j + offs_n
+            k_ok = kpos < k_end
+            kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, phase == 1)
+            allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
+            p = _head_probs(qa, kt, ma, la, allow, scale, phase == 1)
+            if STACK >= 2:
+                p += _head_probs(qb, kt, mb, lb, allow, scale, phase == 1)
+            if STACK >= 4:
+                p += _head_probs(qc, kt, mc, lc, allow, scale, phase == 1)
+                p += _head_probs(qd, kt, md, ld, allow, scale, phase == 1)
+            if STACK == GROUP or not GROUP_SUM:  # the only writer of this row
+                tl.store(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
+            else:
+                tl.atomic_add(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
+            tl.store(slab + (kpos[None, :] - rq[:, None] + (BLOCK_Q - 1)), p, mask=k_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"])  # one compile for all rows
+def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
+                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                 SECOND: tl.constexpr, DIAG: tl.constexpr):
-    # One program per (STACK consecutive query heads of one KV group, key range). The heads'
-    # queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so each K
-    # tile is loaded once for all of them. GROUP_SUM: outputs are per KV head, summed over its
-    # group (a program covering the whole group stores, otherwise programs add atomically).
+    # Pass 1 of every mode (each key range's row max and sum) and pass 2 of the gather and atomic
+    # modes. One program per (STACK consecutive query heads of one KV group, key range). The
+    # heads' queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so
+    # each K tile is loaded once for all of them. GROUP_SUM: outputs are per KV head, summed over
+    # its group (a program covering the whole group stores, otherwise programs add atomically).
     ROWS: tl.constexpr = STACK * BLOCK_Q
     h0 = tl.program_id(0) * STACK
     sp = tl.program_id(1)
@@ -216,7 +337,17 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
         m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
         l = tl.zeros([ROWS], dtype=tl.float32)
     k_end = tl.minimum(kv_len, (sp + 1) * split)
-    for j in range(sp * split, k_end, BLOCK_N):
+    j_mid = sp * split
+    if not SECOND:
+        # pass 1 over the tiles wholly below the first query: no mask
+        j_mid = _unmasked_end(j_mid, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
+        for j in range(sp * split, j_mid, BLOCK_N):
+            kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
+            s = tl.dot(q, kt).to(tl.float32) * scale
+            m_new = tl.maximum(m, tl.max(s, 1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m = m_new
+    for j in range(j_mid, k_end, BLOCK_N):
         kpos = j + offs_n
         k_ok = kpos < k_end
         page = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -234,15 +365,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
             if STACK > 1:
                 # the stacked heads' probabilities at each (query, key): diagonals are shared
                 p = tl.sum(tl.reshape(p, [STACK, BLOCK_Q, BLOCK_N]), 0)
-            if DIAG == 2:
-                # skew: row i of the tile goes to row i of this program's slab, shifted left by i
-                # (column kpos - i + BLOCK_Q - 1), so every diagonal lands in one slab column;
-                # _skew_colsum sums the columns afterwards. No barrier, no atomic here.
-                ri = tl.arange(0, BLOCK_Q)
-                col = kpos[None, :] - ri[:, None] + (BLOCK_Q - 1)
-                slab = slab_ptr + tl.program_id(0).to(tl.int64) * BLOCK_Q * skew_w
-                tl.store(slab + ri[:, None].to(tl.int64) * skew_w + col, p, mask=k_ok[None, :])
-            elif DIAG == 1:
+            if DIAG == 1:
                 # gather: the tile's BLOCK_Q + BLOCK_N - 1 diagonals summed in registers (row i,
                 # diagonal t holds p[i, i - t + BLOCK_N - 1]), one atomic per diagonal
                 ri = tl.arange(0, BLOCK_Q)
@@ -290,6 +413,27 @@ def lastq_split(kv_len: int, programs_per_range: int) -> int:
     return split
 
 
+@triton.jit(do_not_specialize=["n_split"])
+def _merge_row_stats(part_ptr, stats_ptr, n_split, BLOCK_Q: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Pass 1's per-key-range (max, sum) of one head's rows -> the row max and the sum rescaled to
+    # it (at least 1e-30), as pass 2 reads them. One program per query head.
+    h = tl.program_id(0)
+    rq = tl.arange(0, BLOCK_Q)
+    base = part_ptr + h.to(tl.int64) * n_split * 2 * BLOCK_Q
+    m = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+    l = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    for s0 in range(0, n_split, BLOCK_S):  # BLOCK_S key ranges at a time
+        sp = s0 + tl.arange(0, BLOCK_S)
+        ok = (sp < n_split)[:, None]
+        m_p = tl.load(base + sp[:, None] * 2 * BLOCK_Q + rq[None, :], mask=ok, other=-1.0e30)
+        l_p = tl.load(base + sp[:, None] * 2 * BLOCK_Q + BLOCK_Q + rq[None, :], mask=ok, other=0.0)
+        m_new = tl.maximum(m, tl.max(m_p, 0))
+        l = l * tl.exp(m - m_new) + tl.sum(l_p * tl.exp(m_p - m_new[None, :]), 0)
+        m = m_new
+    tl.store(stats_ptr + h * 2 * BLOCK_Q + rq, m)
+    tl.store(stats_ptr + h * 2 * BLOCK_Q + BLOCK_Q + rq, tl.maximum(l, 1e-30))
+
+
 @triton.jit(do_not_specialize=["skew_w", "kv_len", "q0_pos", "n_q"])
 def _skew_colsum(skew_ptr, slash_ptr, skew_w, kv_len, q0_pos, n_q,
                  SLABS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -325,14 +469,14 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     q_last: [n, H, D] with n <= 64, the chunk's last n queries (absolute positions kv_len - n ..
     kv_len - 1); key_cache: [pages, page, Hkv, D] view; block_table_row: int32 [max_pages].
     Same sums as ``patterns.common.last_queries_probs`` + ``vertical_and_slash_sums``: pass 1
-    takes each key range's row max / sum (grid head stacks x key ranges), torch merges them, pass
-    2 writes normalised column sums and the diagonal sums. ``diagonals`` says how pass 2 gets
-    those from each 64 x 64 tile: ``skew`` stores the tile's rows shifted into a per-program
-    slab (64 x (kv_len + 63) fp32) that a second kernel sums by column; ``gather`` sums the
-    tile's diagonals in registers (``tl.gather``) and adds them atomically; ``atomic`` adds every
-    element atomically;
-    ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`, else gather.
-    With ``group_sum`` ``stack`` heads of a group (default :func:`lastq_stack`) share each K tile.
+    takes each key range's row max / sum (grid head stacks x key ranges, ``stack`` heads of a
+    group sharing each K tile with ``group_sum``: default :func:`lastq_stack`), a small kernel
+    merges them, pass 2 writes normalised column sums and the diagonal sums. ``diagonals`` says
+    how pass 2 gets those from each 64 x 64 tile: ``skew`` stores the tile's rows shifted into a
+    per-program slab (64 x (kv_len + 63) fp32) that a third kernel sums by column; ``gather``
+    sums the tile's diagonals in registers (``tl.gather``) and adds them atomically; ``atomic``
+    adds every element atomically; ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`,
+    else gather. ``num_warps``, ``num_stages`` and ``block_n`` (skew only) set pass 2's launch.
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -342,8 +486,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
         raise ValueError(f"diagonals={diagonals!r}: auto or one of {sorted(DIAG_MODES)}")
     group = h // hkv
     st = (stack or lastq_stack(group)) if group_sum else 1
-    if group % st:
-        raise ValueError(f"stack {st} does not divide the KV group of {group} heads")
+    if group % st or st not in (1, 2, 4):
+        raise ValueError(f"stack {st}: 1, 2 or 4 heads dividing the KV group of {group}")
     if diagonals == "auto":
         diagonals = "skew" if (h // st) * 64 * (kv_len + 63) * 4 <= SKEW_SLAB_BYTES else "gather"
     if block_n != 64 and diagonals != "skew":
@@ -354,32 +498,30 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     part = torch.empty(h, n_split, 2, 64, dtype=torch.float32, device=dev)
     stats = torch.empty(h, 2, 64, dtype=torch.float32, device=dev)
     n_out = hkv if group_sum else h
-    vert = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
     n_prog = h // st
-    skew_w = kv_len + 63
-    if diagonals == "skew":  # every slash entry is written by _skew_colsum
-        slash = torch.empty(n_out, kv_len, dtype=torch.float32, device=dev)
-        slabs = torch.empty(n_prog * 64 * skew_w, dtype=torch.float32, device=dev)
+    one_writer = st == group or not group_sum  # else the group's stacks add their column sums
+    skew = diagonals == "skew"
+    vert = (torch.empty if skew and one_writer else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
+    slash = (torch.empty if skew else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
+    common = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, HEAD_DIM=d)
+    geometry = (q_last.stride(0), q_last.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                kv_len, kv_len - n, n, float(scale))
+    # pass 1: 8 warps for 4 stacked heads (M = 256), else 4 (H200, 128K: 8 warps 0.24 vs 0.38 ms)
+    _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, *geometry,
+                                   n_split, split, SECOND=False, DIAG=0, BLOCK_N=64, **common,
+                                   num_warps=max(4, 2 * st), num_stages=2)
+    _merge_row_stats[(h,)](part, stats, n_split, BLOCK_Q=64, BLOCK_S=32, num_warps=4)
+    if skew:
+        # 4 warps and 2 stages (H200, 128K: 8 warps 1.2x slower, 3 stages 1.2x, 32-key tiles 1.15x)
+        slabs = torch.empty(n_prog * 64 * (kv_len + 63), dtype=torch.float32, device=dev)
+        _lastq_skew_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, stats, vert, slabs, *geometry, split,
+                                            kv_len + 63, BLOCK_N=block_n, **common, num_warps=num_warps or 4,
+                                            num_stages=num_stages or 2)
+        _skew_colsum[(n_out, triton.cdiv(kv_len + 63, 512))](slabs, slash, kv_len + 63, kv_len, kv_len - n, n,
+                                                              SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=512,
+                                                              num_warps=4)
     else:
-        slash = torch.zeros(n_out, kv_len, dtype=torch.float32, device=dev)
-        slabs = slash  # not read
-    args = (q_last, key_cache, block_table_row, part, stats, vert, slash, slabs, q_last.stride(0), q_last.stride(1),
-            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), kv_len, kv_len - n, n, float(scale),
-            n_split, split, skew_w)
-    # skew: 4 warps and 2 stages whatever the stack (H200, 128K-256K, 4 heads stacked: 0.99 ms vs
-    # 1.33 with 8 warps; gather, 8 warps and 3 stages: 1.41; benchmarks/KERNEL_NOTES.md)
-    meta = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, BLOCK_N=block_n, HEAD_DIM=d,
-                num_warps=num_warps or (4 if diagonals == "skew" else max(4, 2 * st)),
-                num_stages=num_stages or (2 if diagonals == "skew" else 3))
-    _lastq_pass[(n_prog, n_split)](*args, SECOND=False, DIAG=0, **meta)
-    m_part, l_part = part[:, :, 0], part[:, :, 1]  # [h, n_split, 64]
-    m = m_part.amax(1)
-    stats[:, 0] = m
-    stats[:, 1] = (l_part * torch.exp(m_part - m[:, None])).sum(1).clamp_min(1e-30)
-    _lastq_pass[(n_prog, n_split)](*args, SECOND=True, DIAG=DIAG_MODES[diagonals], **meta)
-    if diagonals == "skew":
-        block_c = 512
-        _skew_colsum[(n_out, triton.cdiv(skew_w, block_c))](slabs, slash, skew_w, kv_len, kv_len - n, n,
-                                                             SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=block_c,
-                                                             num_warps=4)
+        _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, *geometry,
+                                       n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=64, **common,
+                                       num_warps=num_warps or max(4, 2 * st), num_stages=num_stages or 3)
     return vert, slash
