@@ -19,6 +19,8 @@ Variants: vertical-slash 1000/6096 with one selection per query head and with ``
 (the default: one selection per KV head, the group's heads stacked in the kernel), block-sparse
 top-100 (shared), FlexPrefill gamma 0.9 and 0.95 (per head: FlexPrefill never shares) and A-shape.
 ``--chunk 0`` runs the whole prompt as one row (the kernel benchmark's setting, with estimation).
+``--kernel-sweep`` prints, instead of the table, launch variants and splits of the default
+vertical-slash path (see :func:`kernel_sweep`).
 
 Prints a table; asserts nothing.
 """
@@ -36,11 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from kernels import PAGE, bench, paged_cache, sdpa_times  # noqa: E402
+from kernels import PAGE, bench, graph_ms, paged_cache, sdpa_times  # noqa: E402
 
 from vllm_sparse_backend.config import PatternName, SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.index import count_pairs  # noqa: E402
+from vllm_sparse_backend.index import SparseIndex, count_pairs  # noqa: E402
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
 from vllm_sparse_backend.plan import SparseRow, kv_group_share  # noqa: E402
 from vllm_sparse_backend.triton_kernels import sparse_attention as sa  # noqa: E402
@@ -113,14 +115,156 @@ def run(n, chunk, settings_list, gen, h=32, hkv=8, d=128, dev="cuda"):
     return rec
 
 
+def gpu_kernel_times(fn) -> dict[str, float]:
+    """GPU microseconds per kernel name over one call of ``fn`` (torch profiler, CUDA activity),
+    names in first-launch order; a name launched several times is summed (with its count)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            times.setdefault(ev.name[:60], []).append(ev.device_time)
+    # a Triton kernel's launches one by one (the passes of one kernel differ), torch's summed
+    return {f"{k} #{i}" if k.startswith("_") else f"{k} (x{len(v)})": t
+            for k, v in times.items() for i, t in (enumerate(v) if k.startswith("_") else [(0, sum(v))])}
+
+
+def register_report(*kernels) -> list[str]:
+    """Registers per thread and spilled bytes of every compiled specialisation of the given
+    Triton kernels (ptxas figures; a spill in the main loop costs local-memory traffic)."""
+    lines = []
+    for k in kernels:
+        for cache in getattr(k, "device_caches", {}).values():
+            for ck in cache[0].values():
+                try:
+                    ck._init_handles()
+                    lines.append(f"    {k.fn.__name__}: {ck.metadata.num_warps} warps, {ck.metadata.num_stages} stages: "
+                                 f"{ck.n_regs} registers, {ck.n_spills} spilled")
+                except Exception as e:  # noqa: BLE001 - a report, not a check
+                    lines.append(f"    {k.fn.__name__}: {type(e).__name__}")
+    return lines
+
+
+def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
+    """The default vertical-slash (shared) selection of every chunk, then GPU times (CUDA-graph
+    replays) of the kernel over all chunks for launch variants, with the block tiles and the
+    column tiles also timed apart; the last chunk's estimation split by kernel (profiler) and
+    ``last_q_scores`` launch variants; the kernel on the last chunk at 3 query lengths (the grid's
+    last wave) and with 2 instead of 4 heads per program; registers and spills of the kernels."""
+    scale = 1.0 / math.sqrt(d)
+    q, k, v = structured_qkv(n, h, hkv, d, gen, dev)
+    key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+    del k, v
+    out = torch.empty_like(q)
+    rows = [SparseRow(0, s, min(chunk, n - s), s) for s in range(0, n, chunk)][1:]  # the first chunk runs dense
+    cfg = SparseSettings()
+    heads = [resolve_head(None, cfg)] * h
+    groups = HeadGroups.from_heads(heads, dev, kv_group_share(heads, hkv, cfg))
+    indices = [estimate_index_paged(q[r.tok_start:r.tok_start + r.q_len], key_cache, table[0], r.ctx_len, groups,
+                                    cfg, scale).index for r in rows]
+    lines = [f"n={n // 1024}K, chunk {chunk // 1024}K: {len(rows)} sparse chunks (the first runs dense), "
+             f"VS {cfg.vertical_size}/{cfg.slash_size} shared, {indices[0].num_heads} lists"]
+    nb = sum(ix.block_count.float().sum().item() for ix in indices)
+    nc = sum(ix.column_count.float().sum().item() for ix in indices)
+    lines.append(f"  list entries: {nb / nc:.2f} key blocks of 64 per column (blocks {nb:.0f}, columns {nc:.0f}; "
+                 f"column tiles of 64 = {nc / 64 / (nb + nc / 64):.1%} of the tiles)")
+
+    def zero(ix, blocks):
+        bc = torch.zeros_like(ix.block_count) if blocks else ix.block_count
+        cc = ix.column_count if blocks else torch.zeros_like(ix.column_count)
+        return SparseIndex(ix.block_size, bc, ix.block_index, cc, ix.column_index)
+
+    sets = {"all": indices, "blocks only": [zero(ix, False) for ix in indices],
+            "columns only": [zero(ix, True) for ix in indices]}
+    variants = [("all", {}), ("all", {"num_stages": 2}), ("all", {"num_stages": 4}), ("blocks only", {}),
+                ("columns only", {})]
+    ref = None
+    for which, var in variants:
+        ixs = sets[which]
+
+        def kernel_only():
+            for r, ix in zip(rows, ixs):
+                sa.sparse_prefill_attention(q, key_cache, value_cache, table, [r], [ix], scale, out, **var)
+
+        kernel_only()
+        if which == "all":
+            if ref is None:
+                ref = out.clone()
+            diff = (out.float() - ref.float()).abs().max().item()
+        else:
+            diff = float("nan")
+        lines.append(f"  kernel, {which} {var or '[default]'}: {graph_ms(kernel_only, reps=5):.3f} ms "
+                     f"(max |diff| vs default {diff:.1e})")
+        print(lines[-1], flush=True)
+    from vllm_sparse_backend.triton_kernels import vs_index as vsi
+    r = rows[-1]
+    lines.append(f"  estimation of the last chunk (ctx {r.ctx_len // 1024}K), GPU us per kernel:")
+    for name, us in gpu_kernel_times(lambda: estimate_index_paged(q[r.tok_start:], key_cache, table[0], r.ctx_len,
+                                                                  groups, cfg, scale)).items():
+        lines.append(f"    {us:9.1f}  {name}")
+    ql = q[r.tok_start + r.q_len - 64:r.tok_start + r.q_len]
+    kv_len = r.ctx_len + r.q_len
+    lines.append(f"  last_q_scores at {kv_len // 1024}K (GPU ms, graph replays):")
+    ref = vsi.last_q_scores(ql, key_cache, table[0], kv_len, scale, group_sum=True)
+    for var in ({}, {"num_warps": 8}, {"num_stages": 3}, {"block_n": 32}, {"diagonals": "gather"}):
+        fn = lambda: vsi.last_q_scores(ql, key_cache, table[0], kv_len, scale, group_sum=True, **var)  # noqa: E731
+        got = fn()
+        err = max(((g - x).norm() / x.norm()).item() for g, x in zip(got, ref))
+        lines.append(f"    {var or '[default]'}: {graph_ms(fn):.3f} ms (rel diff {err:.1e})")
+        print(lines[-1], flush=True)
+    vert, slash = ref
+    vert[:, :cfg.keep_first_columns] = float("inf")
+    slash[:, :max(1, cfg.keep_last_diagonals)] = float("inf")
+    lists = vsi.vs_topk(vert, slash, cfg.vertical_size, cfg.slash_size, cfg.vertical_size, cfg.slash_size)
+    lines.append("  vertical_slash_index of the last chunk (GPU ms), diagonals or verticals per program step")
+    base = None
+    for var in ({"chunk": 128}, {"chunk": 256}, {}, {"chunk": 1024}):
+        fn = lambda: vsi.vertical_slash_index(*lists, r.q_len, r.ctx_len, 64, **var)  # noqa: E731
+        got = fn()
+        base = base or got
+        same = all(torch.equal(a, b) for a, b in zip(
+            (got.block_count, got.block_index, got.column_count, got.column_index),
+            (base.block_count, base.block_index, base.column_count, base.column_index)))
+        lines.append(f"    {var or '[default]'}: {graph_ms(fn):.3f} ms (same lists: {same})")
+        print(lines[-1], flush=True)
+    # the grid's last wave: 16384 queries = 2048 programs (15.5 waves of 132), 16896 = 16 waves
+    lines.append("  kernel on the last chunk: the grid's last wave, and 2 heads per program")
+    for q_len in (16384, 16896, 15872):
+        rr = SparseRow(0, n - q_len, q_len, n - q_len)
+        ix = estimate_index_paged(q[rr.tok_start:], key_cache, table[0], rr.ctx_len, groups, cfg, scale).index
+        pairs = count_pairs(ix, rr.q_len, rr.ctx_len)
+        # 2 heads per program (each K/V tile read by two programs): 1.3x slower in run 36
+        for tag, ixv in (("4 heads per program (default)", ix), ("2 heads per program", ix.repeat_heads(2))):
+            ms = graph_ms(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, [rr], [ixv],  # noqa: B023
+                                                              scale, out))
+            lines.append(f"    q_len {q_len}, {tag}: {ms:.3f} ms, {ms / pairs * 1e9:.3f} ms per G pairs")
+            print(lines[-1], flush=True)
+    lines.append("  compiled kernels:")
+    lines += register_report(sa._sparse_fwd_kernel, vsi._lastq_pass, vsi._lastq_skew_pass)
+    del q, key_cache, value_cache, out, indices, sets
+    torch.cuda.empty_cache()
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16,32,64,128")
     ap.add_argument("--chunk", type=int, default=16384, help="queries per chunk; 0: one row of n queries")
     ap.add_argument("--skip-flex", action="store_true", help="leave FlexPrefill out (its estimation is slow)")
     ap.add_argument("--variants", default="", help="comma-separated name prefixes to run (default: all)")
+    ap.add_argument("--kernel-sweep", action="store_true",
+                    help="only: kernel launch variants and block/column split on the default selection, "
+                         "and the estimation split by kernel (GPU time)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.kernel_sweep:
+        for nk in (int(s) for s in args.sizes.split(",")):
+            print("\n".join(kernel_sweep(nk * 1024, args.chunk, gen)), flush=True)
+        return
     base = SparseSettings(kv_group_shared=False)  # one selection per query head
     shared = {"kv_group_shared": True}  # the default
     settings_list = [("VS 1000/6096 per head", base),

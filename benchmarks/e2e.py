@@ -96,7 +96,7 @@ def plant_band(worker, logit_at_zero: float = 12.0) -> str:
 # Kernel-name patterns -> category of the profile breakdown (first match wins).
 KERNEL_CATEGORIES = [
     ("sparse attention (ours)", r"_sparse_fwd_kernel"),
-    ("last-q scores (ours)", r"_lastq_pass"),
+    ("last-q scores (ours)", r"_lastq_|_merge_row_stats|_skew_colsum"),
     ("vs conversion (ours)", r"_vs_convert_kernel"),
     ("top-k select (ours)", r"_hist_kernel|_compact_kernel"),
     ("top-k / sort (torch)", r"(?i)topk|sort|radix|bitonic|scan"),
