@@ -116,6 +116,22 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def event_median(fn, reps: int, before=None) -> float:
+    """Median CUDA-event milliseconds of ``reps`` calls of ``fn``, each waited for; ``before``
+    (untimed, e.g. an L2 flush) runs ahead of each call. The timing loop of every benchmark here."""
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50, graphs: bool = True,
           label: str = "") -> float:
     """Median milliseconds of ``fn()`` (see the module doc). On a CPU device: wall clock of two
@@ -145,17 +161,7 @@ def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50
     run()
     torch.cuda.synchronize(device)
     est = (time.perf_counter() - t0) * 1e3 + 0.05  # + the flush
-    reps = int(max(5, min(max_reps, budget_ms / est)))
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return event_median(run, int(max(5, min(max_reps, budget_ms / est))), before=flush.zero_)
 
 
 # ---------------------------------------------------------------------------------------------

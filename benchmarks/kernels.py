@@ -25,7 +25,6 @@ import argparse
 import importlib.util
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_topk import capture_graph, event_median  # noqa: E402
 
 
 def _load_kernels():
@@ -64,16 +65,7 @@ def bench(fn, budget_ms: float = 1500.0, max_reps: int = 30) -> float:
     fn()
     torch.cuda.synchronize()
     est = (time.perf_counter() - t0) * 1e3
-    reps = int(max(3, min(max_reps, budget_ms / max(est, 1e-3))))
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return event_median(fn, int(max(3, min(max_reps, budget_ms / max(est, 1e-3)))))
 
 
 def random_qkv(n, shape, gen, device="cuda"):
@@ -487,7 +479,6 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
 def graph_ms(fn, reps: int = 20) -> float:
     """GPU time of ``fn`` (mean of ``reps`` replays of a CUDA graph of it): what it costs when the
     host is ahead, as in the engine's eager forward with no sync in the layer."""
-    from decode_topk import capture_graph
     fn()
     torch.cuda.synchronize()
     graph = capture_graph(fn)

@@ -18,7 +18,6 @@ Run where the package is installed: ``python benchmarks/topk_select_bench.py [--
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_topk import capture_graph  # noqa: E402
+from decode_topk import capture_graph, event_median  # noqa: E402
 
 SHAPES = [(8, 128 * 1024, 6096), (8, 512 * 1024, 6096), (8, 128 * 1024, 1000), (32, 128 * 1024, 6096),
           (8 * 32, 8192, 170)]
@@ -36,15 +35,7 @@ def time_ms(fn, reps: int, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return event_median(fn, reps)
 
 
 def graphed(fn):
