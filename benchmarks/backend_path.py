@@ -209,14 +209,14 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
     ql = q[r.tok_start + r.q_len - 64:r.tok_start + r.q_len]
     kv_len = r.ctx_len + r.q_len
     lines.append(f"  last_q_scores at {kv_len // 1024}K (GPU ms, graph replays):")
-    ref = vsi.last_q_scores(ql, key_cache, table[0], kv_len, scale, group_sum=True)
+    scores = vsi.last_q_scores(ql, key_cache, table[0], kv_len, scale, group_sum=True)
     for var in ({}, {"num_warps": 8}, {"num_stages": 3}, {"block_n": 32}, {"diagonals": "gather"}):
         fn = lambda: vsi.last_q_scores(ql, key_cache, table[0], kv_len, scale, group_sum=True, **var)  # noqa: E731
         got = fn()
-        err = max(((g - x).norm() / x.norm()).item() for g, x in zip(got, ref))
+        err = max(((g - x).norm() / x.norm()).item() for g, x in zip(got, scores))
         lines.append(f"    {var or '[default]'}: {graph_ms(fn):.3f} ms (rel diff {err:.1e})")
         print(lines[-1], flush=True)
-    vert, slash = ref
+    vert, slash = scores
     vert[:, :cfg.keep_first_columns] = float("inf")
     slash[:, :max(1, cfg.keep_last_diagonals)] = float("inf")
     lists = vsi.vs_topk(vert, slash, cfg.vertical_size, cfg.slash_size, cfg.vertical_size, cfg.slash_size)
@@ -225,7 +225,7 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
     for var in ({"chunk": 128}, {"chunk": 256}, {}, {"chunk": 1024}):
         fn = lambda: vsi.vertical_slash_index(*lists, r.q_len, r.ctx_len, 64, **var)  # noqa: E731
         got = fn()
-        base = base or got
+        base = got if base is None else base
         same = all(torch.equal(a, b) for a, b in zip(
             (got.block_count, got.block_index, got.column_count, got.column_index),
             (base.block_count, base.block_index, base.column_count, base.column_index)))

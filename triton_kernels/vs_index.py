@@ -219,6 +219,23 @@ def _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE: tl
 
 
 @triton.jit
+def _online_row_stats(m, l, s):
+    """Running row maxima and sums of exp(s - max) after one more tile of scores s [rows, keys]."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+
+
+@triton.jit
+def _put_column_sums(ptr, sums, k_ok, ONE_WRITER: tl.constexpr):
+    """A tile's column sums into their output row: stored by the row's only writer, else added
+    atomically (with group sums, the head stacks of one KV group share the row)."""
+    if ONE_WRITER:
+        tl.store(ptr, sums, mask=k_ok)
+    else:
+        tl.atomic_add(ptr, sums, mask=k_ok)
+
+
+@triton.jit
 def _unmasked_end(start, k_end, q0_pos, n_q, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
     """End of the key tiles from ``start`` that need no mask: inside [start, k_end) and at or
     before the first query's position, with all BLOCK_Q query rows present."""
@@ -295,10 +312,7 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
             if STACK >= 4:
                 p += _head_probs(qc, kt, mc, lc, allow, scale, phase == 1)
                 p += _head_probs(qd, kt, md, ld, allow, scale, phase == 1)
-            if STACK == GROUP or not GROUP_SUM:  # the only writer of this row
-                tl.store(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
-            else:
-                tl.atomic_add(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
+            _put_column_sums(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), k_ok, STACK == GROUP or not GROUP_SUM)
             tl.store(slab + (kpos[None, :] - rq[:, None] + (BLOCK_Q - 1)), p, mask=k_ok[None, :])
 
 
@@ -343,25 +357,17 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
         j_mid = _unmasked_end(j_mid, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
         for j in range(sp * split, j_mid, BLOCK_N):
             kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
-            s = tl.dot(q, kt).to(tl.float32) * scale
-            m_new = tl.maximum(m, tl.max(s, 1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-            m = m_new
+            m, l = _online_row_stats(m, l, tl.dot(q, kt).to(tl.float32) * scale)
     for j in range(j_mid, k_end, BLOCK_N):
         kpos = j + offs_n
         k_ok = kpos < k_end
-        page = tl.load(bt_ptr + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        k_off = page * s_kp + (kpos % PAGE).to(tl.int64) * s_kt + kvh * s_kh
-        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+        kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, True)
         s = tl.dot(q, kt).to(tl.float32) * scale
         allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
         s = tl.where(allow, s, float("-inf"))
         if SECOND:
             p = tl.where(allow, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
-            if STACK == GROUP or not GROUP_SUM:  # the only writer of this row
-                tl.store(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
-            else:
-                tl.atomic_add(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), mask=k_ok)
+            _put_column_sums(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), k_ok, STACK == GROUP or not GROUP_SUM)
             if STACK > 1:
                 # the stacked heads' probabilities at each (query, key): diagonals are shared
                 p = tl.sum(tl.reshape(p, [STACK, BLOCK_Q, BLOCK_N]), 0)
@@ -383,9 +389,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
                 ok = (kpos[None, :] <= (q0_pos + ri)[:, None]) & k_ok[None, :] & (ri < n_q)[:, None]
                 tl.atomic_add(slash_ptr + out_row * kv_len + d, p, mask=ok)
         else:
-            m_new = tl.maximum(m, tl.max(s, 1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
-            m = m_new
+            m, l = _online_row_stats(m, l, s)
     if not SECOND:
         base = part_ptr + (head * n_split + sp) * 2 * BLOCK_Q
         tl.store(base + rq, m)
