@@ -105,18 +105,19 @@ KERNEL_CATEGORIES = [
 ]
 
 
-def kernel_breakdown(trace_paths: list[Path], top: int = 12) -> dict:
+def kernel_breakdown(trace_paths: list[Path], top: int = 24) -> dict:
     """GPU time of a torch-profiler trace (chrome JSON, possibly gzipped), by kernel category."""
     import gzip
     import re
 
-    events = []
+    events, runtime = [], []
     for path in trace_paths:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt") as f:
             data = json.load(f)
-        events += [e for e in data.get("traceEvents", []) if e.get("ph") == "X"
-                   and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        xs = [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
+        events += [e for e in xs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        runtime += [e for e in xs if e.get("cat") == "cuda_runtime"]
     if not events:
         return {"error": f"no kernel events in {[str(p) for p in trace_paths]}"}
     cats: dict[str, float] = {}
@@ -130,17 +131,37 @@ def kernel_breakdown(trace_paths: list[Path], top: int = 12) -> dict:
         rec = names.setdefault(name[:90], [0.0, 0])
         rec[0] += dur
         rec[1] += 1
-    intervals.sort()
-    busy, end = 0.0, float("-inf")
-    for a, b in intervals:
+    events.sort(key=lambda e: float(e["ts"]))
+    busy, end, last = 0.0, float("-inf"), "?"
+    gaps = []  # idle stretches of the GPU: (us, kernel before, kernel after)
+    for e in events:
+        a, b = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if a > end > float("-inf"):
+            gaps.append((a - end, last, e.get("name", "?")[:60]))
         if b > end:
             busy += b - max(a, end)
-            end = b
-    span = intervals[-1][1] - intervals[0][0]
+            end, last = b, e.get("name", "?")[:60]
+    span = end - float(events[0]["ts"])
     biggest = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    # where the idle time sits: gaps by size, the largest with their neighbours, and the host
+    # calls that wait for the GPU (a sync inside a step leaves the GPU idle while the host relaunches)
+    sizes = {"<20us": 0.0, "20-200us": 0.0, "0.2-2ms": 0.0, ">2ms": 0.0}
+    for us, _, _ in gaps:
+        key = "<20us" if us < 20 else "20-200us" if us < 200 else "0.2-2ms" if us < 2000 else ">2ms"
+        sizes[key] += us / 1e6
+    syncs: dict[str, list] = {}
+    for e in runtime:
+        n = e.get("name", "?")
+        if re.search(r"(?i)synchronize|memcpy", n):
+            rec = syncs.setdefault(n, [0, 0.0])
+            rec[0] += 1
+            rec[1] += float(e.get("dur", 0.0)) / 1e6
     return {"span_s": span / 1e6, "busy_s": busy / 1e6, "kernels": len(events),
             "categories_s": {k: v / 1e6 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top": [{"name": k, "s": v[0] / 1e6, "calls": v[1]} for k, v in biggest]}
+            "top": [{"name": k, "s": v[0] / 1e6, "calls": v[1]} for k, v in biggest],
+            "idle_by_gap_s": sizes,
+            "largest_gaps": [{"us": round(us, 1), "after": a, "before": b} for us, a, b in sorted(gaps)[::-1][:12]],
+            "host_waits": {k: {"calls": v[0], "s": round(v[1], 4)} for k, v in syncs.items()}}
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -437,6 +458,12 @@ def main() -> None:
             for cat, sec in pr["categories_s"].items():
                 print(f"| {cat} | {sec:.3f} | {sec / pr['busy_s']:.1%} |")
             print("largest kernels: " + "; ".join(f"{k['name'][:60]} {k['s']:.3f} s x{k['calls']}" for k in pr["top"]))
+            if "idle_by_gap_s" in pr:
+                print("GPU idle by gap length (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pr["idle_by_gap_s"].items()))
+                print("largest gaps: " + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
+                                                   for g in pr["largest_gaps"][:6]))
+                print("host calls that may wait: " + ", ".join(f"{k} x{v['calls']} {v['s']:.3f} s"
+                                                            for k, v in pr["host_waits"].items()))
     for label in labels:
         st = get(label, "stats")
         if st:
