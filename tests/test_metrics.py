@@ -69,6 +69,30 @@ def test_records_update_json_counters_and_metrics_together(tmp_path):
     assert _value(reg, "sparse_prefill_dense_fallbacks_total", reason="cached_context_on_cpu") == 2
 
 
+def test_measured_pairs_read_back_later_count_like_a_measured_row():
+    """A row recorded first without its pairs (a sampled GPU forward reads them back later) ends
+    with the same counters, density and patterns as one recorded measured at once."""
+    import torch
+
+    st, reg = _stats_with_registry()
+    st.record_sparse_row(1000, causal=4000, computed=None, head_patterns={"vertical_slash": 3})
+    assert st.as_dict()["density"] is None and _value(reg, "sparse_prefill_density_count") == 0
+    got = []
+    st.read_later([torch.tensor(1000), torch.tensor(2, dtype=torch.int32)], got.append)  # CPU: at once
+    assert got == [[1000, 2]]
+    st.record_measured_pairs(4000, got[0][0], {"flex_prefill/query_aware": got[0][1]})
+    d = st.as_dict()
+    assert (d["sparse_rows"], d["causal_pairs"], d["computed_pairs"], d["density"]) == (1, 4000, 1000, 0.25)
+    assert d["head_patterns"] == {"vertical_slash": 3, "flex_prefill/query_aware": 2}
+    assert _value(reg, "sparse_prefill_density_count") == 1 and _value(reg, "sparse_prefill_density_sum") == 0.25
+    assert _value(reg, "sparse_prefill_computed_pairs_total") == 1000
+    assert _value(reg, "sparse_prefill_head_patterns_total", pattern="flex_prefill/query_aware") == 2
+    # deferred dense-row flags (summed on the device) reach dense_reasons through the same readout
+    st.defer_dense_rows("estimated density above max_density", torch.tensor([True, False, True]))
+    st.flush_deferred(wait=False)
+    assert st.as_dict()["dense_reasons"] == {"estimated density above max_density": 2}
+
+
 def test_metric_names_have_no_vllm_prefix_and_route_series_start_at_zero():
     st, reg = _stats_with_registry()
     text = prometheus_client.generate_latest(reg).decode()

@@ -140,14 +140,18 @@ def test_pattern_names_cover_the_enum():
     assert set(MIXED) == {p.value for p in PatternName}
 
 
-def check_density_fallback(max_density, expect_dense, device, dtype, tol):
+def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample_every=0):
     """Rows whose estimated index is denser than max_density run the kernel's dense mode, flagged
     on the device without a host sync (dense_row, the FlashAttention fallback, is only for rows
     the budgets rule out); the others are computed sparse. Both match the float64 reference of
-    what they ran, and the stats name the fallback once the flags are read."""
+    what they ran, and the stats name the fallback once the flags are read. With
+    ``sample_every`` = 1 the forward is a timed sample whose pair counts and flags are read back
+    later, still without a sync in the forward: the stats are exact once drained."""
     from conftest import masked_attention_f64
     from vllm_sparse_backend.index import index_to_dense_mask
+    from vllm_sparse_backend.index import count_pairs
     from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.reference import causal_pairs
     from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
     from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
@@ -164,26 +168,40 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol):
     out = torch.full_like(q_dev, float("nan"))
     sent_dense = []
     row = SparseRow(0, 0, q_len, ctx)
+    used = []  # the index the forward ran
+
+    def kernel(*args, **kwargs):
+        used.append(args[5][0])
+        return sparse_prefill_attention(*args, **kwargs)
+
     STATS.flush_deferred()
-    before = STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0)
-    every, STATS.timer.every = STATS.timer.every, 0  # no sampled forward (it would read back)
+    before = STATS.as_dict()
+    every, STATS.timer.every = STATS.timer.every, sample_every
+    STATS.timer._calls = 0  # with sample_every 1, this forward is sampled
     try:
         groups = HeadGroups.from_heads(heads, device)
         with no_host_sync(device):
             run_sparse_rows_paged(q_dev, out, [row], key_cache, value_cache, table[None], groups, settings,
-                                  d ** -0.5, 0.0, sparse_prefill_attention, sent_dense.append)
+                                  d ** -0.5, 0.0, kernel, sent_dense.append)
     finally:
         STATS.timer.every = every
     assert sent_dense == []  # the budgets (24 keys of ~400 visible: 0.06) allow max_density 0.1
+    idx = estimate_index(q.float(), k.float(), ctx, heads, settings, d ** -0.5).index
     if expect_dense:
         mask = torch.ones(q_len, ctx + q_len, dtype=torch.bool).tril(ctx)[None].expand(hkv * group, -1, -1)
     else:
-        idx = estimate_index(q.float(), k.float(), ctx, heads, settings, d ** -0.5).index
         mask = index_to_dense_mask(idx, q_len, ctx)
     ref = masked_attention_f64(q, k, v, mask, d ** -0.5)
     assert ((out.cpu().double() - ref).norm() / ref.norm()) < tol
     STATS.flush_deferred()
-    assert STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) - before == int(expect_dense)
+    after = STATS.as_dict()
+    reasons = [d["dense_reasons"].get(DENSE_MODE_REASON, 0) for d in (before, after)]
+    assert reasons[1] - reasons[0] == int(expect_dense)
+    if sample_every:  # measured: all causal pairs when run dense, else the pairs of the index it ran
+        causal = causal_pairs(q_len, ctx, hkv * group)
+        assert after["causal_pairs"] - before["causal_pairs"] == causal
+        assert after["computed_pairs"] - before["computed_pairs"] == \
+            (causal if expect_dense else count_pairs(used[0], q_len, ctx))
 
 
 @cpu_only
@@ -195,6 +213,12 @@ def test_density_fallback(max_density, expect_dense):
 @gpu
 def test_gpu_density_fallback():
     check_density_fallback(0.1, True, "cuda", torch.bfloat16, 1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("max_density,expect_dense", [(1.0, False), (0.1, True)])
+def test_gpu_sampled_forward_reads_stats_back_later(max_density, expect_dense):
+    check_density_fallback(max_density, expect_dense, "cuda", torch.bfloat16, 1e-2, sample_every=1)
 
 
 @cpu_only

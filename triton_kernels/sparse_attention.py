@@ -133,7 +133,11 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
             raise ValueError("index does not match its row (block size or number of query blocks)")
     maxb = max(1, max(ix.block_index.shape[-1] for ix in indices))
     maxc = max(1, max(ix.column_index.shape[-1] for ix in indices))
-    cat = lambda ts: torch.cat([t.to(device) for t in ts], dim=1).contiguous()  # noqa: E731
+
+    def cat(ts):  # one row (the usual long prompt): its own lists, no copy
+        ts = [t.to(device) for t in ts]
+        return ts[0].contiguous() if len(ts) == 1 else torch.cat(ts, dim=1).contiguous()
+
     return BatchedSparseIndex(
         block_size,
         _meta_table(rows, block_size, device),

@@ -165,7 +165,12 @@ def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.T
 
 def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:
     """(query, key) pairs over all heads that the index allows, causality applied, without
-    materialising a mask (closed forms per listed block and column). Stats and tests use it.
+    materialising a mask (closed forms per listed block and column). Stats and tests use it."""
+    return int(count_pairs_tensor(index, q_len, ctx_len))
+
+
+def count_pairs_tensor(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
+    """:func:`count_pairs` as a 0-dim int64 tensor on the index's device (no host sync).
     Heads are taken a few at a time so the int64 temporaries stay around 128 MiB."""
     b = index.block_size
     kv_len = ctx_len + q_len
@@ -188,7 +193,7 @@ def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:
         total += ((ramp + flat) * (kb >= 0)).sum()
         c = index.column_index[h0:h0 + step].to(torch.int64)
         total += ((ql - torch.maximum(qf, c) + 1).clamp(min=0) * (c >= 0)).sum()
-    return int(total)
+    return total
 
 
 def index_density(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
@@ -197,5 +202,6 @@ def index_density(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
     index's device (no host sync)."""
     b = index.block_size
     causal = index.num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
-    listed = index.block_count.sum(dtype=torch.float32) * (b * b) + index.column_count.sum(dtype=torch.float32) * b
-    return (listed / max(causal, 1)).clamp(max=1.0)
+    # listed / causal = (blocks * b + columns) * b / causal, in as few launches as possible (per layer)
+    listed = torch.add(index.column_count.sum(dtype=torch.float32), index.block_count.sum(dtype=torch.float32), alpha=b)
+    return listed.mul_(b / max(causal, 1)).clamp_(max=1.0)

@@ -87,7 +87,16 @@ class PrometheusMetrics:
         m = self._m
         m["rows"].inc()
         m["query_tokens"].labels(route="sparse").inc(q_len)
-        if computed is not None and causal:
+        if computed is not None:
+            self.sparse_row_measured(causal, computed, {})
+        for pattern, n in head_patterns.items():
+            if n:
+                m["head_patterns"].labels(pattern=pattern).inc(n)
+
+    def sparse_row_measured(self, causal: int | None, computed: int, head_patterns: Mapping[str, int]) -> None:
+        """A row's measured pairs (and patterns known only on the device), read back after the row."""
+        m = self._m
+        if causal:
             m["causal_pairs"].inc(causal)
             m["computed_pairs"].inc(computed)
             m["density"].observe(computed / causal)

@@ -18,7 +18,7 @@ import torch
 
 from .config import SparseSettings
 from .head_configs import ResolvedHead
-from .index import count_pairs, index_density
+from .index import count_pairs, count_pairs_tensor, index_density
 from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
 from .plan import SparseRow
@@ -77,9 +77,10 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
       (they ran on the sparse path) and are also counted under ``dense_reasons`` when the flags
       are next read (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
 
-    Host syncs happen only when ``settings.stats_file`` is set or on the forwards the stage timer
-    samples (``timing_sample_every``): the computed density, the flags and FlexPrefill's per-head
-    decisions are then read back.
+    Nothing here waits for the GPU unless ``settings.stats_file`` is set (its dump reads every
+    count back). On the forwards the stage timer samples (``timing_sample_every``) the computed
+    pairs, the flags and FlexPrefill's per-head decisions are counted on the device and read back
+    later (:meth:`SparseStats.read_later`).
     """
     num_heads = query.shape[1]
     timing = STATS.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
@@ -102,25 +103,19 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale))
     whole = None
     if fallback and rows:
-        dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)])
+        dens = [index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]
+        dens = dens[0].view(1) if len(dens) == 1 else torch.stack(dens)
         whole = dens > settings.max_density
         STATS.defer_dense_rows(DENSE_MODE_REASON, whole)
     timing.lap("estimate")
-    flags = whole.tolist() if exact_stats and whole is not None else [None] * len(rows)
     if exact_stats:
-        STATS.flush_deferred()
-    for row, est, flag in zip(rows, estimates, flags):
+        STATS.flush_deferred(wait=False)
+    for i, (row, est) in enumerate(zip(rows, estimates)):
         patterns = dict(est.head_patterns)
-        if exact_stats and est.query_aware_heads is not None:
-            n_qa = int(est.query_aware_heads)
-            n_flex = patterns.pop("flex_prefill")
-            patterns["flex_prefill/query_aware"] = n_qa
-            patterns["flex_prefill/vertical_slash"] = n_flex - n_qa
-        computed = None
-        if exact_stats:  # a row run dense computes all its causal pairs
-            computed = causal_pairs(row.q_len, row.ctx_len, num_heads) if flag else \
-                count_pairs(est.index, row.q_len, row.ctx_len) * est.heads_per_list
-        _record(row, num_heads, computed, patterns)
+        if not exact_stats:
+            _record(row, num_heads, None, patterns)
+            continue
+        _defer_measured(row, num_heads, est, None if whole is None else whole[i], patterns)
     if rows:
         timing.mark()
         kernel(query, key_cache, value_cache, block_table, rows, [e.index for e in estimates], scale, output, softcap,
@@ -129,6 +124,28 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     timing.done()
     if settings.stats_file:
         STATS.dump(settings.stats_file)
+
+
+def _defer_measured(row: SparseRow, num_heads: int, est, flag: torch.Tensor | None, patterns: dict) -> None:
+    """Record a row now and its measured pairs once the device has counted them (no host sync;
+    exact in the stats file, whose dump waits for them). A row flagged dense (``flag``)
+    computed all its causal pairs; FlexPrefill heads are split by their per-head choice."""
+    causal = causal_pairs(row.q_len, row.ctx_len, num_heads)
+    computed = count_pairs_tensor(est.index, row.q_len, row.ctx_len) * est.heads_per_list
+    if flag is not None:
+        computed = torch.where(flag, causal, computed)
+    values, n_flex = [computed], None
+    if est.query_aware_heads is not None:
+        n_flex = patterns.pop("flex_prefill")
+        values.append(est.query_aware_heads)
+    _record(row, num_heads, None, patterns)
+
+    def measured(v: list[int]) -> None:
+        split = None if n_flex is None else {"flex_prefill/query_aware": v[1],
+                                             "flex_prefill/vertical_slash": n_flex - v[1]}
+        STATS.record_measured_pairs(causal, v[0], split)
+
+    STATS.read_later(values, measured)
 
 
 # Rows the kernel ran in its dense mode because their estimated index was too dense (flagged on

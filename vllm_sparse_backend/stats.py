@@ -13,12 +13,13 @@ import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from . import metrics
 from .config import SparseSettings
 
 _DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
+_MAX_READOUTS = 256
 
 
 @dataclass
@@ -34,6 +35,7 @@ class SparseStats:
     stage_samples: Counter = field(default_factory=Counter)  # sampled forwards per stage
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
+    _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
     timer: metrics.SampledTimer = field(default=None, repr=False)
 
@@ -73,6 +75,16 @@ class SparseStats:
             self.head_patterns.update(head_patterns)
         self.prom.sparse_row(q_len, causal, computed, head_patterns)
 
+    def record_measured_pairs(self, causal: int, computed: int, head_patterns: Mapping[str, int] | None = None) -> None:
+        """The measured part of a row recorded earlier with ``computed=None`` (read back later):
+        its pairs and, where they were only known on the device, its head patterns."""
+        with self._lock:
+            self.causal_pairs += causal
+            self.computed_pairs += computed
+            if head_patterns:
+                self.head_patterns.update(head_patterns)
+        self.prom.sparse_row_measured(causal, computed, head_patterns or {})
+
     def record_dense_tokens(self, n: int) -> None:
         """Query tokens x layers that ran on the dense kernel in a step with sparse rows."""
         with self._lock:
@@ -99,18 +111,66 @@ class SparseStats:
             else:
                 self._deferred[reason] = n
 
-    def flush_deferred(self) -> None:
-        """Read the deferred device counts (a host sync) into ``dense_reasons``."""
+    def flush_deferred(self, wait: bool = True) -> None:
+        """Move the deferred device counts into ``dense_reasons``: now (``wait``, a host sync),
+        or once the device has computed them (:meth:`read_later`)."""
         with self._lock:
             pending, self._deferred = self._deferred, {}
-        for reason, n in pending.items():
-            rows = int(n)
-            if rows:
-                self.record_dense_reason(reason, rows=rows)
+        if pending:
+            reasons = list(pending)
+
+            def record(counts: list[int]) -> None:
+                for reason, rows in zip(reasons, counts):
+                    if rows:
+                        self.record_dense_reason(reason, rows=rows)
+
+            self.read_later(list(pending.values()), record)
+        if wait:
+            self.poll_readouts(wait=True)
+
+    def read_later(self, values: list, then: Callable[[list[int]], None]) -> None:
+        """Call ``then`` with ``values`` (integer scalar tensors) as host ints once the device has
+        computed them, without waiting here: on CUDA they are copied to pinned memory behind an
+        event that later calls poll (:meth:`poll_readouts`: every sparse forward, and a waiting
+        one in :meth:`dump`). A forward that read them back at once would stall the GPU until
+        the host had queued the rest of the layer (~0.8 ms at 128K per read)."""
+        import torch
+
+        flat = torch.stack([v.reshape(()).to(torch.int64) for v in values])
+        if flat.device.type != "cuda":
+            then(flat.tolist())
+            return
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        with self._lock:
+            self._readouts.append((done, host, then))
+            backlog = len(self._readouts) > _MAX_READOUTS
+        if backlog:  # nothing polled for a long time: wait for the oldest rather than grow
+            self.poll_readouts(wait=True, limit=1)
+
+    def poll_readouts(self, wait: bool = False, limit: int | None = None) -> int:
+        """Apply the readouts whose copies are done (all, in order, with ``wait``); returns how many."""
+        with self._lock:
+            ready = []
+            for r in self._readouts:
+                if (limit is not None and len(ready) >= limit) or not (wait or r[0].query()):
+                    break  # in order: a later copy is not done before an earlier one
+                ready.append(r)
+            del self._readouts[:len(ready)]
+        for done, host, then in ready:
+            if wait:
+                done.synchronize()
+            then(host.tolist())
+        return len(ready)
 
     def time_stages(self, device=None):
         """The stage timer of one sparse layer forward: a no-op unless this forward is sampled
-        (see :class:`metrics.SampledTimer`; ``.sampled`` says which)."""
+        (see :class:`metrics.SampledTimer`; ``.sampled`` says which). Applies the readouts that
+        have arrived since the last forward."""
+        if self._readouts:
+            self.poll_readouts()
         return self.timer.sample(device)
 
     def _observe_stage(self, stage: str, seconds: float) -> None:
@@ -137,7 +197,7 @@ class SparseStats:
         }
 
     def dump(self, path: str) -> None:
-        self.flush_deferred()
+        self.flush_deferred()  # waits for every readout, these counts' and earlier ones
         tmp = f"{path}.{os.getpid()}.tmp"
         with self._lock:
             data = self.as_dict()
