@@ -14,6 +14,7 @@ def test_defaults_follow_the_papers():
     assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)
     assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
     assert s.default_pattern is PatternName.VERTICAL_SLASH and s.enabled
+    assert s.decode_mode == "dense"  # top-k decode is opt-in (issue 8)
 
 
 def test_env_overrides_file(tmp_path):
@@ -32,6 +33,9 @@ def test_env_overrides_file(tmp_path):
     ({"VLLM_SPARSE_VERTICAL": "3"}, "unknown setting"),
     ({"VLLM_SPARSE_BLOCK_SIZE": "48"}, "block_size=48"),
     ({"VLLM_SPARSE_MIN_BUDGET": "2000", "VLLM_SPARSE_MAX_BUDGET": "1000"}, "max_budget"),
+    ({"VLLM_SPARSE_DECODE_MODE": "spans"}, "VLLM_SPARSE_DECODE_MODE"),
+    ({"VLLM_SPARSE_DECODE_SINK_PAGES": "0", "VLLM_SPARSE_DECODE_RECENT_PAGES": "0",
+      "VLLM_SPARSE_DECODE_BUDGET_PAGES": "0"}, "decode_budget_pages"),
 ])
 def test_bad_env_is_named(env, needle):
     with pytest.raises(ConfigError, match=needle):

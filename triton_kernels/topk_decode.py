@@ -1,8 +1,8 @@
 """Top-k decode attention over vLLM's paged KV cache: page summaries, page selection, attention.
 
-Kernel layer of the opt-in decode-side top-k mode (issue 8, item 1). Nothing here is wired into
-the backend yet. One decode step of one layer runs, after vLLM has written the new token's K/V
-into the cache:
+Kernel layer of the opt-in decode-side top-k mode (issue 8, item 1), driven by
+``vllm_sparse_backend/decode_topk.py`` for ``decode_mode=topk``. One decode step of one layer runs,
+after vLLM has written the new token's K/V into the cache:
 
 1. :func:`update_page_summaries` (Triton): for every page a new slot was written to, recompute the
    channel-wise min and max of the page's keys per KV head (Quest-style summaries, kept in two

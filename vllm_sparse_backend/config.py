@@ -95,6 +95,16 @@ class SparseSettings(BaseModel):
     # sync; host clock on CPU). Sampled forwards also measure the computed density on CUDA.
     timing_sample_every: int = Field(16, ge=0, description="Time 1 of every N sparse forwards; 0 = never.")
 
+    # Decode (issue 8). "dense": vLLM's FlashAttention (the default). "topk": each decode step
+    # attends to the sink and recent pages plus the decode_budget_pages pages of highest Quest
+    # bound (per-page key min/max kept beside the cache), optionally only the decode_topk_tokens
+    # best keys of those; widths are fixed so a step can be captured in a CUDA graph.
+    decode_mode: Literal["dense", "topk"] = Field("dense", description="Decode attention: dense or top-k pages.")
+    decode_sink_pages: int = Field(1, ge=0, description="topk decode: leading pages always attended.")
+    decode_recent_pages: int = Field(8, ge=0, description="topk decode: trailing pages always attended.")
+    decode_budget_pages: int = Field(64, ge=0, description="topk decode: pages chosen by score per KV head.")
+    decode_topk_tokens: int = Field(0, ge=0, description="topk decode: keep only this many best keys; 0 = all.")
+
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":
         for name in ("block_size", "flex_block_size"):
@@ -103,6 +113,8 @@ class SparseSettings(BaseModel):
                 raise ValueError(f"{name}={v}: must be a power of two between 16 and 256")
         if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
             raise ValueError("flex_block_size and block_size must divide one another")
+        if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:
+            raise ValueError("decode_sink_pages, decode_recent_pages and decode_budget_pages are all 0")
         if self.max_budget is not None and self.max_budget < self.min_budget:
             raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
         return self

@@ -41,6 +41,7 @@ class SparsePrefillMetadata:
     # row index -> the wrapped backend's metadata for that row alone, so the impl can still send
     # a sparse row to the dense kernel when its estimated index turns out too dense
     fallback: dict[int, Any] = field(default_factory=dict)
+    slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (top-k decode's page summaries)
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,7 +185,7 @@ def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, b
     fallback = {r.row: dense_build(slice_rows(cm, r.row, r.row + 1, seq_lens), False)
                 for r in plan.sparse_rows} if with_fallback else {}
     return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
-                                 cm.block_table_tensor, fallback)
+                                 cm.block_table_tensor, fallback, cm.slot_mapping)
 
 
 def count_dense_tokens(md: SparsePrefillMetadata) -> None:

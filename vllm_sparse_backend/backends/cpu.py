@@ -32,6 +32,9 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 log_once("non-decoder or sliding-window layer group runs dense")
             else:
                 self.sparse_enabled = prepare_group(vllm_config, layer_names)
+            if cfg.decode_mode != "dense":
+                log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
+                         "decode stays dense", cfg.decode_mode)
             if self.sparse_enabled:
                 log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s)",
                          cfg.min_sparse_query_len, cfg.default_pattern.value)

@@ -181,10 +181,53 @@ class SparsePrefillImpl(FlashAttentionImpl):
         from ..triton_kernels.sparse_attention import sparse_prefill_attention
         return sparse_prefill_attention
 
+    _summaries = None  # PageSummaries of this layer (decode_mode=topk), allocated on first use
+    _summaries_off: str | None = None  # why this layer's decode stays dense
+
+    def _page_summaries(self, key_cache: torch.Tensor):
+        """This layer's page summaries for top-k decode, or None (decode then stays dense)."""
+        from ..decode_topk import PageSummaries
+
+        if self._summaries is not None and self._summaries.key_cache_ptr == key_cache.data_ptr():
+            return self._summaries
+        if self._summaries_off is None:
+            self._summaries_off = unsupported_reason(self) or (
+                "logits soft-capping" if self.logits_soft_cap else None)
+        if self._summaries_off is not None:
+            log_once("decode_mode=topk: layers with %s decode dense", self._summaries_off)
+            return None
+        if torch.cuda.is_current_stream_capturing():  # vLLM warms up eagerly first; never allocate in a graph
+            log_once("decode_mode=topk: page summaries missing at CUDA-graph capture; that graph decodes dense")
+            return None
+        try:
+            self._summaries = PageSummaries(key_cache)
+        except torch.OutOfMemoryError:
+            self._summaries_off = "no memory left for page summaries"
+            log_once("decode_mode=topk: no GPU memory for the page summaries (1/%d of the KV cache); decode stays "
+                     "dense (lower gpu_memory_utilization to leave room)", key_cache.shape[1])
+            return None
+        log_once("decode_mode=topk: page summaries take %.2f GiB per layer beside the KV cache (1/%d of it), "
+                 "allocated after vLLM sized the cache", PageSummaries.nbytes(key_cache) / 2**30, key_cache.shape[1])
+        return self._summaries
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
+        elif settings().decode_mode == "topk" and output_scale is None:
+            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+            summaries = self._page_summaries(key_cache)
+            if summaries is not None:
+                # vLLM wrote this step's K/V before attention: follow them in the summaries
+                summaries.update(key_cache, attn_metadata.slot_mapping)
+                if not isinstance(attn_metadata, SparsePrefillMetadata) and attn_metadata.max_query_len == 1:
+                    from ..decode_topk import TopkDecodeBudget, topk_decode
+
+                    n = attn_metadata.num_actual_tokens  # one token per sequence
+                    topk_decode(query[:n], key_cache, value_cache, summaries, attn_metadata.block_table[:n],
+                                attn_metadata.seq_lens[:n], TopkDecodeBudget.from_settings(settings()), self.scale,
+                                output[:n])
+                    return output
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

@@ -1,0 +1,87 @@
+"""One decode step of the opt-in top-k decode mode (issue 8): metadata -> summaries -> pages -> attention.
+
+Backend-agnostic glue between a step's paged-cache metadata and the kernels of
+``triton_kernels/topk_decode.py``:
+
+1. the pages the step's slots were written to get their key summaries (per-page min / max per
+   KV head) recomputed, so summaries follow the cache through prefill and decode alike;
+2. each decode query scores every page of its sequence by the Quest bound and keeps the sink
+   and recent pages plus the ``budget_pages`` best others (one selection per KV head, its query
+   heads' bounds summed);
+3. attention over those pages only (optionally only the ``topk_tokens`` best keys of them).
+
+Every width is a host int fixed by the settings and the block table's width, and nothing reads
+the device back, so a uniform decode batch can be captured in a CUDA graph. The summaries live
+beside vLLM's cache (:class:`PageSummaries`): 2 x head_dim values per page and KV head, 1/page
+of the KV cache's size (1/16 at vLLM's default page of 16 tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import SparseSettings
+
+
+@dataclass(frozen=True)
+class TopkDecodeBudget:
+    sink_pages: int
+    recent_pages: int
+    budget_pages: int
+    topk_tokens: int = 0
+
+    @classmethod
+    def from_settings(cls, cfg: SparseSettings) -> "TopkDecodeBudget":
+        return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_budget_pages, cfg.decode_topk_tokens)
+
+    @property
+    def width(self) -> int:
+        """Pages a decode query attends to at most (the selection's fixed width)."""
+        return self.sink_pages + self.recent_pages + self.budget_pages
+
+
+class PageSummaries:
+    """Per-page key min / max of one layer's cache, indexed by physical page like the cache."""
+
+    def __init__(self, key_cache: torch.Tensor):
+        from .triton_kernels.topk_decode import allocate_page_summaries
+
+        self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
+        self.min, self.max = allocate_page_summaries(key_cache)
+        # a page not summarised yet (written before these existed) bounds to 0: neither always
+        # chosen nor never; every page written from now on gets its real summary
+        self.min.zero_()
+        self.max.zero_()
+
+    @staticmethod
+    def nbytes(key_cache: torch.Tensor) -> int:
+        num_pages, _, hkv, d = key_cache.shape
+        return 2 * num_pages * hkv * d * key_cache.element_size()
+
+    def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """After the cache update of a step: re-summarise the pages ``slot_mapping`` wrote to."""
+        from .triton_kernels.topk_decode import update_page_summaries
+
+        update_page_summaries(key_cache, self.min, self.max, slot_mapping)
+
+
+def topk_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                summaries: PageSummaries, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                budget: TopkDecodeBudget, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its top-k pages, into ``out``.
+
+    query / out: ``[batch, H, D]``; key_cache / value_cache: ``[num_pages, page, Hkv, D]`` views;
+    block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (the query's own key
+    included; 0 for a padded slot, whose output is zeros). The summaries must be current
+    (:meth:`PageSummaries.update` of this step's slots already ran)."""
+    from .triton_kernels.topk_decode import select_pages, topk_decode_attention
+
+    page = key_cache.shape[1]
+    selected, counts = select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
+                                    sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
+                                    num_pages_budget=budget.budget_pages)
+    return topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected, counts, scale, out,
+                                 topk_tokens=budget.topk_tokens, sink_pages=budget.sink_pages,
+                                 recent_pages=budget.recent_pages)
