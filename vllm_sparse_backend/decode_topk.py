@@ -36,11 +36,6 @@ class TopkDecodeBudget:
     def from_settings(cls, cfg: SparseSettings) -> "TopkDecodeBudget":
         return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_budget_pages, cfg.decode_topk_tokens)
 
-    @property
-    def width(self) -> int:
-        """Pages a decode query attends to at most (the selection's fixed width)."""
-        return self.sink_pages + self.recent_pages + self.budget_pages
-
 
 class PageSummaries:
     """Per-page key min / max of one layer's cache, indexed by physical page like the cache."""
@@ -55,10 +50,9 @@ class PageSummaries:
         self.min.zero_()
         self.max.zero_()
 
-    @staticmethod
-    def nbytes(key_cache: torch.Tensor) -> int:
-        num_pages, _, hkv, d = key_cache.shape
-        return 2 * num_pages * hkv * d * key_cache.element_size()
+    @property
+    def nbytes(self) -> int:
+        return self.min.nbytes + self.max.nbytes
 
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the cache update of a step: re-summarise the pages ``slot_mapping`` wrote to."""

@@ -184,17 +184,20 @@ class SparsePrefillImpl(FlashAttentionImpl):
     _summaries = None  # PageSummaries of this layer (decode_mode=topk), allocated on first use
     _summaries_off: str | None = None  # why this layer's decode stays dense
 
+    def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache."""
+        return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+
     def _page_summaries(self, key_cache: torch.Tensor):
         """This layer's page summaries for top-k decode, or None (decode then stays dense)."""
         from ..decode_topk import PageSummaries
 
         if self._summaries is not None and self._summaries.key_cache_ptr == key_cache.data_ptr():
             return self._summaries
-        if self._summaries_off is None:
-            self._summaries_off = unsupported_reason(self) or (
-                "logits soft-capping" if self.logits_soft_cap else None)
-        if self._summaries_off is not None:
-            log_once("decode_mode=topk: layers with %s decode dense", self._summaries_off)
+        reason = unsupported_reason(self) or ("logits soft-capping" if self.logits_soft_cap else None)
+        if reason is not None:
+            self._summaries_off = reason  # decided once: the forward stops asking
+            log_once("decode_mode=topk: layers with %s decode dense", reason)
             return None
         if torch.cuda.is_current_stream_capturing():  # vLLM warms up eagerly first; never allocate in a graph
             log_once("decode_mode=topk: page summaries missing at CUDA-graph capture; that graph decodes dense")
@@ -207,15 +210,15 @@ class SparsePrefillImpl(FlashAttentionImpl):
                      "dense (lower gpu_memory_utilization to leave room)", key_cache.shape[1])
             return None
         log_once("decode_mode=topk: page summaries take %.2f GiB per layer beside the KV cache (1/%d of it), "
-                 "allocated after vLLM sized the cache", PageSummaries.nbytes(key_cache) / 2**30, key_cache.shape[1])
+                 "allocated after vLLM sized the cache", self._summaries.nbytes / 2**30, key_cache.shape[1])
         return self._summaries
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
-        elif settings().decode_mode == "topk" and output_scale is None:
-            key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        elif settings().decode_mode == "topk" and output_scale is None and self._summaries_off is None:
+            key_cache, value_cache = self._kv_views(kv_cache)
             summaries = self._page_summaries(key_cache)
             if summaries is not None:
                 # vLLM wrote this step's K/V before attention: follow them in the summaries
@@ -238,7 +241,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
             super().forward(layer, query[s], None if key is None else key[s],
                             None if value is None else value[s], kv_cache, run.metadata, output[s])
         count_dense_tokens(attn_metadata)
-        key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+        key_cache, value_cache = self._kv_views(kv_cache)
         block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
         kernel = self._triton_kernel(query)
