@@ -33,7 +33,9 @@ def test_env_overrides_file(tmp_path):
     ({"VLLM_SPARSE_VERTICAL": "3"}, "unknown setting"),
     ({"VLLM_SPARSE_BLOCK_SIZE": "48"}, "block_size=48"),
     ({"VLLM_SPARSE_MIN_BUDGET": "2000", "VLLM_SPARSE_MAX_BUDGET": "1000"}, "max_budget"),
-    ({"VLLM_SPARSE_DECODE_MODE": "spans"}, "VLLM_SPARSE_DECODE_MODE"),
+    ({"VLLM_SPARSE_DECODE_MODE": "ltri"}, "VLLM_SPARSE_DECODE_MODE"),
+    ({"VLLM_SPARSE_DECODE_SPAN_IOU": "2"}, "VLLM_SPARSE_DECODE_SPAN_IOU"),
+    ({"VLLM_SPARSE_DECODE_SPAN_MIN_INDEX": "30"}, "decode_span_min_index=30"),
     ({"VLLM_SPARSE_DECODE_SINK_PAGES": "0", "VLLM_SPARSE_DECODE_RECENT_PAGES": "0",
       "VLLM_SPARSE_DECODE_BUDGET_PAGES": "0"}, "decode_budget_pages"),
 ])

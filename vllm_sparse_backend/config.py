@@ -99,11 +99,24 @@ class SparseSettings(BaseModel):
     # attends to the sink and recent pages plus the decode_budget_pages pages of highest Quest
     # bound (per-page key min/max kept beside the cache), optionally only the decode_topk_tokens
     # best keys of those; widths are fixed so a step can be captured in a CUDA graph.
-    decode_mode: Literal["dense", "topk"] = Field("dense", description="Decode attention: dense or top-k pages.")
-    decode_sink_pages: int = Field(1, ge=0, description="topk decode: leading pages always attended.")
-    decode_recent_pages: int = Field(8, ge=0, description="topk decode: trailing pages always attended.")
-    decode_budget_pages: int = Field(64, ge=0, description="topk decode: pages chosen by score per KV head.")
+    # "spans" (Ltri-LLM): prefill chunks are divided into semantic spans (triangles of the local
+    # attention map, NMS), each page keeps its span's index vector, and decode steps attend to the
+    # sink, recent and persistent pages plus the decode_budget_pages best-matching pages; the
+    # persistent pages are the prompt's last chunk's retrieval (triton_kernels/span_decode.py).
+    decode_mode: Literal["dense", "topk", "spans"] = Field(
+        "dense", description="Decode attention: dense, top-k pages, or span retrieval.")
+    decode_sink_pages: int = Field(1, ge=0, description="topk/spans decode: leading pages always attended.")
+    decode_recent_pages: int = Field(8, ge=0, description="topk/spans decode: trailing pages always attended.")
+    decode_budget_pages: int = Field(64, ge=0, description="topk/spans decode: pages chosen by score per KV head.")
     decode_topk_tokens: int = Field(0, ge=0, description="topk decode: keep only this many best keys; 0 = all.")
+    decode_persist_pages: int = Field(
+        16, ge=0, description="spans decode: pages the prompt's last queries retrieve, kept for the whole decode.")
+    decode_span_theta: float = Field(
+        0.9, ge=0.0, le=1.0, description="spans: quantile of the local map's cell means subtracted as baseline.")
+    decode_span_iou: float = Field(0.01, ge=0.0, le=1.0, description="spans: NMS IoU threshold between spans.")
+    decode_span_lambda: float = Field(3.0, ge=0.0, description="spans: lambda of the index-vector count (Eq. 7).")
+    decode_span_min_index: int = Field(6, ge=1, description="spans: fewest index tokens per span.")
+    decode_span_max_index: int = Field(24, ge=1, description="spans: most index tokens per span.")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":
@@ -115,6 +128,9 @@ class SparseSettings(BaseModel):
             raise ValueError("flex_block_size and block_size must divide one another")
         if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:
             raise ValueError("decode_sink_pages, decode_recent_pages and decode_budget_pages are all 0")
+        if self.decode_span_min_index > self.decode_span_max_index:
+            raise ValueError(f"decode_span_min_index={self.decode_span_min_index} is above "
+                             f"decode_span_max_index={self.decode_span_max_index}")
         if self.max_budget is not None and self.max_budget < self.min_budget:
             raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
         return self

@@ -40,10 +40,11 @@ class TopkDecodeBudget:
 class PageSummaries:
     """Per-page key min / max of one layer's cache, indexed by physical page like the cache."""
 
-    def __init__(self, key_cache: torch.Tensor):
+    def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings | None = None):
         from .triton_kernels.topk_decode import allocate_page_summaries
 
         self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
+        self.budget = TopkDecodeBudget.from_settings(cfg or SparseSettings())
         self.min, self.max = allocate_page_summaries(key_cache)
         # a page not summarised yet (written before these existed) bounds to 0: neither always
         # chosen nor never; every page written from now on gets its real summary
@@ -59,6 +60,13 @@ class PageSummaries:
         from .triton_kernels.topk_decode import update_page_summaries
 
         update_page_summaries(key_cache, self.min, self.max, slot_mapping)
+
+    def prefill(self, query, key, segments, block_table, scale) -> None:
+        """Nothing to do after a prefill: :meth:`update` already followed the written pages."""
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+        return topk_decode(query, key_cache, value_cache, self, block_table, seq_lens, self.budget, scale, out)
 
 
 def topk_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -32,7 +32,8 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from .._compat import current_vllm_config, sparse_backend_selected
+from .._compat import current_vllm_config, seq_lens_host, sparse_backend_selected
+from ..decode_spans import plan_step_segments
 from ..paged_estimate import HeadGroups
 from ..plan import SparseRow, budget_density, kv_group_share
 from ..reference import gather_paged_kv
@@ -73,6 +74,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 self.sparse_enabled = False
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
+        self._plan_spans = cfg.decode_mode == "spans" and sparse_backend_selected(vllm_config)
         self._worth_estimating = None
         if self.sparse_enabled and cfg.max_density < 1.0:
             head_sets = group_head_counts(vllm_config, layer_names)
@@ -87,6 +89,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         return False
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = None
         if self.sparse_enabled:
             # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
             # would overwrite the persistent scheduler buffer the first run's metadata points at.
@@ -95,9 +98,15 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
                     0, sub, fast_build or not first),
                 with_fallback=settings().max_density < 1.0, worth_estimating=self._worth_estimating)
-            if md is not None:
-                return md
-        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if md is None:
+            md = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self._plan_spans and common_attn_metadata.max_query_len > 1:
+            # decode_mode=spans: the step's prefill segments, planned once for every layer
+            cm = common_attn_metadata
+            md.span_segments = plan_step_segments(cm.query_start_loc_cpu[:cm.num_reqs + 1].tolist(),
+                                                  seq_lens_host(cm), self.kv_cache_spec.block_size, settings(),
+                                                  self.device)
+        return md
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
@@ -181,55 +190,63 @@ class SparsePrefillImpl(FlashAttentionImpl):
         from ..triton_kernels.sparse_attention import sparse_prefill_attention
         return sparse_prefill_attention
 
-    _summaries = None  # PageSummaries of this layer (decode_mode=topk), allocated on first use
-    _summaries_off: str | None = None  # why this layer's decode stays dense
+    _decode_index = None  # decode_mode topk: PageSummaries, spans: SpanIndex; allocated on first use
+    _decode_off: str | None = None  # why this layer's decode stays dense
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache."""
         return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
 
-    def _page_summaries(self, key_cache: torch.Tensor):
-        """This layer's page summaries for top-k decode, or None (decode then stays dense)."""
-        from ..decode_topk import PageSummaries
-
-        if self._summaries is not None and self._summaries.key_cache_ptr == key_cache.data_ptr():
-            return self._summaries
+    def _decode_state(self, key_cache: torch.Tensor, mode: str):
+        """This layer's state beside the cache for the decode mode, or None (decode stays dense)."""
+        if self._decode_index is not None and self._decode_index.key_cache_ptr == key_cache.data_ptr():
+            return self._decode_index
         reason = unsupported_reason(self) or ("logits soft-capping" if self.logits_soft_cap else None)
+        if reason is None and mode == "spans":
+            from ..triton_kernels.span_decode import unsupported_page_size
+            reason = unsupported_page_size(key_cache.shape[1])
         if reason is not None:
-            self._summaries_off = reason  # decided once: the forward stops asking
-            log_once("decode_mode=topk: layers with %s decode dense", reason)
+            self._decode_off = reason  # decided once: the forward stops asking
+            log_once("decode_mode=%s: layers with %s decode dense", mode, reason)
             return None
         if torch.cuda.is_current_stream_capturing():  # vLLM warms up eagerly first; never allocate in a graph
-            log_once("decode_mode=topk: page summaries missing at CUDA-graph capture; that graph decodes dense")
+            log_once("decode_mode=%s: its state beside the cache is missing at CUDA-graph capture; that graph "
+                     "decodes dense", mode)
             return None
         try:
-            self._summaries = PageSummaries(key_cache)
+            if mode == "spans":
+                from ..decode_spans import SpanIndex
+                self._decode_index = SpanIndex(key_cache, settings())
+            else:
+                from ..decode_topk import PageSummaries
+                self._decode_index = PageSummaries(key_cache, settings())
         except torch.OutOfMemoryError:
-            self._summaries_off = "no memory left for page summaries"
-            log_once("decode_mode=topk: no GPU memory for the page summaries (1/%d of the KV cache); decode stays "
-                     "dense (lower gpu_memory_utilization to leave room)", key_cache.shape[1])
+            self._decode_off = "no memory left for its state beside the cache"
+            log_once("decode_mode=%s: no GPU memory for its per-page state (1/%d of the KV cache); decode stays "
+                     "dense (lower gpu_memory_utilization to leave room)", mode, key_cache.shape[1])
             return None
-        log_once("decode_mode=topk: page summaries take %.2f GiB per layer beside the KV cache (1/%d of it), "
-                 "allocated after vLLM sized the cache", self._summaries.nbytes / 2**30, key_cache.shape[1])
-        return self._summaries
+        log_once("decode_mode=%s: per-page state takes %.2f GiB per layer beside the KV cache (1/%d of it), "
+                 "allocated after vLLM sized the cache", mode, self._decode_index.nbytes / 2**30, key_cache.shape[1])
+        return self._decode_index
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        mode = settings().decode_mode
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
-        elif settings().decode_mode == "topk" and output_scale is None and self._summaries_off is None:
+        elif mode != "dense" and output_scale is None and self._decode_off is None:
             key_cache, value_cache = self._kv_views(kv_cache)
-            summaries = self._page_summaries(key_cache)
-            if summaries is not None:
-                # vLLM wrote this step's K/V before attention: follow them in the summaries
-                summaries.update(key_cache, attn_metadata.slot_mapping)
+            state = self._decode_state(key_cache, mode)
+            if state is not None:
+                # vLLM wrote this step's K/V before attention: follow them beside the cache
+                state.update(key_cache, attn_metadata.slot_mapping)
+                segments = getattr(attn_metadata, "span_segments", None)
+                if segments is not None and key is not None:
+                    state.prefill(query, key, segments, attn_metadata.block_table, self.scale)
                 if not isinstance(attn_metadata, SparsePrefillMetadata) and attn_metadata.max_query_len == 1:
-                    from ..decode_topk import TopkDecodeBudget, topk_decode
-
                     n = attn_metadata.num_actual_tokens  # one token per sequence
-                    topk_decode(query[:n], key_cache, value_cache, summaries, attn_metadata.block_table[:n],
-                                attn_metadata.seq_lens[:n], TopkDecodeBudget.from_settings(settings()), self.scale,
-                                output[:n])
+                    state.decode(query[:n], key_cache, value_cache, attn_metadata.block_table[:n],
+                                 attn_metadata.seq_lens[:n], self.scale, output[:n])
                     return output
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

@@ -1,0 +1,790 @@
+"""Ltri-LLM span retrieval for decode over vLLM's paged KV cache: span index, page selection.
+
+Kernel layer of the opt-in ``decode_mode=spans`` (issue 8, item 2), driven by
+``vllm_sparse_backend/decode_spans.py``. The paper (``shared/seeds/ltri-llm.txt``) splits the
+context into semantic spans where the attention map shows triangles, keeps a few index vectors per
+span, and retrieves spans per decode step by the similarity of the query to those vectors. Here
+that is mapped onto vLLM's pages, so that the state follows the cache through vLLM's own memory
+management (freeing, preemption, prefix caching) without any per-request bookkeeping:
+
+1. **Local maps** (:func:`local_attention_maps`, Triton): every prefill chunk is cut into segments
+   of ``segment_tokens`` (default 1024) page-aligned tokens. Per segment the causal attention of
+   its queries over its own keys is taken with a *local* softmax (the segment's keys only, as the
+   paper's streaming local map), summed over all query heads (Eq. 4 sums heads), and reduced to
+   page x page sums ``maps[s, a, b]`` plus per-key column sums (the InfLLM "votes", Eq. 6).
+2. **Division** (:func:`divide_segments`, torch, batched over segments, plus :func:`span_nms`, Triton):
+   - the baseline ``theta`` of Eq. 5 is a quantile (``theta_quantile``, the paper's "90th
+     percentile") of the per-cell mean attention of the page tiles;
+   - the triangle score of every page interval ``[x, y]`` is ``sum over x <= b <= a <= y`` of
+     ``maps[a, b] - theta * cells[a, b]`` (two cumulative sums);
+   - candidates are the best interval of each anti-diagonal ``x + y`` (the paper's Appendix E
+     filter), kept by greedy non-maximum suppression at IoU ``iou`` if their score is positive;
+   - every page belongs to one span: the first kept interval covering it, else the run of
+     uncovered pages around it (a gap is a span too, so every page stays retrievable, as every
+     InfLLM block is);
+   - the span's number of index vectors is ``L * exp(-lambda * (1 - r_a))`` clamped to
+     ``[min_index, max_index]`` (Eq. 7), ``L`` its tokens and ``r_a`` the share of its rows'
+     attention that stays inside the span (the "row" ratio: inside / (inside + row neighbours));
+   - its index tokens are its ``n`` most-voted keys.
+3. **Span keys**: one fp32 vector per physical page and KV head, the sum of its span's index keys
+   (every page of a span holds the same vector). The paper's similarity ``sum_m q . k_m`` (Eq. 8)
+   of one decode query is ``q . sum_m k_m``, so one dot product per page scores the span. Pages
+   written by decode (no map) and pages before a chunk's first full page get a fallback vector,
+   ``min_index`` times their mean key (:func:`update_span_keys`, run for every written slot before
+   the division overwrites the chunk's pages).
+4. **Persistent pages** (:func:`mark_persistent_pages`): the paper keeps the last prefill chunk's
+   retrieval for the whole decode. Here the last ``last_q`` queries of each prefill chunk, summed,
+   score the row's pages; the ``persist_pages`` best (sink and recent pages excluded) get a flag per
+   KV head, after every flag of the row is cleared, so the last chunk's choice is what decode sees.
+5. **Selection** (:func:`select_span_pages`, Triton scores + :func:`topk_select.topk_ascending`):
+   per sequence and KV head, sink, recent and flagged pages are forced, and the ``budget_pages``
+   best-scoring other pages (``sum over the group's query heads of q . span_key``) are added; the
+   output has the format of ``topk_decode.select_pages``, so ``topk_decode.topk_decode_attention``
+   attends to them.
+
+Everything at decode has shapes fixed by host ints (CUDA-graph capturable). The prefill side uses
+host-built segment tables (built once per step, shared by the layers) and no host sync.
+
+Imports nothing from vLLM. The ``reference_*`` functions at the end are float64 torch with loops,
+written independently of the batched code, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .topk_select import topk_ascending
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TILE = 64  # query and key rows of a local-map tile; segments and pages must divide into it
+SEGMENT_COLUMNS = 5  # int32 columns of a segment table: row, first token, tokens, first page, pages
+
+
+@dataclass(frozen=True)
+class SpanParams:
+    """Span division settings (the paper's defaults for RULER: theta at the 90th percentile, NMS
+    IoU 0.01, lambda 3, 6 to 24 index vectors per span; Table 5)."""
+
+    theta_quantile: float = 0.9
+    iou: float = 0.01
+    lam: float = 3.0
+    min_index: int = 6
+    max_index: int = 24
+    segment_tokens: int = 1024
+
+    def __post_init__(self):
+        if not 0.0 <= self.theta_quantile <= 1.0:
+            raise ValueError(f"theta_quantile={self.theta_quantile} must be in [0, 1]")
+        if not 0.0 <= self.iou <= 1.0:
+            raise ValueError(f"iou={self.iou} must be in [0, 1]")
+        if self.lam < 0:
+            raise ValueError(f"lam={self.lam} must be >= 0")
+        if not 1 <= self.min_index <= self.max_index:
+            raise ValueError(f"need 1 <= min_index ({self.min_index}) <= max_index ({self.max_index})")
+        if self.segment_tokens < TILE or self.segment_tokens % TILE:
+            raise ValueError(f"segment_tokens={self.segment_tokens} must be a multiple of {TILE}")
+
+
+def unsupported_page_size(page_size: int) -> str | None:
+    """Why span division cannot tile pages of this size, or None."""
+    if page_size > TILE or TILE % page_size:
+        return f"page size {page_size} (spans need a power of two up to {TILE})"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# State beside the cache
+# --------------------------------------------------------------------------------------------
+
+def allocate_span_index(key_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed span keys (fp32 ``[num_pages + 1, Hkv, D]``) and persistent flags (uint8
+    ``[num_pages + 1, Hkv]``) for a ``[num_pages, page, Hkv, D]`` key cache. The extra last row is a
+    write sink for padded entries, so that masked writes need no host-side compaction."""
+    num_pages, _, hkv, d = key_cache.shape
+    keys = torch.zeros(num_pages + 1, hkv, d, dtype=torch.float32, device=key_cache.device)
+    flags = torch.zeros(num_pages + 1, hkv, dtype=torch.uint8, device=key_cache.device)
+    return keys, flags
+
+
+@triton.jit
+def _update_span_keys_kernel(k_ptr, sk_ptr, flag_ptr, slot_ptr, num_slots, fallback_count,
+                             s_kp, s_kt, s_kh, s_kd, s_sp, s_sh, s_sd, s_fp, s_fh,
+                             PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Per (written slot, KV head): the last slot of a page in this call sets the page's span key to
+    ``fallback_count`` x the mean of its valid keys; a slot at offset 0 (a page starting afresh:
+    new or reused) clears the page's persistent flag."""
+    i = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_slots, other=-1).to(tl.int64)
+    page = tl.maximum(slot // PAGE, 0)
+    offset = slot % PAGE
+    last_of_page = (nxt != slot + 1) | (offset == PAGE - 1)
+    n_valid = tl.where((slot >= 0) & last_of_page, offset + 1, 0)
+    offs_t = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    valid = (offs_t < n_valid)[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + page * s_kp + offs_t[:, None] * s_kt + kvh * s_kh + offs_d[None, :] * s_kd,
+                mask=valid, other=0.0).to(tl.float32)
+    k = tl.where(valid, k, 0.0)  # unused slots may hold NaN
+    vec = tl.sum(k, 0) * (fallback_count / tl.maximum(n_valid, 1).to(tl.float32))
+    store_ok = d_ok & ((offs_d * 0 + n_valid) > 0)  # vector form (the interpreter mis-types scalar & vector)
+    tl.store(sk_ptr + page * s_sp + kvh * s_sh + offs_d * s_sd, vec, mask=store_ok)
+    fresh = (slot >= 0) & (offset == 0)
+    tl.store(flag_ptr + page * s_fp + kvh * s_fh, tl.zeros((), dtype=tl.uint8), mask=fresh)
+
+
+def update_span_keys(key_cache: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor,
+                     slot_mapping: torch.Tensor, fallback_count: int) -> None:
+    """After the cache update of a step: fallback span keys for the pages ``slot_mapping`` wrote
+    (``fallback_count`` x mean key, over the page's filled prefix) and cleared flags for pages
+    written from offset 0. slot_mapping: int ``[num_tokens]``, -1 = padding; a page's slots in one
+    call are consecutive (vLLM)."""
+    page, hkv, d = _check_cache(key_cache)
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    _update_span_keys_kernel[(n, hkv)](
+        key_cache, span_keys, flags, slot_mapping, n, float(fallback_count),
+        *key_cache.stride(), *span_keys.stride(), *flags.stride(),
+        PAGE=page, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def _check_cache(key_cache: torch.Tensor) -> tuple[int, int, int]:
+    if key_cache.dim() != 4:
+        raise ValueError(f"key cache must be [num_pages, page_size, num_kv_heads, head_dim], "
+                         f"got {tuple(key_cache.shape)}")
+    if key_cache.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"cache dtype {key_cache.dtype} not supported (fp16, bf16, fp32)")
+    page, hkv, d = key_cache.shape[1:]
+    if page & (page - 1):
+        raise ValueError(f"page size {page} must be a power of two")
+    return page, hkv, d
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Local attention maps of prefill segments
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpanSegments:
+    """Segments of the prefill rows of one step (host-built, shared by every layer).
+
+    ``table``: int32 ``[S, 5]`` on the device: batch row, first token (index into the step's
+    query/key tensors), tokens, first logical page, pages; the first token is page-aligned in the
+    sequence. ``page_seg`` / ``page_idx`` / ``page_row`` / ``page_lp``: int64 ``[P]`` the pages the
+    division writes (segment, page within it, batch row, logical page). ``persist_*``: one entry
+    per prefill row: row, token range of its last queries ``[start, start + count)``, sequence
+    length after the chunk."""
+
+    table: torch.Tensor
+    n_tokens_host: tuple[int, ...]
+    page_seg: torch.Tensor
+    page_idx: torch.Tensor
+    page_row: torch.Tensor
+    page_lp: torch.Tensor
+    persist_row: torch.Tensor
+    persist_tok: torch.Tensor  # int64 [R, last_q]: token indices of each row's last queries
+    persist_weight: torch.Tensor  # fp32 [R, last_q]: 1, or 0 for padding (rows with fewer queries)
+    persist_seq_len: torch.Tensor  # int32 [R]
+    segment_tokens: int
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.n_tokens_host)
+
+
+def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, segment_tokens: int,
+                       last_q: int, device) -> SpanSegments | None:
+    """Segments of the rows with more than one query token (host lists of the step). Row ``r`` has
+    queries ``query_start_loc[r] .. [r + 1]`` at positions ``seq_lens[r] - q_len .. seq_lens[r]``.
+    Only whole pages written by this chunk are divided (plus its last, possibly partial, page): a
+    page begun by an earlier chunk has no queries here. None if no row qualifies."""
+    tables, n_tok = [], []
+    p_seg, p_idx, p_row, p_lp = [], [], [], []
+    per_seg = segment_tokens // page_size
+    persist_row, persist_tok, persist_weight, persist_len = [], [], [], []
+    for r in range(len(seq_lens)):
+        q0, q1 = query_start_loc[r], query_start_loc[r + 1]
+        q_len = q1 - q0
+        if q_len <= 1:
+            continue
+        c1 = seq_lens[r]
+        c0 = c1 - q_len
+        n_last = min(last_q, q_len)
+        persist_row.append(r)
+        persist_tok.append([q1 - n_last + min(i, n_last - 1) for i in range(last_q)])
+        persist_weight.append([1.0 if i < n_last else 0.0 for i in range(last_q)])
+        persist_len.append(c1)
+        first_page = -(-c0 // page_size)
+        end_page = -(-c1 // page_size)
+        for s in range(first_page, end_page, per_seg):
+            pages = min(per_seg, end_page - s)
+            tok_start = q0 + s * page_size - c0
+            tokens = min((s + pages) * page_size, c1) - s * page_size
+            seg = len(tables)
+            tables.append((r, tok_start, tokens, s, pages))
+            n_tok.append(tokens)
+            p_seg += [seg] * pages
+            p_idx += list(range(pages))
+            p_row += [r] * pages
+            p_lp += list(range(s, s + pages))
+    if not persist_row:
+        return None
+
+    def dev(x, dtype=torch.int64):
+        return torch.tensor(x, dtype=dtype).pin_memory().to(device, non_blocking=True) if str(device).startswith(
+            "cuda") else torch.tensor(x, dtype=dtype, device=device)
+
+    table = dev(tables or [[0] * SEGMENT_COLUMNS], torch.int32)[: len(tables)]
+    return SpanSegments(table, tuple(n_tok), dev(p_seg), dev(p_idx), dev(p_row), dev(p_lp),
+                        dev(persist_row), dev(persist_tok), dev(persist_weight, torch.float32),
+                        dev(persist_len, torch.int32), segment_tokens)
+
+
+@triton.jit
+def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
+                      s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_ms, s_ma, s_vs, qk_scale,
+                      GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """One (segment, 64-query tile, query head): the tile's local softmax over the segment's causal
+    keys (pass 1: row max and sum; pass 2: probabilities), added into the segment's page x page
+    map and the keys' column sums (atomics: every head of the layer adds into the same map)."""
+    seg = tl.program_id(0)
+    rb = tl.program_id(1)
+    h = tl.program_id(2)
+    tok0 = tl.load(seg_ptr + seg * 5 + 1).to(tl.int64)
+    n_tok = tl.load(seg_ptr + seg * 5 + 2)
+    if rb * 64 < n_tok:
+        kvh = h // GROUP
+        offs_m = rb * 64 + tl.arange(0, 64)
+        offs_n0 = tl.arange(0, 64)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        m_ok = offs_m < n_tok
+        q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full((64,), float("-inf"), tl.float32)
+        l_i = tl.zeros((64,), tl.float32)
+        for kb in range(0, rb + 1):
+            offs_n = kb * 64 + offs_n0
+            kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
+                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :]
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+            m_i = m_new
+        m_i = tl.where(m_ok, m_i, 0.0)
+        inv_l = tl.where(m_ok, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+        offs_a = tl.arange(0, 64 // PAGE)
+        for kb in range(0, rb + 1):
+            offs_n = kb * 64 + offs_n0
+            kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
+                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :] & m_ok[:, None]
+            p = tl.where(ok, tl.exp2(s - m_i[:, None]) * inv_l[:, None], 0.0)
+            pooled = tl.sum(tl.sum(tl.reshape(p, (64 // PAGE, PAGE, 64 // PAGE, PAGE)), 3), 1)
+            cell = map_ptr + seg * s_ms + (rb * (64 // PAGE) + offs_a)[:, None] * s_ma + kb * (64 // PAGE) + offs_a[None, :]
+            tl.atomic_add(cell, pooled)
+            tl.atomic_add(vote_ptr + seg * s_vs + offs_n, tl.sum(p, 0), mask=offs_n < n_tok)
+
+
+def local_attention_maps(query: torch.Tensor, key: torch.Tensor, segments: SpanSegments, page_size: int,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page x page maps ``[S, n, n]`` (n = segment_tokens / page_size; ``maps[s, a, b]`` = the local
+    attention of the segment's page-``a`` queries on its page-``b`` keys, summed over query heads)
+    and column sums ``[S, segment_tokens]`` (votes), both fp32. query ``[T, H, D]``, key ``[T, Hkv,
+    D]``: the step's tensors (any strides)."""
+    seg_tok = segments.segment_tokens
+    n = seg_tok // page_size
+    s_count = segments.num_segments
+    h, d = query.shape[1:]
+    hkv = key.shape[1]
+    maps = torch.zeros(s_count, n, n, dtype=torch.float32, device=query.device)
+    votes = torch.zeros(s_count, seg_tok, dtype=torch.float32, device=query.device)
+    if s_count == 0:
+        return maps, votes
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _local_map_kernel[(s_count, seg_tok // TILE, h)](
+        query, key, segments.table, maps, votes,
+        *query.stride(), *key.stride(), maps.stride(0), maps.stride(1), votes.stride(0),
+        float(scale) * 1.4426950408889634,
+        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_PRECISION=precision, num_warps=4,
+    )
+    return maps, votes
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Division: triangle scores, NMS, spans, index tokens
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _nms_kernel(x_ptr, y_ptr, score_ptr, keep_ptr, num_cand, iou,
+                BLOCK_C: tl.constexpr):
+    """Greedy NMS of one segment's candidates, already sorted by score (descending): a candidate
+    with a positive score is kept unless a kept one overlaps it with IoU above ``iou``."""
+    seg = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < num_cand
+    base = seg * num_cand
+    xs = tl.load(x_ptr + base + offs, mask=ok, other=0)
+    ys = tl.load(y_ptr + base + offs, mask=ok, other=-1)
+    sc = tl.load(score_ptr + base + offs, mask=ok, other=0.0)
+    alive = ok & (sc > 0.0) & (ys >= xs)
+    keep = offs < 0
+    for i in range(0, num_cand):
+        me = offs == i
+        # scalars of candidate i, broadcast back as vectors (the interpreter mis-types scalar & vector)
+        a_i = (offs * 0 + tl.sum(tl.where(me & alive, 1, 0), 0)) > 0
+        x_i = offs * 0 + tl.sum(tl.where(me, xs, 0), 0)
+        y_i = offs * 0 + tl.sum(tl.where(me, ys, 0), 0)
+        inter = tl.maximum(tl.minimum(ys, y_i) - tl.maximum(xs, x_i) + 1, 0).to(tl.float32)
+        union = ((y_i - x_i + 1) + (ys - xs + 1)).to(tl.float32) - inter
+        suppress = (inter > iou * union) & (offs > i) & a_i
+        keep = keep | (me & a_i)
+        alive = alive & (~suppress)
+    tl.store(keep_ptr + base + offs, keep.to(tl.int8), mask=ok)
+
+
+def span_nms(x: torch.Tensor, y: torch.Tensor, score: torch.Tensor, iou: float) -> torch.Tensor:
+    """Keep flags (bool ``[S, C]``) of candidates ``[x, y]`` (int32 ``[S, C]``, sorted by ``score``
+    descending per segment). Triton: one program per segment, C sequential steps."""
+    s_count, c = x.shape
+    keep = torch.zeros(s_count, c, dtype=torch.int8, device=x.device)
+    if s_count and c:
+        _nms_kernel[(s_count,)](x.contiguous(), y.contiguous(), score.float().contiguous(), keep, c, float(iou),
+                                BLOCK_C=triton.next_power_of_2(c))
+    return keep.bool()
+
+
+@dataclass(frozen=True)
+class SpanDivision:
+    """Per segment: ``span_of_page`` int64 ``[S, n]`` (the span's first page; -1 past the
+    segment's pages), ``selected`` bool ``[S, segment_tokens]`` (the index tokens), and for tests
+    and statistics ``theta`` ``[S]`` and ``index_count`` int64 ``[S, n]`` (per span id)."""
+
+    span_of_page: torch.Tensor
+    selected: torch.Tensor
+    theta: torch.Tensor
+    index_count: torch.Tensor
+
+
+def page_token_counts(n_tokens: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
+    """Tokens of each page of each segment, ``[S, n]`` (int64)."""
+    a = torch.arange(n, device=n_tokens.device)
+    return (n_tokens.to(torch.int64)[:, None] - a * page_size).clamp(0, page_size)
+
+
+def cell_counts(page_tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Causal (query, key) pairs x heads of each page tile ``[S, n, n]``: p_a * p_b below the
+    diagonal, p_a (p_a + 1) / 2 on it, 0 above."""
+    pa = page_tokens.to(torch.float64)
+    full = pa[:, :, None] * pa[:, None, :]
+    diag = torch.diag_embed(pa * (pa + 1) / 2)
+    n = pa.shape[1]
+    lower = torch.tril(torch.ones(n, n, dtype=torch.bool, device=pa.device), -1)
+    return (torch.where(lower, full, 0.0) + diag) * num_heads
+
+
+def divide_segments(maps: torch.Tensor, votes: torch.Tensor, n_tokens: torch.Tensor, page_size: int,
+                    num_heads: int, params: SpanParams) -> SpanDivision:
+    """Spans and index tokens of every segment from its page map and votes (module doc, step 2).
+    Batched torch over segments (no host sync) plus :func:`span_nms`; float32 or float64 inputs."""
+    s_count, n, _ = maps.shape
+    dev, dt = maps.device, maps.dtype
+    a = torch.arange(n, device=dev)
+    pt = page_token_counts(n_tokens, n, page_size)  # [S, n]
+    n_pages = (pt > 0).sum(1)  # [S]
+    cells = cell_counts(pt, num_heads).to(dt)
+    valid = cells > 0
+    mean = torch.where(valid, maps / cells.clamp_min(1), float("nan"))
+    theta = torch.nanquantile(mean.view(s_count, -1), params.theta_quantile, dim=1)  # [S]
+    theta = theta.nan_to_num(0.0)
+    mapped = torch.where(valid, maps, 0.0)
+    shifted = torch.where(valid, maps - theta[:, None, None] * cells, 0.0)
+
+    def triangle(m):  # tri[s, y, x] = sum over a <= y, b >= x of m[s, a, b]
+        return m.cumsum(1).flip(2).cumsum(2).flip(2)
+
+    score_tri = triangle(shifted)
+    inside_tri = triangle(mapped)
+    # row neighbours of [x, y]: sum over x <= a <= y, b < x = left[y, x] - left[x - 1, x]
+    left = torch.cat([torch.zeros_like(mapped[:, :, :1]), mapped.cumsum(2)[:, :, :-1]], 2).cumsum(1)  # [S, y, x]
+
+    # candidates: the best interval of each anti-diagonal d = x + y (ties: smallest x)
+    d = torch.arange(2 * n - 1, device=dev)
+    xs = a[None, :].expand(2 * n - 1, n)
+    ys = d[:, None] - xs
+    ok = (ys >= xs) & (ys < n)  # [C, n]
+    ys_c = ys.clamp(0, n - 1)
+    cand = score_tri[:, ys_c, xs]  # [S, C, n]
+    in_seg = ok[None] & (ys_c[None] < n_pages[:, None, None])
+    cand = torch.where(in_seg, cand, float("-inf"))
+    best_score, best_x = cand.max(2)  # first max: smallest x
+    best_y = d[None, :] - best_x
+    order = torch.sort(best_score, dim=1, descending=True, stable=True).indices
+    cx = best_x.gather(1, order).to(torch.int32)
+    cy = best_y.gather(1, order).to(torch.int32)
+    cs = best_score.gather(1, order)
+    keep = span_nms(cx, cy, torch.where(torch.isfinite(cs), cs, -1.0), params.iou)  # [S, C]
+
+    # owner of each page: the first kept candidate (in score order) that covers it
+    cover = keep[:, :, None] & (cx[:, :, None] <= a) & (a <= cy[:, :, None])  # [S, C, n]
+    owned = cover.any(1)
+    first = cover.to(torch.int8).argmax(1)  # [S, n]
+    in_pages = a[None, :] < n_pages[:, None]
+    # canonical span id of an owner: its smallest owned page
+    big = torch.full((s_count, cx.shape[1]), n, dtype=torch.int64, device=dev)
+    owner_min = big.scatter_reduce(1, first, torch.where(owned, a[None, :].expand(s_count, n), n), "amin")
+    gap_start = torch.where(owned, a, -1).cummax(1).values + 1  # first page of the uncovered run
+    gap_end = torch.where(owned, a, n).flip(1).cummin(1).values.flip(1) - 1
+    gap_end = torch.minimum(gap_end, n_pages[:, None] - 1)
+    span_id = torch.where(owned, owner_min.gather(1, first), gap_start)
+    sx = torch.where(owned, cx.gather(1, first).to(torch.int64), gap_start)
+    sy = torch.where(owned, cy.gather(1, first).to(torch.int64), gap_end)
+    span_id = torch.where(in_pages, span_id, -1)
+
+    # index vectors per span (Eq. 7), from the span's interval [sx, sy]
+    inside = inside_tri.gather(1, sy.clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
+        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)  # tri[s, sy, sx]
+    rows_left = left.gather(1, sy.clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
+        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)
+    above = left.gather(1, (sx - 1).clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
+        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)
+    neighbours = rows_left - torch.where(sx > 0, above, 0.0)
+    total = inside + neighbours
+    ratio = torch.where(total > 0, inside / total.clamp_min(1e-30), 1.0)
+    tokens_of_span = torch.zeros(s_count, n + 1, dtype=torch.int64, device=dev).scatter_add(
+        1, torch.where(in_pages, span_id, n), pt)[:, :n]  # [S, id]
+    share = torch.exp(-params.lam * (1.0 - ratio))  # per page, of its span
+    want = torch.round(tokens_of_span.gather(1, span_id.clamp(0, n - 1)).to(share.dtype) * share)
+    want = want.clamp(params.min_index, params.max_index).to(torch.int64)
+    # every page of a span has the same interval, so the same count: scatter any of them
+    count = torch.zeros(s_count, n + 1, dtype=torch.int64, device=dev).scatter(
+        1, torch.where(in_pages, span_id, n), want)[:, :n]
+    count = torch.minimum(count, tokens_of_span)
+
+    # the count most-voted tokens of each span (ties: lower position)
+    seg_tok = votes.shape[1]
+    t = torch.arange(seg_tok, device=dev)
+    tok_valid = t[None, :] < n_tokens.to(torch.int64)[:, None]
+    tok_span = torch.where(tok_valid, span_id.gather(1, (t // page_size)[None, :].expand(s_count, -1)), n)
+    by_vote = torch.sort(torch.where(tok_valid, votes, float("-inf")), dim=1, descending=True, stable=True).indices
+    by_span = torch.sort(tok_span.gather(1, by_vote), dim=1, stable=True)
+    order = by_vote.gather(1, by_span.indices)
+    sorted_span = by_span.values
+    first_pos = torch.searchsorted(sorted_span.contiguous(), sorted_span.contiguous(), right=False)
+    rank = t[None, :] - first_pos
+    keep_sorted = (rank < torch.cat([count, torch.zeros_like(count[:, :1])], 1).gather(1, sorted_span)) \
+        & (sorted_span < n)
+    selected = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+    return SpanDivision(span_id, selected, theta, count)
+
+
+def span_page_keys(keys: torch.Tensor, division: SpanDivision, page_size: int) -> torch.Tensor:
+    """fp32 ``[S, n, Hkv, D]``: for every page the sum of its span's index keys. keys: the
+    segments' keys ``[S, segment_tokens, Hkv, D]`` (any float dtype; rows past a segment ignored)."""
+    s_count, seg_tok, hkv, d = keys.shape
+    n = division.span_of_page.shape[1]
+    t = torch.arange(seg_tok, device=keys.device)
+    tok_span = division.span_of_page.gather(1, (t // page_size)[None, :].expand(s_count, -1))  # [S, T]
+    onehot = (tok_span[:, None, :] == torch.arange(n, device=keys.device)[None, :, None]) & division.selected[:, None, :]
+    k = torch.where(division.selected[:, :, None, None], keys.float(), 0.0).view(s_count, seg_tok, hkv * d)
+    per_span = torch.bmm(onehot.float(), k)  # [S, id, Hkv * D]
+    return per_span.gather(1, division.span_of_page.clamp(0, n - 1)[:, :, None].expand(-1, -1, hkv * d)).view(
+        s_count, n, hkv, d)
+
+
+def build_span_keys(query: torch.Tensor, key: torch.Tensor, segments: SpanSegments, span_keys: torch.Tensor,
+                    block_table: torch.Tensor, page_size: int, scale: float, params: SpanParams) -> SpanDivision:
+    """Divide the step's prefill segments and write their pages' span keys (after
+    :func:`update_span_keys` of the same step). query ``[T, H, D]``, key ``[T, Hkv, D]``: the step's
+    new tokens; block_table int32 ``[batch, max_pages]``."""
+    maps, votes = local_attention_maps(query, key, segments, page_size, scale)
+    n_tok = segments.table[:, 2]
+    division = divide_segments(maps, votes, n_tok, page_size, query.shape[1], params)
+    seg_tok = segments.segment_tokens
+    t = torch.arange(seg_tok, device=key.device)
+    tok = (segments.table[:, 1].to(torch.int64)[:, None] + t).clamp(max=key.shape[0] - 1)  # [S, T]
+    page_keys = span_page_keys(key[tok.view(-1)].view(tok.shape[0], seg_tok, *key.shape[1:]), division, page_size)
+    phys = block_table[segments.page_row, segments.page_lp].to(torch.int64)
+    span_keys[phys] = page_keys[segments.page_seg, segments.page_idx]
+    return division
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Page scores, persistent pages, selection
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _span_scores_kernel(q_ptr, sk_ptr, flag_ptr, bt_ptr, seq_lens_ptr, score_ptr,
+                        s_qb, s_qh, s_qd, s_sp, s_sh, s_sd, s_fp, s_fh, s_bt, s_ob, s_oh,
+                        max_pages, width, sink_pages, recent_pages,
+                        GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                        PERSIST: tl.constexpr):
+    """Scores of BLOCK_P logical pages for one (sequence, KV head): ``q_group . span_key``, with
+    the group's queries summed. Decode: +inf for sink, recent and flagged pages. PERSIST (choosing
+    the flags): -inf for sink and recent pages, flags ignored. -inf past the sequence."""
+    pb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    head = kvh * GROUP + offs_h
+    q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + offs_d[None, :] * s_qd,
+                mask=(offs_h < GROUP)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q_sum = tl.sum(q, 0)
+    seq_len = tl.load(seq_lens_ptr + b)
+    n_pages = (seq_len + PAGE - 1) // PAGE
+    j = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_seq = (j < n_pages) & (j < max_pages)
+    phys = tl.load(bt_ptr + b * s_bt + j, mask=in_seq, other=0).to(tl.int64)
+    sk = tl.load(sk_ptr + phys[:, None] * s_sp + kvh * s_sh + offs_d[None, :] * s_sd,
+                 mask=in_seq[:, None] & d_ok[None, :], other=0.0)
+    score = tl.sum(sk * q_sum[None, :], 1)
+    edge = (j < sink_pages) | (j >= n_pages - recent_pages)
+    if PERSIST:
+        score = tl.where(edge, float("-inf"), score)
+    else:
+        flag = tl.load(flag_ptr + phys * s_fp + kvh * s_fh, mask=in_seq, other=0)
+        score = tl.where(edge | (flag != 0), float("inf"), score)
+    score = tl.where(in_seq, score, float("-inf"))
+    tl.store(score_ptr + b * s_ob + kvh * s_oh + j, score, mask=j < width)
+
+
+def _span_scores(q, span_keys, flags, block_table, seq_lens, page_size, sink_pages, recent_pages, width,
+                 max_pages, persist):
+    batch, h, d = q.shape
+    hkv = span_keys.shape[1]
+    score_width = max(max_pages, width)
+    scores = torch.empty(batch, hkv, score_width, dtype=torch.float32, device=q.device)
+    block_p = 32
+    _span_scores_kernel[(triton.cdiv(score_width, block_p), batch, hkv)](
+        q, span_keys, flags, block_table, seq_lens, scores,
+        *q.stride(), *span_keys.stride(), *flags.stride(), block_table.stride(0), scores.stride(0), scores.stride(1),
+        max_pages, score_width, sink_pages, recent_pages,
+        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=triton.next_power_of_2(h // hkv), BLOCK_P=block_p, PERSIST=persist,
+    )
+    return scores
+
+
+def _top_pages(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, hkv, score_width = scores.shape
+    ids, _, vals = topk_ascending(scores.view(batch * hkv, score_width), width, return_values=True)
+    ok = (vals > float("-inf")).view(batch, hkv, width)
+    return torch.where(ok, ids.view(batch, hkv, width), -1), ok.sum(-1, dtype=torch.int32)
+
+
+def select_span_pages(q: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, page_size: int, *, sink_pages: int, recent_pages: int,
+                      persist_pages: int, num_pages_budget: int,
+                      max_pages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages each decode query attends to, per KV head: sink, recent and flagged pages, plus the
+    ``num_pages_budget`` best others by ``sum over the group of q . span_key``. Same contract as
+    ``topk_decode.select_pages`` (logical pages ascending, -1 padded, width ``sink + recent +
+    persist + budget``). More flagged pages than ``persist_pages`` (prefix-shared pages flagged by
+    another request) crowd out budget pages, never forced ones beyond the width."""
+    batch, h, d = q.shape
+    hkv = span_keys.shape[1]
+    if span_keys.shape[2] != d or h % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not match span keys {tuple(span_keys.shape)}")
+    width = sink_pages + recent_pages + persist_pages + num_pages_budget
+    if width == 0:
+        raise ValueError("nothing to select (sink, recent, persist and budget pages are all 0)")
+    max_pages = block_table.shape[1] if max_pages is None else max_pages
+    if batch == 0:
+        empty = torch.empty(0, hkv, width, dtype=torch.int32, device=q.device)
+        return empty, empty[..., 0]
+    scores = _span_scores(q, span_keys, flags, block_table, seq_lens, page_size, sink_pages, recent_pages, width,
+                          max_pages, persist=False)
+    return _top_pages(scores, width)
+
+
+def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor,
+                          block_table: torch.Tensor, segments: SpanSegments, page_size: int, *, sink_pages: int,
+                          recent_pages: int, persist_pages: int) -> None:
+    """Flag, per prefill row of the step and KV head, the ``persist_pages`` pages (sink and recent
+    pages excluded) that the sum of the chunk's last queries scores highest, after clearing every
+    flag of the row (after :func:`build_span_keys` of the same step)."""
+    if persist_pages == 0 or segments.persist_row.numel() == 0:
+        return
+    hkv = span_keys.shape[1]
+    q_sum = torch.einsum("rt,rthd->rhd", segments.persist_weight, query[segments.persist_tok].float())  # [R, H, D]
+    bt = block_table[segments.persist_row]
+    max_pages = bt.shape[1]
+    scores = _span_scores(q_sum, span_keys, flags, bt, segments.persist_seq_len, page_size, sink_pages,
+                          recent_pages, persist_pages, max_pages, persist=True)
+    chosen, _ = _top_pages(scores, persist_pages)  # [R, Hkv, persist]
+    n_pages = (segments.persist_seq_len.to(torch.int64) + page_size - 1) // page_size
+    sink_row = flags.shape[0] - 1
+    lp = torch.arange(max_pages, device=bt.device)
+    row_pages = torch.where(lp[None, :] < n_pages[:, None], bt.to(torch.int64), sink_row)  # [R, max_pages]
+    flags[row_pages.view(-1)] = 0
+    phys = torch.where(chosen >= 0, bt.to(torch.int64).gather(1, chosen.clamp(min=0).view(len(bt), -1).to(
+        torch.int64)).view(chosen.shape), sink_row)  # [R, Hkv, persist]
+    heads = torch.arange(hkv, device=bt.device)[None, :, None].expand_as(phys)
+    flags[phys.reshape(-1), heads.reshape(-1)] = 1
+    flags[sink_row] = 0
+
+
+# --------------------------------------------------------------------------------------------
+# Plain torch references (float64, loops; small sizes)
+# --------------------------------------------------------------------------------------------
+
+def reference_local_map(q: torch.Tensor, k: torch.Tensor, page_size: int, scale: float,
+                        segment_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segment: q ``[n_tok, H, D]``, k ``[n_tok, Hkv, D]`` -> float64 page map ``[n, n]`` and
+    votes ``[segment_tokens]`` (softmax over the segment's causal keys, summed over heads)."""
+    n_tok, h, _ = q.shape
+    group = h // k.shape[1]
+    n = segment_tokens // page_size
+    maps = torch.zeros(n, n, dtype=torch.float64)
+    votes = torch.zeros(segment_tokens, dtype=torch.float64)
+    for head in range(h):
+        s = q[:, head].double().cpu() @ k[:, head // group].double().cpu().T * scale
+        s = s.masked_fill(torch.ones(n_tok, n_tok, dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.softmax(s, -1)
+        votes[:n_tok] += p.sum(0)
+        for a in range(-(-n_tok // page_size)):
+            for b in range(a + 1):
+                maps[a, b] += p[a * page_size:(a + 1) * page_size, b * page_size:(b + 1) * page_size].sum()
+    return maps, votes
+
+
+def reference_nms(x: list[int], y: list[int], score: list[float], iou: float) -> list[bool]:
+    """Greedy NMS over candidates given in score order (descending)."""
+    kept: list[int] = []
+    out = []
+    for i in range(len(x)):
+        ok = score[i] > 0 and y[i] >= x[i]
+        for j in kept:
+            inter = max(0, min(y[i], y[j]) - max(x[i], x[j]) + 1)
+            union = (y[i] - x[i] + 1) + (y[j] - x[j] + 1) - inter
+            if inter > iou * union:
+                ok = False
+                break
+        out.append(ok)
+        if ok:
+            kept.append(i)
+    return out
+
+
+def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_size: int, num_heads: int,
+                     params: SpanParams) -> tuple[list[int], list[int]]:
+    """One segment, with loops: (span id of every page — its span's first page —, index token
+    positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS)."""
+    maps = maps.double()
+    n_pages = -(-n_tok // page_size)
+    pt = [min(page_size, n_tok - a * page_size) for a in range(n_pages)]
+    cells = {}
+    for a in range(n_pages):
+        for b in range(a + 1):
+            cells[a, b] = (pt[a] * pt[b] if b < a else pt[a] * (pt[a] + 1) / 2) * num_heads
+    means = torch.tensor([float(maps[a, b]) / c for (a, b), c in cells.items()], dtype=torch.float64)
+    theta = float(torch.quantile(means, params.theta_quantile))
+
+    def tri(x, y, th):
+        return sum(float(maps[a, b]) - th * cells[a, b] for a in range(x, y + 1) for b in range(x, a + 1))
+
+    cands = []
+    for d in range(2 * n_pages - 1):
+        best = None
+        for x in range(max(0, d - n_pages + 1), d // 2 + 1):
+            sc = tri(x, d - x, theta)
+            if best is None or sc > best[0]:
+                best = (sc, x, d - x, d)
+        cands.append(best)
+    cands.sort(key=lambda c: (-c[0], c[3]))
+    keep = reference_nms([c[1] for c in cands], [c[2] for c in cands], [c[0] for c in cands], params.iou)
+    kept = [c for c, k in zip(cands, keep) if k]
+    owner = [next((i for i, c in enumerate(kept) if c[1] <= a <= c[2]), None) for a in range(n_pages)]
+    span, interval = [0] * n_pages, [(0, 0)] * n_pages
+    for a in range(n_pages):
+        if owner[a] is not None:
+            span[a] = min(b for b in range(n_pages) if owner[b] == owner[a])
+            interval[a] = kept[owner[a]][1:3]
+        else:
+            lo = a
+            while lo > 0 and owner[lo - 1] is None:
+                lo -= 1
+            hi = a
+            while hi < n_pages - 1 and owner[hi + 1] is None:
+                hi += 1
+            span[a], interval[a] = lo, (lo, hi)
+    selected = []
+    for sid in sorted(set(span)):
+        pages = [a for a in range(n_pages) if span[a] == sid]
+        x, y = interval[pages[0]]
+        inside = tri(x, y, 0.0)
+        neigh = sum(float(maps[a, b]) for a in range(x, y + 1) for b in range(0, x))
+        ratio = inside / (inside + neigh) if inside + neigh > 0 else 1.0
+        tokens = [t for a in pages for t in range(a * page_size, a * page_size + pt[a])]
+        want = round(len(tokens) * math.exp(-params.lam * (1.0 - ratio)))
+        count = min(max(want, params.min_index), params.max_index, len(tokens))
+        ranked = sorted(tokens, key=lambda t: (-float(votes[t]), t))
+        selected += ranked[:count]
+    return span, sorted(selected)
+
+
+def reference_span_keys(q: torch.Tensor, k: torch.Tensor, page_size: int, scale: float,
+                        params: SpanParams) -> tuple[torch.Tensor, list[int]]:
+    """Span keys of one sequence's chunk that starts page-aligned: q ``[n, H, D]``, k ``[n, Hkv,
+    D]`` -> float64 ``[pages, Hkv, D]`` per page (sum of its span's index keys), and the span id
+    of every page (segment-local ids offset by the segment's first page)."""
+    n_tok, h, _ = q.shape
+    seg = params.segment_tokens
+    n_pages = -(-n_tok // page_size)
+    out = torch.zeros(n_pages, k.shape[1], k.shape[2], dtype=torch.float64)
+    span_ids = []
+    for s0 in range(0, n_tok, seg):
+        s1 = min(n_tok, s0 + seg)
+        maps, votes = reference_local_map(q[s0:s1], k[s0:s1], page_size, scale, seg)
+        span, selected = reference_divide(maps, votes, s1 - s0, page_size, h, params)
+        p0 = s0 // page_size
+        for a, sid in enumerate(span):
+            toks = [t for t in selected if span[t // page_size] == sid]
+            out[p0 + a] = k[[s0 + t for t in toks]].double().cpu().sum(0)
+            span_ids.append(p0 + sid)
+    return out, span_ids
+
+
+def reference_select_span_pages(q: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor,
+                                block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *,
+                                sink_pages: int, recent_pages: int, persist_pages: int,
+                                num_pages_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`select_span_pages`, by sorting float64 scores (stable: ties go to
+    the lower page). Inputs must not force more pages than the width."""
+    batch, h, _ = q.shape
+    hkv = span_keys.shape[1]
+    group = h // hkv
+    width = sink_pages + recent_pages + persist_pages + num_pages_budget
+    selected = torch.full((batch, hkv, width), -1, dtype=torch.int32)
+    counts = torch.zeros(batch, hkv, dtype=torch.int32)
+    for b in range(batch):
+        n_pages = -(-int(seq_lens[b]) // page_size)
+        phys = block_table[b, :n_pages].long().cpu()
+        for g in range(hkv):
+            qg = q[b, g * group:(g + 1) * group].double().cpu().sum(0)
+            score = span_keys[phys, g].double().cpu() @ qg
+            forced = [j < sink_pages or j >= n_pages - recent_pages or bool(flags[phys[j], g]) for j in range(n_pages)]
+            order = [j for j in range(n_pages) if forced[j]]
+            rest = sorted((j for j in range(n_pages) if not forced[j]), key=lambda j: (-float(score[j]), j))
+            chosen = sorted((order + rest)[:width])
+            selected[b, g, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+            counts[b, g] = len(chosen)
+    return selected, counts
