@@ -10,7 +10,8 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
 * tokens: 8 greedy tokens per length, compared with the first variant's (a density-1 variant,
   ``dense``, must give FLASH_ATTN's tokens);
 * decode (``--decode-batch B``): B requests of ``--decode-len`` tokens, generate 1 and then
-  1 + ``--decode-tokens`` tokens (best of ``--repeats`` each); decode tokens/s =
+  1 + ``--decode-tokens`` tokens (best of ``--repeats`` each); several ``--decode-len`` (with one
+  ``--decode-batch`` each, or one for all) run one after the other in the same engine; tokens/s =
   B * decode_tokens / (difference in time), and the decode step time from vLLM's per-request
   token timestamps (mean inter-token time of the request whose first token came last);
 * mixed (``--mixed``): one long request (the largest length) with 7 short ones (1K) in one
@@ -185,7 +186,7 @@ def worker(args) -> None:
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
-              seed=0, max_num_seqs=max(8, args.decode_batch),
+              seed=0, max_num_seqs=max([8] + args.decode_batch),
               disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
     emit("startup", seconds=time.perf_counter() - t0)
     if args.structure == "band":
@@ -224,8 +225,8 @@ def worker(args) -> None:
                 break
             time.sleep(1)
         emit("profile", n=n, seconds=t, files=[p.name for p in new], **kernel_breakdown(new))
-    if args.decode_batch:
-        prompts = [{"prompt_token_ids": prompt_ids(args.decode_len, 1000 + i)} for i in range(args.decode_batch)]
+    for batch, context in decode_specs(args):
+        prompts = [{"prompt_token_ids": prompt_ids(context, 1000 + i)} for i in range(batch)]
         # decode time = (prefill + 1 + N tokens) - (prefill + 1 token); both vary with the prefill, so
         # each is the best of --repeats (one run each gave +-20% on an H100)
         t1 = min(timed(prompts, greedy(1))[0] for _ in range(args.repeats))
@@ -238,8 +239,8 @@ def worker(args) -> None:
         if all(m is not None and m.last_token_ts > m.first_token_ts > 0 for m in ms):
             last = max(ms, key=lambda m: m.first_token_ts)
             step_ms = 1000 * (last.last_token_ts - last.first_token_ts) / args.decode_tokens
-        emit("decode", batch=args.decode_batch, context=args.decode_len, steps=args.decode_tokens,
-             prefill_s=t1, total_s=t2, tokens_per_s=args.decode_batch * args.decode_tokens / max(t2 - t1, 1e-9),
+        emit("decode", batch=batch, context=context, steps=args.decode_tokens,
+             prefill_s=t1, total_s=t2, tokens_per_s=batch * args.decode_tokens / max(t2 - t1, 1e-9),
              step_ms=step_ms, tokens=[list(o.outputs[0].token_ids) for o in out])
     if args.mixed:
         long_n = max(args.lengths)
@@ -302,6 +303,16 @@ def server_worker(args, env) -> list[dict]:
     return recs
 
 
+def decode_specs(args) -> list[tuple[int, int]]:
+    """(requests, context) of each decode measurement; none when the batch is 0."""
+    batches, lens = args.decode_batch, args.decode_len
+    if len(batches) == 1:
+        batches = batches * len(lens)
+    if len(batches) != len(lens):
+        raise SystemExit(f"--decode-batch takes one value or one per --decode-len ({len(lens)}), got {len(batches)}")
+    return [(b, n) for b, n in zip(batches, lens) if b > 0]
+
+
 def parse_variant(spec: str) -> tuple[str, str, dict[str, str]]:
     label, _, rest = spec.partition("=")
     backend, _, env = rest.partition(":")
@@ -320,8 +331,9 @@ def main() -> None:
     ap.add_argument("--structure", choices=["band", "none"], default="band", help="see the module doc")
     ap.add_argument("--warmup-len", type=int, default=49152,
                     help="untimed prefill first (3 chunks: sparse at the default budgets); 0 = none")
-    ap.add_argument("--decode-batch", type=int, default=0)
-    ap.add_argument("--decode-len", type=int, default=32768)
+    ap.add_argument("--decode-batch", type=int, nargs="+", default=[0],
+                    help="requests per decode measurement: one for every --decode-len, or one each")
+    ap.add_argument("--decode-len", type=int, nargs="+", default=[32768], help="context of each decode measurement")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--server", action="store_true", help="measure TTFT through the HTTP server instead")
@@ -342,7 +354,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    args.max_len = max(args.max_model_len, max(max(args.lengths), args.decode_len if args.decode_batch else 0) + 128)
+    specs = decode_specs(args)  # checks the two lists fit together
+    args.max_len = max(args.max_model_len, max([max(args.lengths)] + [n for _, n in specs]) + 128)
     args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
     variants = [parse_variant(v) for v in args.variants]
     results: dict[str, list[dict]] = {}
@@ -361,7 +374,7 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
-               "--decode-batch", str(args.decode_batch), "--decode-len", str(args.decode_len),
+               "--decode-batch", *map(str, args.decode_batch), "--decode-len", *map(str, args.decode_len),
                "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
                "--structure", args.structure, "--warmup-len", str(min(args.warmup_len, args.max_len - 16)),
                "--lengths", *map(str, args.lengths)] + \
@@ -418,15 +431,14 @@ def main() -> None:
               + "; ".join(f"{label} " + ", ".join(f"{r['n']}: {r['first_seconds']:.3f}" for r in results.get(label, [])
                                                   if r["kind"] == "server") for label in labels))
         return
-    if args.decode_batch:
-        print(f"\ndecode: {args.decode_batch} requests x {args.decode_len} tokens of context, "
-              f"{args.decode_tokens} new tokens each")
+    for batch, context in specs:
+        print(f"\ndecode: {batch} requests x {context} tokens of context, {args.decode_tokens} new tokens each")
         print("| variant | decode tokens/s | vs first | decode step ms (last request) | speed vs first "
               "| tokens equal first |")
         print("|---|---|---|---|---|---|")
-        d0 = get(base, "decode")
+        d0 = get(base, "decode", batch=batch, context=context)
         for label in labels:
-            d = get(label, "decode")
+            d = get(label, "decode", batch=batch, context=context)
             if not d:
                 continue
             step = "-" if d.get("step_ms") is None else f"{d['step_ms']:.2f}"

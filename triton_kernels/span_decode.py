@@ -14,7 +14,9 @@ management (freeing, preemption, prefix caching) without any per-request bookkee
    page x page sums ``maps[s, a, b]`` plus per-key column sums (the InfLLM "votes", Eq. 6).
 2. **Division** (:func:`divide_segments`, torch, batched over segments, plus :func:`span_nms`, Triton):
    - the baseline ``theta`` of Eq. 5 is a quantile (``theta_quantile``, the paper's "90th
-     percentile") of the per-cell mean attention of the page tiles;
+     percentile") of the per-cell mean attention of the page tiles, and at least the segment's
+     mean cell value (else, with attention concentrated in a few tiles, the whole segment scores
+     highest and NMS keeps it alone);
    - the triangle score of every page interval ``[x, y]`` is ``sum over x <= b <= a <= y`` of
      ``maps[a, b] - theta * cells[a, b]`` (two cumulative sums);
    - candidates are the best interval of each anti-diagonal ``x + y`` (the paper's Appendix E
@@ -253,7 +255,7 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
 def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
                       s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_ms, s_ma, s_vs, qk_scale,
                       GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
     """One (segment, 64-query tile, query head): the tile's local softmax over the segment's causal
     keys (pass 1: row max and sum; pass 2: probabilities), added into the segment's page x page
     map and the keys' column sums (atomics: every head of the layer adds into the same map)."""
@@ -270,13 +272,17 @@ def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
         d_ok = offs_d < HEAD_DIM
         m_ok = offs_m < n_tok
         q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
         m_i = tl.full((64,), float("-inf"), tl.float32)
         l_i = tl.zeros((64,), tl.float32)
         for kb in range(0, rb + 1):
             offs_n = kb * 64 + offs_n0
             kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
-                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0)
+            if not NATIVE_DOT:
+                kt = kt.to(tl.float32)
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
             ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :]
             s = tl.where(ok, s, float("-inf"))
@@ -290,7 +296,9 @@ def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
         for kb in range(0, rb + 1):
             offs_n = kb * 64 + offs_n0
             kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
-                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0).to(tl.float32)
+                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0)
+            if not NATIVE_DOT:
+                kt = kt.to(tl.float32)
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
             ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :] & m_ok[:, None]
             p = tl.where(ok, tl.exp2(s - m_i[:, None]) * inv_l[:, None], 0.0)
@@ -315,13 +323,16 @@ def local_attention_maps(query: torch.Tensor, key: torch.Tensor, segments: SpanS
     votes = torch.zeros(s_count, seg_tok, dtype=torch.float32, device=query.device)
     if s_count == 0:
         return maps, votes
+    # fp16/bf16 products on the tensor cores with fp32 sums (2x the fp32 rate); fp32 inputs (and
+    # Triton's interpreter, whose bf16 dots are wrong) take exact fp32 dots
+    native = query.dtype in (torch.float16, torch.bfloat16) and query.is_cuda
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _local_map_kernel[(s_count, seg_tok // TILE, h)](
         query, key, segments.table, maps, votes,
         *query.stride(), *key.stride(), maps.stride(0), maps.stride(1), votes.stride(0),
         float(scale) * 1.4426950408889634,
         GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        DOT_PRECISION=precision, num_warps=4,
+        DOT_PRECISION=precision, NATIVE_DOT=native, num_warps=4,
     )
     return maps, votes
 
@@ -410,8 +421,11 @@ def divide_segments(maps: torch.Tensor, votes: torch.Tensor, n_tokens: torch.Ten
     cells = cell_counts(pt, num_heads).to(dt)
     valid = cells > 0
     mean = torch.where(valid, maps / cells.clamp_min(1), float("nan"))
-    theta = torch.nanquantile(mean.view(s_count, -1), params.theta_quantile, dim=1)  # [S]
-    theta = theta.nan_to_num(0.0)
+    theta = torch.nanquantile(mean.view(s_count, -1), params.theta_quantile, dim=1).nan_to_num(0.0)  # [S]
+    # floor: the segment's mean cell value, so that the whole segment never scores positive (with
+    # attention concentrated in few tiles the quantile falls below it, and one span swallows all)
+    average = torch.where(valid, maps, 0.0).sum((1, 2)) / cells.sum((1, 2)).clamp_min(1)
+    theta = torch.maximum(theta, average)
     mapped = torch.where(valid, maps, 0.0)
     shifted = torch.where(valid, maps - theta[:, None, None] * cells, 0.0)
 
@@ -688,18 +702,20 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
                      params: SpanParams) -> tuple[list[int], list[int]]:
     """One segment, with loops: (span id of every page — its span's first page —, index token
     positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS)."""
-    maps = maps.double()
+    maps = maps.double().tolist()  # plain floats: the loops below index them millions of times
     n_pages = -(-n_tok // page_size)
     pt = [min(page_size, n_tok - a * page_size) for a in range(n_pages)]
     cells = {}
     for a in range(n_pages):
         for b in range(a + 1):
             cells[a, b] = (pt[a] * pt[b] if b < a else pt[a] * (pt[a] + 1) / 2) * num_heads
-    means = torch.tensor([float(maps[a, b]) / c for (a, b), c in cells.items()], dtype=torch.float64)
+    means = torch.tensor([maps[a][b] / c for (a, b), c in cells.items()], dtype=torch.float64)
     theta = float(torch.quantile(means, params.theta_quantile))
+    total = sum(maps[a][b] for (a, b) in cells)
+    theta = max(theta, total / sum(cells.values()))  # never below the mean cell value
 
     def tri(x, y, th):
-        return sum(float(maps[a, b]) - th * cells[a, b] for a in range(x, y + 1) for b in range(x, a + 1))
+        return sum(maps[a][b] - th * cells[a, b] for a in range(x, y + 1) for b in range(x, a + 1))
 
     cands = []
     for d in range(2 * n_pages - 1):
@@ -731,12 +747,13 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
         pages = [a for a in range(n_pages) if span[a] == sid]
         x, y = interval[pages[0]]
         inside = tri(x, y, 0.0)
-        neigh = sum(float(maps[a, b]) for a in range(x, y + 1) for b in range(0, x))
+        neigh = sum(maps[a][b] for a in range(x, y + 1) for b in range(0, x))
         ratio = inside / (inside + neigh) if inside + neigh > 0 else 1.0
         tokens = [t for a in pages for t in range(a * page_size, a * page_size + pt[a])]
         want = round(len(tokens) * math.exp(-params.lam * (1.0 - ratio)))
         count = min(max(want, params.min_index), params.max_index, len(tokens))
-        ranked = sorted(tokens, key=lambda t: (-float(votes[t]), t))
+        vote = votes.double().tolist()
+        ranked = sorted(tokens, key=lambda t: (-vote[t], t))
         selected += ranked[:count]
     return span, sorted(selected)
 
