@@ -434,3 +434,19 @@ def test_backend_step_prefill_and_decode():
             tol = 1e-4 if INTERPRET else 2e-2
             assert (out[b].cpu().double() - ref).abs().max() < tol
         assert int(counts[0, 0]) == 1 + 1 + 2 + 3  # the 21-page sequence: the full width
+
+
+@pytest.mark.parametrize("group,heads_per_program", [(3, 2), (4, 4), (2, 1)])
+def test_maps_stacked_heads(group, heads_per_program):
+    """Heads stacked per program (a group that does not divide into the stack included) give the
+    same maps as one head per program and as the float64 reference."""
+    page, hkv, d, n = 16, 2, 64, 200 if INTERPRET else 2000
+    gen = torch.Generator().manual_seed(group)
+    q, k, _ = planted(n, hkv * group, hkv, d, gen, page)
+    segs = sd.plan_span_segments([0, n], [n], page, SEG, 64, DEV)
+    maps, votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, heads_per_program)
+    one, one_votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, 1)
+    assert torch.allclose(maps, one, rtol=1e-5, atol=1e-4) and torch.allclose(votes, one_votes, rtol=1e-5, atol=1e-4)
+    rm, rv = sd.reference_local_map(q[:min(n, SEG)], k[:min(n, SEG)], page, d ** -0.5, SEG)
+    assert torch.allclose(maps[0].double().cpu(), rm, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(votes[0].double().cpu(), rv, rtol=1e-4, atol=1e-3)

@@ -254,29 +254,36 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
 @triton.jit
 def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
                       s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_ms, s_ma, s_vs, qk_scale,
-                      GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
-    """One (segment, 64-query tile, query head): the tile's local softmax over the segment's causal
-    keys (pass 1: row max and sum; pass 2: probabilities), added into the segment's page x page
-    map and the keys' column sums (atomics: every head of the layer adds into the same map)."""
+                      GROUP: tl.constexpr, HPP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """One (segment, 64-query tile, block of HPP query heads of one KV head): the rows' local
+    softmax over the segment's causal keys (pass 1: row max and sum; pass 2: probabilities), summed
+    over the heads into the segment's page x page map and the keys' column sums (atomics: the
+    layer's head blocks add into the same map). The HPP heads are stacked as HPP * 64 rows, so each
+    K tile is loaded once for all of them and feeds one larger product."""
+    ROWS: tl.constexpr = HPP * 64
     seg = tl.program_id(0)
     rb = tl.program_id(1)
-    h = tl.program_id(2)
+    hb = tl.program_id(2)
+    blocks_per_kv: tl.constexpr = (GROUP + HPP - 1) // HPP
+    kvh = hb // blocks_per_kv
     tok0 = tl.load(seg_ptr + seg * 5 + 1).to(tl.int64)
     n_tok = tl.load(seg_ptr + seg * 5 + 2)
     if rb * 64 < n_tok:
-        kvh = h // GROUP
-        offs_m = rb * 64 + tl.arange(0, 64)
+        offs_r = tl.arange(0, ROWS)
+        head_in_group = (hb % blocks_per_kv) * HPP + offs_r // 64
+        head = kvh * GROUP + head_in_group
+        offs_m = rb * 64 + offs_r % 64  # query position of each stacked row
         offs_n0 = tl.arange(0, 64)
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < HEAD_DIM
-        m_ok = offs_m < n_tok
-        q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :] * s_qd,
+        m_ok = (offs_m < n_tok) & (head_in_group < GROUP)
+        q = tl.load(q_ptr + (tok0 + offs_m)[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         if not NATIVE_DOT:
             q = q.to(tl.float32)
-        m_i = tl.full((64,), float("-inf"), tl.float32)
-        l_i = tl.zeros((64,), tl.float32)
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS,), tl.float32)
         for kb in range(0, rb + 1):
             offs_n = kb * 64 + offs_n0
             kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
@@ -302,37 +309,40 @@ def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
             s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
             ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :] & m_ok[:, None]
             p = tl.where(ok, tl.exp2(s - m_i[:, None]) * inv_l[:, None], 0.0)
-            pooled = tl.sum(tl.sum(tl.reshape(p, (64 // PAGE, PAGE, 64 // PAGE, PAGE)), 3), 1)
+            pooled = tl.sum(tl.sum(tl.sum(tl.reshape(p, (HPP, 64 // PAGE, PAGE, 64 // PAGE, PAGE)), 4), 2), 0)
             cell = map_ptr + seg * s_ms + (rb * (64 // PAGE) + offs_a)[:, None] * s_ma + kb * (64 // PAGE) + offs_a[None, :]
             tl.atomic_add(cell, pooled)
             tl.atomic_add(vote_ptr + seg * s_vs + offs_n, tl.sum(p, 0), mask=offs_n < n_tok)
 
 
 def local_attention_maps(query: torch.Tensor, key: torch.Tensor, segments: SpanSegments, page_size: int,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, heads_per_program: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Page x page maps ``[S, n, n]`` (n = segment_tokens / page_size; ``maps[s, a, b]`` = the local
     attention of the segment's page-``a`` queries on its page-``b`` keys, summed over query heads)
     and column sums ``[S, segment_tokens]`` (votes), both fp32. query ``[T, H, D]``, key ``[T, Hkv,
-    D]``: the step's tensors (any strides)."""
+    D]``: the step's tensors (any strides). ``heads_per_program``: query heads of one KV head stacked
+    in a program (a power of two; capped at the group size rounded up)."""
     seg_tok = segments.segment_tokens
     n = seg_tok // page_size
     s_count = segments.num_segments
     h, d = query.shape[1:]
     hkv = key.shape[1]
+    group = h // hkv
     maps = torch.zeros(s_count, n, n, dtype=torch.float32, device=query.device)
     votes = torch.zeros(s_count, seg_tok, dtype=torch.float32, device=query.device)
     if s_count == 0:
         return maps, votes
+    hpp = min(triton.next_power_of_2(group), heads_per_program)
     # fp16/bf16 products on the tensor cores with fp32 sums (2x the fp32 rate); fp32 inputs (and
     # Triton's interpreter, whose bf16 dots are wrong) take exact fp32 dots
     native = query.dtype in (torch.float16, torch.bfloat16) and query.is_cuda
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _local_map_kernel[(s_count, seg_tok // TILE, h)](
+    _local_map_kernel[(s_count, seg_tok // TILE, hkv * triton.cdiv(group, hpp))](
         query, key, segments.table, maps, votes,
         *query.stride(), *key.stride(), maps.stride(0), maps.stride(1), votes.stride(0),
         float(scale) * 1.4426950408889634,
-        GROUP=h // hkv, PAGE=page_size, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        DOT_PRECISION=precision, NATIVE_DOT=native, num_warps=4,
+        GROUP=group, HPP=hpp, PAGE=page_size, HEAD_DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_PRECISION=precision, NATIVE_DOT=native, num_warps=8 if hpp >= 4 else 4,
     )
     return maps, votes
 
