@@ -1,0 +1,744 @@
+"""Accuracy of the decode modes (dense, top-k pages, span retrieval) on a real model, with a budget sweep.
+
+Issue 8, item 3: how much of a model's long-context quality does decode-side retrieval keep, as a
+function of its budget (the Quest / retrieval papers report k of about 1% of the context keeping
+at least 95% of full quality)? vLLM's CPU build cannot run the backend's top-k decode (its paged
+cache is not readable from Python), so this benchmark applies the same selection math in
+transformers on CPU, from the float64 references that the Triton kernels are tested against
+(``vllm_sparse_backend/triton_kernels/topk_decode.py``: ``reference_page_summaries``,
+``reference_select_pages``, ``reference_topk_decode_attention``).
+
+Method. The prompts are those of ``benchmarks/accuracy.py`` (``evaluation.tasks``: the same
+tasks, seeds, needle depths and chat-formatted token ids, text from the offline Austen asset).
+Per prompt, transformers (fp32, SDPA) prefills once, densely, and keeps the cache; the first
+token comes from that prefill. Then each variant decodes greedily from its own deep copy of the
+cache, up to the task's ``max_tokens`` (what the harness asks vLLM for) and stopping at the
+model's end-of-sequence tokens (vLLM's: the generation config's and the tokenizer's), with the
+attention of every decode step computed by the variant's *selector* (a registered
+``transformers.AttentionInterface`` function dispatches to it). So all variants share one prefill
+(the expensive part: about 70 s at 8K tokens on 2 CPU threads) and differ only in decode.
+
+Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its class):
+
+* ``dense``: exact softmax over the whole cache (float64). Every decode call is compared with the
+  model's own SDPA output: the run's largest relative difference (per layer in the JSON) must stay
+  at most 1e-4 (fp32 SDPA itself rounds: 2.4e-5 seen, while this selector is within 4e-8 of float64
+  attention), else the program exits with status 1 after writing its results; a call off by more
+  than 1e-3 (a wrong layout, scale or GQA map) stops it at once.
+* ``topk``: the backend's ``decode_mode=topk`` at batch 1. The layer's cache is laid out as
+  pages of ``page`` tokens (identity block table, the last page padded with NaN, excluded by
+  ``seq_lens``); per-page key min/max summaries are built after the prefill and the grown last
+  page re-summarised each step; every KV head keeps the first ``sink`` and last ``recent`` pages
+  and the ``budget`` pages of highest Quest bound (its query heads' bounds summed), optionally only
+  the ``tokens`` best keys per query head of the budget pages.
+* ``spans``: the backend's ``decode_mode=spans`` (Ltri-LLM) at batch 1, the prompt prefilled as one
+  chunk: local maps of 1024-token segments (torch), the production division and span keys
+  (``span_decode.divide_segments`` / ``span_page_keys``; its NMS is a Triton kernel: run with
+  ``TRITON_INTERPRET=1`` on CPU), ``persist`` pages flagged from the last 64 prompt queries, the
+  fallback key of each page decode writes to, then ``reference_select_span_pages`` and the top-k
+  attention reference. Keys ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``.
+
+Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
+(default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
+tokens: ceil(share x prompt tokens / page) pages per prompt), ``tokens`` (0 = every key of the
+chosen pages), ``page`` (16); defaults are the backend's (``decode_*`` in
+``vllm_sparse_backend/config.py``). Examples: ``dense``, ``topk:budget=16``,
+``topk:budget=64,tokens=256``, ``topk:share=0.01``.
+
+Per task and length the table gives, per variant: the mean score (``tasks.score``), the mean
+share of the context attended per decode call (keys attended per query head / context length,
+over layers and steps, from the selection counts: sink and recent pages included) and the share
+of prompts whose output equals the first variant's (normally dense); then the overall means over
+all prompts and each variant's overall score relative to dense. Every decode call also compares
+the variant's attention output with exact attention over the same cache (``out err``: relative
+L2 error, mean over layers and steps; in the JSON).
+
+    PYTHONPATH=.venv/kernel-site python benchmarks/decode_accuracy.py --model qwen-coder \\
+        --lengths 8192 --samples 2 --variants dense topk:share=0.005 topk:share=0.01 \\
+        topk:share=0.02 topk:share=0.05 topk:budget=64
+
+(``topk`` imports ``vllm_sparse_backend.triton_kernels.topk_decode``, whose module imports
+triton: on a CPU machine put the kernel site on ``PYTHONPATH``; no kernel is launched.) That
+command, all six tasks (12 prompts), took 38 min on 2 CPU threads shared with other work
+(prefill 1017 s, decode 1263 s over the six variants), result in
+``benchmarks/results/decode_accuracy_cpu_qwen-coder_8k_2026-11-23.*`` (its dense check, 2.4e-5,
+ran against an earlier 1e-5 limit and exited 1 after writing them). Spans at the widths of two of
+those top-k rows: ``TRITON_INTERPRET=1`` with ``--variants dense spans:persist=16,budget=48
+spans:persist=4,budget=22 spans:persist=0,budget=26`` (result ``..._spans_...``). Writes
+``<out>.json`` (settings, versions, command line, timings, and per prompt and variant the output
+text, score, attended share, budget, output error and decode time; rewritten after each prompt)
+and ``<out>.txt`` (the table); default ``<out>`` is
+``benchmarks/results/decode_accuracy_cpu_<model>_<lengths>_<date>``. Tests of the spec parser and
+the selectors: ``tests/test_decode_accuracy.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import fractions
+import json
+import math
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Protocol, Sequence
+
+# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+
+from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.decode_topk import TopkDecodeBudget  # noqa: E402
+from vllm_sparse_backend.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_backend.evaluation.tasks import score  # noqa: E402
+
+REPO = _HERE.parent
+_ATTENTION_NAME = "vllm_sparse_decode_accuracy"
+DEFAULT_BUDGET = TopkDecodeBudget.from_settings(SparseSettings())  # the backend's decode_* defaults
+DEFAULT_PAGE_SIZE = 16  # vLLM's default block size
+DENSE_CHECK_RTOL = 1e-4  # dense selector vs the model's fp32 SDPA (which rounds: 2.4e-5 seen): the run's maximum
+DENSE_ABORT_RTOL = 1e-3  # ... and a decode call this far off stops the run at once (a wrong layout, scale or GQA map)
+PREFILL_CHECK_RTOL = 1e-4  # the last prompt row recomputed from the q/k/v handed to prefill()
+
+
+# ---------------------------------------------------------------------------------------------
+# Selectors
+# ---------------------------------------------------------------------------------------------
+
+class AttendedShare:
+    """Running mean, over decode calls (layers x steps), of keys attended per query head divided
+    by the context length."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.calls = 0
+
+    def add(self, keys_per_head: float, context: int) -> None:
+        self.total += keys_per_head / context
+        self.calls += 1
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.calls if self.calls else None
+
+
+class DecodeSelector(Protocol):
+    """One decode mode for one prompt. Built per prompt (budgets may depend on its length); its
+    ``prefill`` is called during the shared prefill, then ``attend`` at every decode step."""
+
+    label: str
+    attended: AttendedShare  # ``attend`` adds one entry per call
+
+    def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Once per layer: the prompt's post-RoPE q [H, N, D], k / v [Hkv, N, D] (fp32, CPU)."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One decode step of one layer: q [H, D]; the layer's whole cache k / v [Hkv, L, D], the
+        step's own token last. Returns the attention output [H, D]."""
+        ...
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T scale) v of one query per head over every key: q [H, D], k / v
+    [Hkv, L, D], query head h reads KV head h // (H // Hkv) -> [H, D]."""
+    h, d = q.shape
+    hkv = k.shape[0]
+    qg = q.double().view(hkv, h // hkv, d)
+    p = torch.softmax(torch.einsum("kgd,kld->kgl", qg, k.double()) * scale, -1)
+    return torch.einsum("kgl,kld->kgd", p, v.double()).reshape(h, d)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+class DenseSelector:
+    """Exact attention over the whole cache."""
+
+    PARAMS: ClassVar[dict[str, type]] = {}
+
+    def __init__(self, label: str = "dense"):
+        self.label = label
+        self.attended = AttendedShare()
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        pass
+
+    @classmethod
+    def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "DenseSelector":
+        return cls(label)
+
+    def prefill(self, layer, q, k, v) -> None:
+        pass
+
+    def attend(self, layer, q, k, v, scale) -> torch.Tensor:
+        self.attended.add(k.shape[1], k.shape[1])
+        return exact_attention(q, k, v, scale).to(q.dtype)
+
+
+def paged_cache(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """One sequence's keys or values [Hkv, L, D] as a paged cache [ceil(L / page), page, Hkv, D]
+    whose page i is physical page i; the last page's unused slots hold NaN."""
+    hkv, length, d = x.shape
+    n_pages = -(-length // page_size)
+    padded = x.new_full((hkv, n_pages * page_size, d), float("nan"))
+    padded[:, :length] = x
+    return padded.view(hkv, n_pages, page_size, d).permute(1, 2, 0, 3)
+
+
+def identity_block_table(n_pages: int) -> torch.Tensor:
+    return torch.arange(n_pages, dtype=torch.int32)[None]
+
+
+def budget_pages_for_share(share: float, prompt_tokens: int, page_size: int) -> int:
+    """ceil(share x prompt_tokens / page_size), with ``share`` taken as the decimal it prints as
+    (0.01 x 1600 / 16 is 1 page, not 2 by a rounding error)."""
+    return math.ceil(fractions.Fraction(repr(share)) * prompt_tokens / page_size)
+
+
+def attended_keys(pages: torch.Tensor, context: int, page_size: int, sink_pages: int, recent_pages: int,
+                  topk_tokens: int) -> int:
+    """Keys one query head attends to when its selection holds the logical ``pages`` of a
+    ``context``-token sequence: every valid key of the pages, or with ``topk_tokens`` > 0 those of
+    the sink and recent pages plus at most ``topk_tokens`` of the others (ties not counted)."""
+    pages = pages.long()
+    valid = (context - pages * page_size).clamp(0, page_size)
+    if topk_tokens <= 0:
+        return int(valid.sum())
+    n_pages = -(-context // page_size)
+    forced = (pages < sink_pages) | (pages >= n_pages - recent_pages)
+    return int(valid[forced].sum()) + min(topk_tokens, int(valid[~forced].sum()))
+
+
+class TopkSelector:
+    """The backend's ``decode_mode=topk`` on one sequence, by the kernels' float64 references."""
+
+    PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "budget": int, "share": float,
+                                         "tokens": int, "page": int}
+
+    def __init__(self, label: str, *, sink_pages: int = DEFAULT_BUDGET.sink_pages,
+                 recent_pages: int = DEFAULT_BUDGET.recent_pages, budget_pages: int = DEFAULT_BUDGET.budget_pages,
+                 topk_tokens: int = DEFAULT_BUDGET.topk_tokens, page_size: int = DEFAULT_PAGE_SIZE):
+        from vllm_sparse_backend.triton_kernels import topk_decode  # imports triton (see the docstring)
+
+        self._ref = topk_decode
+        self.label = label
+        self.sink_pages, self.recent_pages, self.budget_pages = sink_pages, recent_pages, budget_pages
+        self.topk_tokens, self.page_size = topk_tokens, page_size
+        self.attended = AttendedShare()
+        # per layer: float64 summaries (min, max) [pages, Hkv, D] and the keys they cover
+        self._summaries: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        for key, value in params.items():
+            if value < 0 or (key == "share" and not 0 < value <= 1):
+                raise ValueError(f"{key} must be {'in (0, 1]' if key == 'share' else '>= 0'}, got {value}")
+        if "budget" in params and "share" in params:
+            raise ValueError("give budget (pages) or share (of the prompt), not both")
+        page = params.get("page", DEFAULT_PAGE_SIZE)
+        if page < 1 or page & (page - 1):
+            raise ValueError(f"page must be a power of two, got {page}")
+        budget = 1 if "share" in params else params.get("budget", DEFAULT_BUDGET.budget_pages)  # share: >= 1
+        sink, recent = params.get("sink", DEFAULT_BUDGET.sink_pages), params.get("recent", DEFAULT_BUDGET.recent_pages)
+        if sink + recent + budget == 0:
+            raise ValueError("sink, recent and budget are all 0")
+
+    @classmethod
+    def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "TopkSelector":
+        page = params.get("page", DEFAULT_PAGE_SIZE)
+        budget = (budget_pages_for_share(params["share"], prompt_tokens, page) if "share" in params
+                  else params.get("budget", DEFAULT_BUDGET.budget_pages))
+        return cls(label, sink_pages=params.get("sink", DEFAULT_BUDGET.sink_pages),
+                   recent_pages=params.get("recent", DEFAULT_BUDGET.recent_pages), budget_pages=budget,
+                   topk_tokens=params.get("tokens", DEFAULT_BUDGET.topk_tokens), page_size=page)
+
+    def summaries(self, layer: int, key_cache: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's page summaries for a cache of ``length`` keys: pages complete at the
+        previous call are kept (their keys never change), the others (re)computed."""
+        hkv, d = key_cache.shape[2:]
+        empty = torch.empty(0, hkv, d, dtype=torch.float64)
+        smin, smax, covered = self._summaries.get(layer, (empty, empty, 0))
+        first = covered // self.page_size  # the first page that may have grown since
+        new_min, new_max, _ = self._ref.reference_page_summaries(
+            key_cache[first:], identity_block_table(key_cache.shape[0] - first),
+            torch.tensor([length - first * self.page_size], dtype=torch.int32))
+        smin, smax = torch.cat([smin[:first], new_min]), torch.cat([smax[:first], new_max])
+        self._summaries[layer] = (smin, smax, length)
+        return smin, smax
+
+    def prefill(self, layer, q, k, v) -> None:
+        self.summaries(layer, paged_cache(k, self.page_size), k.shape[1])
+
+    def select(self, layer: int, q: torch.Tensor, key_cache: torch.Tensor, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(selected logical pages [1, Hkv, width], counts [1, Hkv]) of ``reference_select_pages``."""
+        smin, smax = self.summaries(layer, key_cache, length)
+        return self._ref.reference_select_pages(
+            q[None], smin, smax, identity_block_table(key_cache.shape[0]),
+            torch.tensor([length], dtype=torch.int32), self.page_size, sink_pages=self.sink_pages,
+            recent_pages=self.recent_pages, num_pages_budget=self.budget_pages)
+
+    def attend(self, layer, q, k, v, scale) -> torch.Tensor:
+        length = k.shape[1]
+        key_cache, value_cache = paged_cache(k, self.page_size), paged_cache(v, self.page_size)
+        selected, counts = self.select(layer, q, key_cache, length)
+        out = self._ref.reference_topk_decode_attention(
+            q[None], key_cache, value_cache, identity_block_table(key_cache.shape[0]),
+            torch.tensor([length], dtype=torch.int32), selected, counts, scale, topk_tokens=self.topk_tokens,
+            sink_pages=self.sink_pages, recent_pages=self.recent_pages)
+        keys = [attended_keys(selected[0, s, :int(counts[0, s])], length, self.page_size, self.sink_pages,
+                              self.recent_pages, self.topk_tokens) for s in range(selected.shape[1])]
+        self.attended.add(sum(keys) / len(keys), length)
+        return out[0].to(q.dtype)
+
+
+class SpansSelector:
+    """The backend's ``decode_mode=spans`` on one sequence, its prompt prefilled as one chunk: the
+    production division (``span_decode.divide_segments`` and ``span_page_keys``) on local maps
+    computed here in torch (float32: the Triton map kernel is tested against the same float64
+    definition), persistent flags from the last ``last_q`` prompt queries, the fallback key for
+    each page decode writes to, and the float64 selection and attention references."""
+
+    PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
+                                         "share": float, "page": int}
+
+    def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
+                 page_size: int = DEFAULT_PAGE_SIZE):
+        from vllm_sparse_backend.decode_spans import span_params
+        from vllm_sparse_backend.triton_kernels import span_decode, topk_decode
+
+        self._spans, self._ref = span_decode, topk_decode
+        self.label = label
+        self.sink_pages, self.recent_pages = sink_pages, recent_pages
+        self.persist_pages, self.budget_pages, self.page_size = persist_pages, budget_pages, page_size
+        self.params = span_params(SparseSettings())
+        self.last_q = SparseSettings().last_q
+        self.attended = AttendedShare()
+        self._keys: dict[int, torch.Tensor] = {}  # per layer: float64 span key per page [pages, Hkv, D]
+        self._flags: dict[int, torch.Tensor] = {}  # per layer: uint8 [pages, Hkv]
+
+    @classmethod
+    def check_params(cls, params: dict[str, Any]) -> None:
+        TopkSelector.check_params({k: v for k, v in params.items() if k != "persist"})
+        if params.get("persist", 0) < 0:
+            raise ValueError(f"persist must be >= 0, got {params['persist']}")
+
+    @classmethod
+    def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "SpansSelector":
+        cfg = SparseSettings()
+        page = params.get("page", DEFAULT_PAGE_SIZE)
+        budget = (budget_pages_for_share(params["share"], prompt_tokens, page) if "share" in params
+                  else params.get("budget", cfg.decode_budget_pages))
+        return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
+                   recent_pages=params.get("recent", cfg.decode_recent_pages),
+                   persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page)
+
+    def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
+        position 0 (q [H, N, D], k [Hkv, N, D]), as ``span_decode.local_attention_maps`` defines them."""
+        h, n_tok, _ = q.shape
+        seg, page = self.params.segment_tokens, self.page_size
+        n = seg // page
+        group = h // k.shape[0]
+        maps, votes, lens = [], [], []
+        for s0 in range(0, n_tok, seg):
+            t = min(seg, n_tok - s0)
+            scores = torch.einsum("htd,hsd->hts", q[:, s0:s0 + t].float(),
+                                  k[:, s0:s0 + t].float().repeat_interleave(group, 0)) * scale
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            p = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+            padded = torch.zeros(h, seg, seg)
+            padded[:, :t, :t] = p
+            maps.append(padded.view(h, n, page, n, page).sum((0, 2, 4)))
+            votes.append(padded.sum((0, 1)))
+            lens.append(t)
+        return torch.stack(maps), torch.stack(votes), torch.tensor(lens)
+
+    def prefill(self, layer, q, k, v) -> None:
+        scale = q.shape[-1] ** -0.5  # the model's scaling is 1/sqrt(head_dim) (Qwen2, Llama)
+        maps, votes, lens = self.local_maps(q, k, scale)
+        division = self._spans.divide_segments(maps.double(), votes.double(), lens, self.page_size, q.shape[0],
+                                               self.params)
+        seg = self.params.segment_tokens
+        n_tok = k.shape[1]
+        keys = torch.zeros(lens.shape[0] * seg, *k.shape[::2])  # [S * T, Hkv, D]
+        keys[:n_tok] = k.transpose(0, 1).float()
+        page_keys = self._spans.span_page_keys(keys.view(lens.shape[0], seg, *k.shape[::2]), division, self.page_size)
+        n_pages = -(-n_tok // self.page_size)
+        span_keys = page_keys.reshape(-1, *page_keys.shape[2:])[:n_pages].double()
+        # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
+        q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
+        group = q.shape[0] // k.shape[0]
+        scores = torch.einsum("phd,hd->ph", span_keys, q_sum.view(k.shape[0], group, -1).sum(1))  # [pages, Hkv]
+        j = torch.arange(n_pages)
+        scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
+        flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
+        top = scores.topk(min(self.persist_pages, n_pages), 0)
+        flags.scatter_(0, top.indices, (top.values > float("-inf")).to(torch.uint8))
+        self._keys[layer], self._flags[layer] = span_keys, flags
+
+    def attend(self, layer, q, k, v, scale) -> torch.Tensor:
+        length = k.shape[1]
+        key_cache, value_cache = paged_cache(k, self.page_size), paged_cache(v, self.page_size)
+        n_pages = key_cache.shape[0]
+        keys, flags = self._keys[layer], self._flags[layer]
+        if keys.shape[0] < n_pages:  # a page begun by decode
+            keys = torch.cat([keys, torch.zeros(n_pages - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)])
+            flags = torch.cat([flags, torch.zeros(n_pages - flags.shape[0], flags.shape[1], dtype=flags.dtype)])
+        last = (length - 1) // self.page_size  # the page this step wrote: its fallback key
+        keys[last] = self.params.min_index * k[:, last * self.page_size:length].double().mean(1)
+        self._keys[layer], self._flags[layer] = keys, flags
+        table = identity_block_table(n_pages)
+        lens = torch.tensor([length], dtype=torch.int32)
+        selected, counts = self._spans.reference_select_span_pages(
+            q[None], keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
+            recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
+        out = self._ref.reference_topk_decode_attention(q[None], key_cache, value_cache, table, lens, selected,
+                                                        counts, scale)
+        keys_attended = [attended_keys(selected[0, s, :int(counts[0, s])], length, self.page_size, 0, 0, 0)
+                         for s in range(selected.shape[1])]
+        self.attended.add(sum(keys_attended) / len(keys_attended), length)
+        return out[0].to(q.dtype)
+
+
+SELECTORS: dict[str, type] = {"dense": DenseSelector, "topk": TopkSelector, "spans": SpansSelector}
+
+
+# ---------------------------------------------------------------------------------------------
+# Variant specs
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VariantSpec:
+    label: str  # the spec as given
+    kind: str  # a key of SELECTORS
+    params: dict[str, Any]
+
+
+def parse_variant(spec: str, selectors: dict[str, type] = SELECTORS) -> VariantSpec:
+    """``NAME`` or ``NAME:KEY=VALUE[,KEY=VALUE...]`` -> VariantSpec; ValueError naming the spec
+    and the problem (unknown name or key, malformed item, repeated key, bad value)."""
+    kind, colon, rest = spec.partition(":")
+    kind = kind.strip()
+    if kind not in selectors:
+        raise ValueError(f"variant {spec!r}: unknown selector {kind!r} (known: {', '.join(selectors)})")
+    accepted = selectors[kind].PARAMS
+    if colon and not rest.strip():
+        raise ValueError(f"variant {spec!r}: nothing after ':' (give KEY=VALUE pairs or no ':')")
+    params: dict[str, Any] = {}
+    for item in rest.split(",") if colon else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise ValueError(f"variant {spec!r}: {item.strip()!r} is not KEY=VALUE")
+        if key not in accepted:
+            known = ", ".join(accepted) or "none"
+            raise ValueError(f"variant {spec!r}: {kind} has no parameter {key!r} (known: {known})")
+        if key in params:
+            raise ValueError(f"variant {spec!r}: {key} given twice")
+        try:
+            params[key] = accepted[key](value)
+        except ValueError:
+            kind_of = "an integer" if accepted[key] is int else "a number"
+            raise ValueError(f"variant {spec!r}: {key} must be {kind_of}, got {value!r}") from None
+    try:
+        selectors[kind].check_params(params)
+    except ValueError as e:
+        raise ValueError(f"variant {spec!r}: {e}") from None
+    return VariantSpec(spec, kind, params)
+
+
+def build_selector(variant: VariantSpec, prompt_tokens: int) -> DecodeSelector:
+    return SELECTORS[variant.kind].build(variant.label, variant.params, prompt_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model run
+# ---------------------------------------------------------------------------------------------
+
+class SelectorAttention:
+    """Attention function for transformers. Prefill (more than one query): SDPA, and the prompt's
+    q/k/v handed to every selector in ``prefill_selectors``. Decode: the output of ``selector``,
+    compared with exact attention over the same cache (``errors``)."""
+
+    def __init__(self) -> None:
+        self.prefill_selectors: list[DecodeSelector] = []
+        self.selector: DecodeSelector | None = None
+        self.errors: list[float] = []  # relative error vs exact attention, per decode call
+        self.prefill_check = 0.0  # max relative difference of the recomputed last prompt row
+        self.dense_check: dict[int, float] = {}  # per layer: max relative difference of the dense selector from SDPA
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if query.shape[0] != 1:
+            raise RuntimeError(f"one sequence at a time, got a batch of {query.shape[0]}")
+        scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+        layer = module.layer_idx
+        q, k, v = query[0].detach().float(), key[0].detach().float(), value[0].detach().float()
+        if query.shape[2] > 1:
+            out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                                  **kwargs)
+            last = exact_attention(q[:, -1], k, v, scale)  # the prompt's last row sees every key
+            self.prefill_check = max(self.prefill_check, relative_error(out[0, -1], last))
+            for s in self.prefill_selectors:
+                s.prefill(layer, q, k, v)
+            return out, weights
+        mine = self.selector.attend(layer, q[:, 0], k, v, scale)
+        exact = exact_attention(q[:, 0], k, v, scale)
+        self.errors.append(relative_error(mine, exact))
+        if isinstance(self.selector, DenseSelector):
+            sdpa, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+            diff = relative_error(mine, sdpa[0, 0])
+            self.dense_check[layer] = max(self.dense_check.get(layer, 0.0), diff)
+            if diff > DENSE_ABORT_RTOL:
+                raise RuntimeError(f"layer {layer}: dense selector differs from SDPA by {diff:.2e} (relative)")
+        return mine.to(query.dtype)[None, None], None
+
+
+def stop_token_ids(model_dir: str | pathlib.Path, tokenizer) -> list[int]:
+    """The ids vLLM stops at: the generation config's eos_token_id(s) and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids = set()
+    try:
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    except OSError:  # no generation_config.json
+        pass
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def greedy_decode(model, cache, first_token: int, max_tokens: int, stop_ids: Sequence[int]) -> list[int]:
+    """Greedy tokens from ``cache`` (which it extends) after ``first_token``, ``first_token``
+    included, up to ``max_tokens`` in all or a stop token (kept at the end)."""
+    tokens = [first_token]
+    while len(tokens) < max_tokens and tokens[-1] not in stop_ids:
+        res = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = res.past_key_values
+        tokens.append(int(res.logits[0, -1].argmax()))
+    return tokens
+
+
+@dataclass
+class DecodeResult(acc.Result):
+    """The harness's result record; ``density`` holds the mean attended share of the context per
+    decode call, ``ttft_s`` the shared prefill (which gives the first token), ``total_s`` that
+    plus this variant's decode."""
+
+    budget_pages: int | None = None
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    output_error_mean: float | None = None
+    output_error_max: float | None = None
+
+
+def run_prompt(model, attention: SelectorAttention, sample, variants: Sequence[VariantSpec],
+               stop_ids: Sequence[int], decode_text, log=print) -> list[DecodeResult]:
+    """One dense prefill of ``sample``, then every variant's greedy decode from a copy of its cache."""
+    selectors = [build_selector(v, sample.n_tokens) for v in variants]
+    attention.prefill_selectors = selectors
+    with torch.no_grad():
+        t0 = time.monotonic()
+        res = model(torch.tensor([sample.prompt_ids]), use_cache=True, logits_to_keep=1)
+        prefill_s = time.monotonic() - t0
+        attention.prefill_selectors = []
+        if attention.prefill_check > PREFILL_CHECK_RTOL:
+            raise RuntimeError(f"the q/k/v given to prefill() do not reproduce SDPA's last row "
+                               f"({attention.prefill_check:.2e} relative)")
+        first = int(res.logits[0, -1].argmax())
+        log(f"{sample.key} ({sample.n_tokens} tokens, depth {sample.depth}): prefill {prefill_s:.1f} s", flush=True)
+        results = []
+        for v, sel in zip(variants, selectors):
+            attention.selector, attention.errors = sel, []
+            t0 = time.monotonic()
+            tokens = greedy_decode(model, copy.deepcopy(res.past_key_values), first, sample.max_tokens, stop_ids)
+            decode_s = time.monotonic() - t0
+            text = decode_text([t for t in tokens if t not in stop_ids])
+            errors = attention.errors
+            r = DecodeResult(v.label, sample.task, sample.target_tokens, sample.n_tokens, sample.seed,
+                             sample.depth, list(sample.expected), text, score(sample, text),
+                             round(prefill_s, 3), round(prefill_s + decode_s, 3), density=sel.attended.mean,
+                             budget_pages=getattr(sel, "budget_pages", None), generated_tokens=len(tokens),
+                             decode_s=round(decode_s, 3),
+                             output_error_mean=statistics.fmean(errors) if errors else None,
+                             output_error_max=max(errors) if errors else None)
+            results.append(r)
+            share = "-" if r.density is None else f"{r.density:.4f}"
+            log(f"  [{v.label}] score {r.score:.2f}, attended {share}, out err {r.output_error_mean or 0:.2e}, "
+                f"{len(tokens)} tokens in {decode_s:.1f} s; {text.strip()[:70]!r}", flush=True)
+        attention.selector = None
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+def format_table(rows: Sequence[dict], labels: Sequence[str]) -> str:
+    """Per task and length, per variant: mean score, attended share, share of outputs equal to
+    the first variant's."""
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    width = 20
+    head = f"{'task':<18} {'tokens':>6} {'n':>2}" + "".join(f" | {label[:width]:^{width}}" for label in labels)
+    sub = f"{'':<18} {'':>6} {'':>2}" + "".join(f" | {'acc':>5} {'attend':>7} {'same':>5}" for _ in labels)
+    lines = [head, sub, "-" * len(sub)]
+    for row in rows:
+        n = next((row[label]["n"] for label in labels if label in row), 0)
+        line = f"{row['task']:<18} {row['tokens']:>6} {n:>2}"
+        for label in labels:
+            c = row.get(label)
+            line += (f" | {'':>{width}}" if c is None else
+                     f" | {f(c['accuracy'], '.2f'):>5} {f(c['density'], '.4f'):>7} {f(c['same_output'], '.2f'):>5}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def relative_to(summary: dict[str, dict], base: str) -> dict[str, float | None]:
+    """Each variant's overall score divided by ``base``'s (None where that is 0 or absent)."""
+    ref = summary.get(base, {}).get("accuracy")
+    return {label: (s["accuracy"] / ref if ref else None) for label, s in summary.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_sparse_backend.evaluation import inputs
+    from vllm_sparse_backend.evaluation.tasks import TASKS, HFTokenizer, make_samples
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen-coder", help=f"{', '.join(inputs.MODELS)}, or a model folder")
+    p.add_argument("--text", default="austen", help=f"{', '.join(inputs.TEXTS)}, or a text file")
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--lengths", nargs="+", type=int, default=[8192], help="prompt lengths in tokens")
+    p.add_argument("--samples", type=int, default=2, help="prompts per task and length")
+    p.add_argument("--seed", type=int, default=0, help="first sample's seed")
+    p.add_argument("--variants", nargs="+", default=["dense", "topk:share=0.01", "topk:budget=64"],
+                   help="NAME[:KEY=VALUE,...] with NAME in " + ", ".join(SELECTORS) + " (see the module docstring)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--out", help="output path without extension")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t_start = time.monotonic()
+
+    try:
+        variants = [parse_variant(s) for s in args.variants]
+        if len({v.label for v in variants}) != len(variants):
+            raise ValueError(f"variant labels must be unique: {args.variants}")
+        model_dir, model_name = inputs.resolve_model(args.model)
+        text, text_name = inputs.resolve_text(args.text)
+    except ValueError as e:
+        p.error(str(e))
+    labels = [v.label for v in variants]
+    short = inputs.short_model_name(args.model, model_name)
+    tok = HFTokenizer(str(model_dir))
+    samples = make_samples(tok, text, args.tasks, args.lengths, args.samples, args.seed)
+    context = acc.model_config(model_dir).get("max_position_embeddings")
+    longest = max(s.n_tokens + s.max_tokens for s in samples)
+    if context and longest > context:
+        p.error(f"prompts need {longest} tokens; the model's context is {context}")
+    stop_ids = stop_token_ids(model_dir, tok.tok)
+    print(f"model {model_name}, text {text_name}: {len(samples)} prompts, variants {' '.join(labels)}, "
+          f"stop ids {stop_ids}, {torch.get_num_threads()} threads", flush=True)
+
+    date = datetime.date.today().isoformat()
+    lengths = "-".join(f"{round(n / 1000)}k" for n in args.lengths)
+    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" / f"decode_accuracy_cpu_{short}_{lengths}_{date}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    import transformers
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    attention = SelectorAttention()
+    AttentionInterface.register(_ATTENTION_NAME, attention)
+    t0 = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation=_ATTENTION_NAME,
+                                                 dtype=torch.float32)
+    model.eval()
+    timings: dict[str, Any] = {"load_s": time.monotonic() - t0}
+    meta = {"model": model_name, "model_dir": model_dir.name, "text": text_name, "device": "cpu",
+            "dtype": "float32", "threads": torch.get_num_threads(), "host": platform.node(), "date": date,
+            "tasks": args.tasks, "lengths": args.lengths, "samples": args.samples, "seed": args.seed,
+            "variants": {v.label: {"selector": v.kind, **v.params} for v in variants},
+            "topk_defaults": {"sink": DEFAULT_BUDGET.sink_pages, "recent": DEFAULT_BUDGET.recent_pages,
+                              "budget": DEFAULT_BUDGET.budget_pages, "tokens": DEFAULT_BUDGET.topk_tokens,
+                              "page": DEFAULT_PAGE_SIZE},
+            "stop_token_ids": stop_ids, "dense_check_rtol": DENSE_CHECK_RTOL,
+            "fields": "density = mean over decode calls (layers x steps) of keys attended per query head / "
+                      "context length; ttft_s = the shared dense prefill; total_s = prefill + this "
+                      "variant's decode; output_error_* = relative L2 error of the decode attention "
+                      "output vs exact attention over the same cache, per call",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "command": " ".join(sys.argv), "timings_s": timings}
+    results: list[DecodeResult] = []
+
+    def save() -> list[str]:
+        rows = acc.summarize(results, labels)
+        summary = acc.overall(results, labels)
+        relative = relative_to(summary, "dense")
+        decode = {label: sum(r.decode_s for r in results if r.variant == label) for label in labels}
+        tokens = {label: sum(r.generated_tokens for r in results if r.variant == label) for label in labels}
+        prefill = sum(r.ttft_s for r in results if r.variant == labels[0])
+        timings.update(prefill_s=prefill, decode_s=decode, total_s=time.monotonic() - t_start)
+        n_done = len({(r.task, r.target_tokens, r.seed) for r in results})
+        lines = [f"# {model_name} in transformers on cpu (fp32, {torch.get_num_threads()} threads), {date}: "
+                 f"{n_done} prompt(s), {args.samples} per task and length, text {text_name}; one dense "
+                 "prefill per prompt, then each variant decodes greedily from a copy of its cache",
+                 "# acc = mean score; attend = mean share of the context attended per decode call (keys per "
+                 "query head / context, sink and recent pages included); same = share of outputs equal "
+                 f"to {labels[0]}'s",
+                 "# topk defaults: sink 1 page, recent 8 pages, page 16 tokens, every key of the chosen "
+                 "pages (tokens=0); share=s: budget = ceil(s x prompt tokens / page) pages",
+                 format_table(rows, labels), "",
+                 f"overall ({next(iter(summary.values()))['n'] if summary else 0} prompts run by every "
+                 "variant):"]
+        for label, s in summary.items():
+            rel = relative.get(label)
+            errs = [r.output_error_mean for r in results if r.variant == label and r.output_error_mean is not None]
+            lines.append(f"  {label:<24} acc {s['accuracy']:.3f}  attend {s['density']:.4f}"
+                         + (f"  vs dense {rel:.3f}" if rel is not None else "")
+                         + (f"  out err {statistics.fmean(errs):.2e}" if errs else "")
+                         + f"  decode {decode[label]:.0f} s / {tokens[label]} tokens")
+        worst_layer, worst = max(attention.dense_check.items(), key=lambda kv: kv[1], default=(None, 0.0))
+        lines.append(f"# checks: dense selector vs SDPA, max relative difference {worst:.1e} (layer {worst_layer}; "
+                     f"limit {DENSE_CHECK_RTOL:.0e}); its error vs float64 exact attention is the dense row's "
+                     f"out err; last prompt row from the q/k/v given to prefill() vs SDPA "
+                     f"{attention.prefill_check:.1e}")
+        lines.append(f"# timings: load {timings['load_s']:.0f} s, prefill {prefill:.0f} s (shared), "
+                     f"total {timings['total_s']:.0f} s; torch {torch.__version__}, transformers "
+                     f"{transformers.__version__}")
+        meta.update(dense_vs_sdpa_max_per_layer=attention.dense_check, prefill_row_check_max=attention.prefill_check)
+        out.with_suffix(".json").write_text(json.dumps(
+            {"meta": meta, "rows": rows, "overall": summary, "relative_to_dense": relative,
+             "results": [asdict(r) for r in results]}, indent=1) + "\n")
+        out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        return lines
+
+    for sample in samples:
+        results += run_prompt(model, attention, sample, variants, stop_ids,
+                              lambda ids: tok.tok.decode(ids, skip_special_tokens=True))
+        save()
+    lines = save()
+    print("\n".join(lines))
+    print(f"wrote {out}.json and {out}.txt")
+    worst = max(attention.dense_check.values(), default=0.0)
+    if worst > DENSE_CHECK_RTOL:
+        print(f"CHECK FAILED: the dense selector differs from SDPA by up to {worst:.1e} (relative), more than "
+              f"{DENSE_CHECK_RTOL:.0e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""benchmarks/decode_accuracy.py: the variant spec parser, the share -> pages conversion, the paged
+layout and attended-key count, and the selectors against an independent float64 computation.
+
+No model is loaded. The selector tests need ``vllm_sparse_backend.triton_kernels.topk_decode``
+(its module imports triton, though only its plain-torch references run): they skip where triton
+is not importable, e.g. in the main suite (``make test`` runs the kernel tests with
+``PYTHONPATH=.venv/kernel-site``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from conftest import masked_attention_f64
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def da():
+    spec = importlib.util.spec_from_file_location("decode_accuracy", ROOT / "benchmarks" / "decode_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
+    return mod
+
+
+@pytest.fixture(scope="module")
+def with_references():
+    """Skip unless the kernels' module (and so triton) imports."""
+    pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
+    pytest.importorskip("vllm_sparse_backend.triton_kernels.topk_decode",
+                        reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
+
+
+# ------------------------------------------------------------------------------------------
+# Variant specs
+# ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, kind, params", [
+    ("dense", "dense", {}),
+    ("topk", "topk", {}),
+    ("topk:budget=16", "topk", {"budget": 16}),
+    ("topk:budget=64,tokens=256", "topk", {"budget": 64, "tokens": 256}),
+    ("topk:share=0.01", "topk", {"share": 0.01}),
+    (" topk: sink=0, recent=2 ,page=32", "topk", {"sink": 0, "recent": 2, "page": 32}),
+])
+def test_parse_variant_good(da, spec, kind, params):
+    v = da.parse_variant(spec)
+    assert (v.label, v.kind, v.params) == (spec, kind, params)
+    assert all(type(x) is da.SELECTORS[kind].PARAMS[k] for k, x in v.params.items())
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("ltri", r"unknown selector 'ltri' \(known: dense, topk, spans\)"),
+    ("topk:", r"nothing after ':'"),
+    ("topk:budget", r"'budget' is not KEY=VALUE"),
+    ("topk:budget=", r"'budget=' is not KEY=VALUE"),
+    ("topk:budget=4,,tokens=2", r"'' is not KEY=VALUE"),
+    ("topk:foo=1", r"topk has no parameter 'foo' \(known: sink, recent, budget, share, tokens, page\)"),
+    ("dense:budget=1", r"dense has no parameter 'budget' \(known: none\)"),
+    ("topk:budget=1.5", r"budget must be an integer, got '1.5'"),
+    ("topk:share=one", r"share must be a number, got 'one'"),
+    ("topk:budget=1,budget=2", r"budget given twice"),
+    ("topk:recent=-1", r"recent must be >= 0, got -1"),
+    ("topk:share=0", r"share must be in \(0, 1\], got 0.0"),
+    ("topk:share=1.5", r"share must be in \(0, 1\]"),
+    ("topk:budget=4,share=0.01", r"budget \(pages\) or share"),
+    ("topk:page=12", r"page must be a power of two, got 12"),
+    ("topk:page=0", r"page must be a power of two, got 0"),
+    ("topk:sink=0,recent=0,budget=0", r"sink, recent and budget are all 0"),
+])
+def test_parse_variant_bad(da, spec, message):
+    with pytest.raises(ValueError, match=rf"^variant '{spec}'.*{message}"):
+        da.parse_variant(spec)
+
+
+def test_registry_takes_a_new_selector(da):
+    class Spans:
+        PARAMS = {"width": int}
+
+        @classmethod
+        def check_params(cls, params):
+            if params.get("width", 1) < 1:
+                raise ValueError("width must be >= 1")
+
+    selectors = {**da.SELECTORS, "spans": Spans}
+    assert da.parse_variant("spans:width=8", selectors).params == {"width": 8}
+    with pytest.raises(ValueError, match="width must be >= 1"):
+        da.parse_variant("spans:width=0", selectors)
+
+
+@pytest.mark.parametrize("share, tokens, page, pages", [
+    (0.01, 8192, 16, 6),  # 5.12 pages
+    (0.01, 1600, 16, 1),  # exactly 1 page (0.01 x 1600 is not 16.000...1 here)
+    (0.005, 8179, 16, 3),  # 2.56
+    (0.05, 8192, 16, 26),  # 25.6
+    (0.02, 8192, 64, 3),  # 2.56
+    (1.0, 33, 16, 3),
+    (1e-6, 100, 16, 1),  # never 0 pages
+])
+def test_budget_pages_for_share(da, share, tokens, page, pages):
+    assert da.budget_pages_for_share(share, tokens, page) == pages
+
+
+# ------------------------------------------------------------------------------------------
+# Paged layout and attended keys
+# ------------------------------------------------------------------------------------------
+
+def test_paged_cache_layout(da):
+    x = torch.randn(2, 37, 3)
+    paged = da.paged_cache(x, 16)
+    assert paged.shape == (3, 16, 2, 3)
+    pos = torch.arange(37)
+    assert torch.equal(paged[pos // 16, pos % 16].permute(1, 0, 2), x)
+    assert paged[2, 5:].isnan().all() and not paged[2, :5].isnan().any()
+
+
+def test_attended_keys(da):
+    # 100 keys in pages of 16: pages 0..6, the last holds 4; sink 1 page, recent 2 (pages 5, 6)
+    pages = torch.tensor([0, 3, 5, 6])
+    assert da.attended_keys(pages, 100, 16, 1, 2, 0) == 16 + 16 + 16 + 4
+    assert da.attended_keys(pages, 100, 16, 1, 2, 5) == 16 + 16 + 4 + 5  # 5 of the budget page
+    assert da.attended_keys(pages, 100, 16, 1, 2, 100) == 52  # more than the budget pages hold
+    assert da.attended_keys(torch.tensor([0, 1]), 20, 16, 1, 0, 0) == 20
+
+
+# ------------------------------------------------------------------------------------------
+# Selectors vs an independent float64 computation
+# ------------------------------------------------------------------------------------------
+
+def expected_topk(q, k, v, scale, page, sink, recent, budget, topk_tokens):
+    """float64 output [H, D] and keys attended per query head, from scratch: Quest bounds of the
+    pages per KV head (summed over its query heads), sink / recent pages forced, the best
+    ``budget`` others; with ``topk_tokens`` only that many best keys per query head of those."""
+    h, d = q.shape
+    hkv, length, _ = k.shape
+    group = h // hkv
+    n_pages = -(-length // page)
+    qd, kd, vd = q.double(), k.double(), v.double()
+    out = torch.zeros(h, d, dtype=torch.float64)
+    counts = []
+    for g in range(hkv):
+        bounds = []
+        for j in range(n_pages):
+            keys = kd[g, j * page:min((j + 1) * page, length)]
+            lo, hi = keys.min(0).values, keys.max(0).values
+            bounds.append(sum(torch.maximum(qd[x] * lo, qd[x] * hi).sum().item()
+                              for x in range(g * group, (g + 1) * group)))
+        forced = [j for j in range(n_pages) if j < sink or j >= n_pages - recent]
+        others = sorted((j for j in range(n_pages) if j not in forced), key=lambda j: -bounds[j])
+        chosen = others[:budget]
+        forced_pos = [p for j in forced for p in range(j * page, min((j + 1) * page, length))]
+        chosen_pos = [p for j in chosen for p in range(j * page, min((j + 1) * page, length))]
+        for x in range(g * group, (g + 1) * group):
+            scores = kd[g] @ qd[x]
+            keep = chosen_pos
+            if topk_tokens and len(chosen_pos) > topk_tokens:
+                keep = sorted(chosen_pos, key=lambda p: -scores[p].item())[:topk_tokens]
+            pos = torch.tensor(sorted(forced_pos + keep))
+            p = torch.softmax(scores[pos] * scale, 0)
+            out[x] = p @ vd[g, pos]
+            counts.append(len(pos))
+    return out, sum(counts) / len(counts)
+
+
+@pytest.mark.parametrize("topk_tokens", [0, 10])
+def test_topk_selector_matches_independent_float64(da, with_references, topk_tokens):
+    gen = torch.Generator().manual_seed(7)
+    h, hkv, d, page, scale = 8, 2, 16, 16, 0.25
+    prompt, steps = 141, 24  # the context grows from 142 to 165 keys: across a page boundary (144)
+    k = torch.randn(hkv, prompt + steps, d, generator=gen)
+    v = torch.randn(hkv, prompt + steps, d, generator=gen)
+    sel = da.build_selector(da.parse_variant(f"topk:sink=1,recent=2,budget=3,tokens={topk_tokens}"), prompt)
+    sel.prefill(0, torch.randn(h, prompt, d, generator=gen), k[:, :prompt], v[:, :prompt])
+    shares = []
+    for length in range(prompt + 1, prompt + steps + 1):
+        q = torch.randn(h, d, generator=gen)
+        got = sel.attend(0, q, k[:, :length], v[:, :length], scale)
+        want, keys = expected_topk(q, k[:, :length], v[:, :length], scale, page, 1, 2, 3, topk_tokens)
+        assert got.dtype == torch.float32 and got.shape == (h, d)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+        shares.append(keys / length)
+    assert sel.attended.calls == steps
+    assert sel.attended.mean == pytest.approx(sum(shares) / steps)
+    # summaries kept across steps equal those of the final cache computed from scratch
+    smin, smax = sel.summaries(0, da.paged_cache(k, page), k.shape[1])
+    pos = torch.arange(k.shape[1])
+    for j in range(smin.shape[0]):
+        keys = k.double()[:, pos[j * page:(j + 1) * page]]
+        torch.testing.assert_close(smin[j], keys.min(1).values, rtol=0, atol=0)
+        torch.testing.assert_close(smax[j], keys.max(1).values, rtol=0, atol=0)
+
+
+def test_budget_covering_every_page_is_dense(da, with_references):
+    gen = torch.Generator().manual_seed(3)
+    h, hkv, d, length, scale = 14, 2, 32, 203, 0.125
+    q, k, v = torch.randn(h, d, generator=gen), torch.randn(hkv, length, d, generator=gen), \
+        torch.randn(hkv, length, d, generator=gen)
+    want = masked_attention_f64(q[None], k.transpose(0, 1), v.transpose(0, 1),
+                                torch.ones(h, 1, length, dtype=torch.bool), scale)[0]
+    dense = da.build_selector(da.parse_variant("dense"), length)
+    topk = da.build_selector(da.parse_variant("topk:budget=13"), length)  # 1 + 8 + 13 >= 13 pages
+    for sel in (dense, topk):
+        torch.testing.assert_close(sel.attend(0, q, k, v, scale).double(), want, rtol=1e-5, atol=1e-6)
+        assert sel.attended.mean == 1.0
+
+
+def test_share_builds_pages_per_prompt(da, with_references):
+    sel = da.build_selector(da.parse_variant("topk:share=0.01"), 8192)
+    assert (sel.sink_pages, sel.recent_pages, sel.budget_pages, sel.topk_tokens, sel.page_size) == (1, 8, 6, 0, 16)
+    sel = da.build_selector(da.parse_variant("topk:share=0.01,page=64"), 8192)
+    assert (sel.budget_pages, sel.page_size) == (2, 64)
+    assert da.build_selector(da.parse_variant("topk"), 100).budget_pages == 64
+
+
+def test_spans_selector(da, with_references):
+    """spans: its torch local maps equal the kernels' float64 definition, the persistent flags are
+    the best pages for the last prompt queries, a budget covering every page is dense attention,
+    and a small budget attends to sink + recent + flagged + budget pages only."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the spans division's NMS is a Triton kernel: needs TRITON_INTERPRET=1 on CPU")
+    from vllm_sparse_backend.triton_kernels import span_decode as sd
+
+    gen = torch.Generator().manual_seed(5)
+    h, hkv, d, n, page = 4, 2, 32, 1100, 16
+    q = torch.randn(h, n, d, generator=gen) * 0.3
+    k = torch.randn(hkv, n, d, generator=gen) * 0.3
+    v = torch.randn(hkv, n, d, generator=gen)
+    for t in range(0, n, 48):  # runs of 3 pages sharing a direction: triangles in the local maps
+        base = torch.randn(d, generator=gen) * 1.5
+        q[:, t:t + 48] += base
+        k[:, t:t + 48] += base
+    sel = da.build_selector(da.parse_variant("spans:persist=3,budget=2"), n)
+    maps, votes, lens = sel.local_maps(q, k, d ** -0.5)
+    assert lens.tolist() == [1024, 76]
+    for s, (s0, t) in enumerate(((0, 1024), (1024, 76))):
+        rm, rv = sd.reference_local_map(q[:, s0:s0 + t].transpose(0, 1), k[:, s0:s0 + t].transpose(0, 1), page,
+                                        d ** -0.5, 1024)
+        torch.testing.assert_close(maps[s].double(), rm, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(votes[s].double(), rv, rtol=1e-4, atol=1e-4)
+    sel.prefill(0, q, k, v)
+    n_pages = -(-n // page)
+    flags, keys = sel._flags[0], sel._keys[0]
+    assert flags.sum(0).tolist() == [3, 3] and not flags[0].any() and not flags[-8:].any()
+    # decode one more token: attention only over the selected pages
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    qd = torch.randn(h, d, generator=gen) + q[:, -1]
+    out = sel.attend(0, qd, k2, v2, d ** -0.5)
+    scores = torch.einsum("phd,hd->ph", sel._keys[0], qd.double().view(hkv, 2, d).sum(1))
+    for g in range(hkv):
+        forced = {0} | set(range(n_pages - 8 + 1, n_pages + 1)) | set(flags[:, g].nonzero().flatten().tolist())
+        rest = sorted((j for j in range(n_pages + 1) if j not in forced), key=lambda j: -float(scores[j, g]))[:2]
+        allowed = torch.zeros(2, 1, n + 1, dtype=torch.bool)
+        for j in forced | set(rest):
+            allowed[:, 0, j * page:(j + 1) * page] = True
+        want = masked_attention_f64(qd[None, 2 * g:2 * g + 2], k2[g:g + 1].transpose(0, 1),
+                                    v2[g:g + 1].transpose(0, 1), allowed[:, :, :n + 1], d ** -0.5)[0]
+        torch.testing.assert_close(out[2 * g:2 * g + 2].double(), want, rtol=1e-4, atol=1e-5)
+    # every page selected: dense
+    full = da.build_selector(da.parse_variant("spans:budget=100"), n)
+    full.prefill(0, q, k, v)
+    dense = masked_attention_f64(qd[None], k2.transpose(0, 1), v2.transpose(0, 1),
+                                 torch.ones(h, 1, n + 1, dtype=torch.bool), d ** -0.5)[0]
+    torch.testing.assert_close(full.attend(0, qd, k2, v2, d ** -0.5).double(), dense, rtol=1e-5, atol=1e-6)
+    assert full.attended.mean == 1.0
