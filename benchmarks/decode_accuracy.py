@@ -32,11 +32,11 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   and the ``budget`` pages of highest Quest bound (its query heads' bounds summed), optionally only
   the ``tokens`` best keys per query head of the budget pages.
 * ``spans``: the backend's ``decode_mode=spans`` (Ltri-LLM) at batch 1, the prompt prefilled as one
-  chunk: local maps of 1024-token segments (torch), the production division and span keys
-  (``span_decode.divide_segments`` / ``span_page_keys``; its NMS is a Triton kernel: run with
-  ``TRITON_INTERPRET=1`` on CPU), ``persist`` pages flagged from the last 64 prompt queries, the
-  fallback key of each page decode writes to, then ``reference_select_span_pages`` and the top-k
-  attention reference. Keys ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``.
+  chunk: local maps of 1024-token segments (torch), the division's loop reference
+  (``span_decode.reference_divide``, which the GPU kernels are tested to equal) and span keys,
+  ``persist`` pages flagged from the last 64 prompt queries, the fallback key of each page decode
+  writes to, then ``reference_select_span_pages`` and the top-k attention reference. Keys
+  ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``.
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -63,7 +63,7 @@ command, all six tasks (12 prompts), took 38 min on 2 CPU threads shared with ot
 (prefill 1017 s, decode 1263 s over the six variants), result in
 ``benchmarks/results/decode_accuracy_cpu_qwen-coder_8k_2026-11-23.*`` (its dense check, 2.4e-5,
 ran against an earlier 1e-5 limit and exited 1 after writing them). Spans at the widths of two of
-those top-k rows: ``TRITON_INTERPRET=1`` with ``--variants dense spans:persist=16,budget=48
+those top-k rows: ``--variants dense spans:persist=16,budget=48
 spans:persist=4,budget=22 spans:persist=0,budget=26`` (result ``..._spans_...``). Writes
 ``<out>.json`` (settings, versions, command line, timings, and per prompt and variant the output
 text, score, attended share, budget, output error and decode time; rewritten after each prompt)
@@ -304,10 +304,10 @@ class TopkSelector:
 
 class SpansSelector:
     """The backend's ``decode_mode=spans`` on one sequence, its prompt prefilled as one chunk: the
-    production division (``span_decode.divide_segments`` and ``span_page_keys``) on local maps
-    computed here in torch (float32: the Triton map kernel is tested against the same float64
-    definition), persistent flags from the last ``last_q`` prompt queries, the fallback key for
-    each page decode writes to, and the float64 selection and attention references."""
+    division's loop reference (``span_decode.reference_divide``) on local maps computed here in
+    torch (float32: the Triton map kernel is tested against the same float64 definition),
+    persistent flags from the last ``last_q`` prompt queries, the fallback key for each page
+    decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
                                          "share": float, "page": int}
@@ -367,15 +367,21 @@ class SpansSelector:
     def prefill(self, layer, q, k, v) -> None:
         scale = q.shape[-1] ** -0.5  # the model's scaling is 1/sqrt(head_dim) (Qwen2, Llama)
         maps, votes, lens = self.local_maps(q, k, scale)
-        division = self._spans.divide_segments(maps.double(), votes.double(), lens, self.page_size, q.shape[0],
-                                               self.params)
-        seg = self.params.segment_tokens
+        seg, page = self.params.segment_tokens, self.page_size
         n_tok = k.shape[1]
-        keys = torch.zeros(lens.shape[0] * seg, *k.shape[::2])  # [S * T, Hkv, D]
-        keys[:n_tok] = k.transpose(0, 1).float()
-        page_keys = self._spans.span_page_keys(keys.view(lens.shape[0], seg, *k.shape[::2]), division, self.page_size)
-        n_pages = -(-n_tok // self.page_size)
-        span_keys = page_keys.reshape(-1, *page_keys.shape[2:])[:n_pages].double()
+        n_pages = -(-n_tok // page)
+        span_keys = torch.zeros(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
+        keys = k.transpose(0, 1).double()  # [N, Hkv, D]
+        for s in range(lens.shape[0]):  # the division's loop reference (the tests hold the kernels to it)
+            span, index_tokens = self._spans.reference_divide(maps[s].double(), votes[s].double(), int(lens[s]),
+                                                              page, q.shape[0], self.params)
+            p0, t0 = s * seg // page, s * seg
+            for sid in set(span):
+                tokens = [t0 + t for t in index_tokens if span[t // page] == sid]
+                vector = keys[tokens].sum(0)
+                for a, owner in enumerate(span):
+                    if owner == sid:
+                        span_keys[p0 + a] = vector
         # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
