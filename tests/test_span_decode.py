@@ -6,7 +6,8 @@ direction, so the local maps show triangles), caches are paged in random physica
 in unused slots, and block-table entries past a sequence hold garbage:
 
 (a) local maps and votes equal float64 softmax sums over each segment;
-(b) the batched division equals the loop reference on the same maps (spans and index tokens);
+(b) the division kernels equal the loop reference on the same maps (spans and index tokens), edge
+    cases included (one-page segments, partial last pages, zero and uniform maps, tied scores);
 (c) span keys written through the block table equal the reference's sum of index keys, chunked
     prefill included (a chunk boundary inside a page keeps the page's fallback key);
 (d) the per-slot fallback key is min_index x the mean of the page's keys, and a page written from
@@ -99,7 +100,7 @@ def test_maps_and_division(page, n, h, hkv, d):
         tol = 1e-4 if INTERPRET else 2e-3
         assert torch.allclose(maps[s].double().cpu(), rm, rtol=tol, atol=tol * h)
         assert torch.allclose(votes[s].double().cpu(), rv, rtol=tol, atol=tol * h)
-        # division of the kernel's maps: batched vs loops, on the same float64 input
+        # division of the kernel's maps: division kernels vs loops, on the same float64 input
         span, sel = sd.reference_divide(maps[s].double().cpu(), votes[s].double().cpu(), nt, page, h, params)
         n_pages = cdiv(nt, page)
         assert div.span_of_page[s, :n_pages].tolist() == span
@@ -112,6 +113,68 @@ def test_maps_and_division(page, n, h, hkv, d):
             size = sum(min(page, nt - a * page) for a in range(n_pages) if span[a] == sid)
             assert min(params.min_index, size) <= len(toks) <= params.max_index
     assert spans_seen > segs.num_segments  # the planted structure splits segments
+
+
+def tile_cells(n_tok, n, page, h):
+    """float64 [n, n]: causal (query, key) pairs x heads of each page tile of a segment."""
+    pt = (n_tok - torch.arange(n) * page).clamp(0, page).double()
+    lower = torch.where(torch.ones(n, n, dtype=torch.bool).tril(-1), pt[:, None] * pt[None, :], 0.0)
+    return (lower + torch.diag(pt * (pt + 1) / 2)) * h
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("page", [16, 32])
+def test_division_kernel_edge_cases(page, dtype):
+    """Segments of different lengths in one call (one token, one page, a partial last page, full),
+    with all-zero maps (one gap span, ratio 1), uniform maps (every score 0: one gap span),
+    integer multiples of the cells (tied scores and votes), planted triangles and random maps; NaN
+    in the cells and votes no query reaches. Equal to the loop reference on the same maps."""
+    h, n = 3, SEG // page
+    params = sd.SpanParams(segment_tokens=SEG)
+    gen = torch.Generator().manual_seed(page)
+    cases = [(1, "random"), (page, "zero"), (page + 5, "random"), (SEG, "zero"), (SEG - 3, "uniform"),
+             (SEG, "planted"), (5 * page + 7, "ties"), (SEG - page // 2, "random"), (2 * page, "planted")]
+    maps = torch.full((len(cases), n, n), float("nan"), dtype=torch.float64)
+    votes = torch.full((len(cases), SEG), float("nan"), dtype=torch.float64)
+    for s, (n_tok, kind) in enumerate(cases):
+        cells = tile_cells(n_tok, n, page, h)
+        if kind == "zero":
+            m = torch.zeros(n, n, dtype=torch.float64)
+        elif kind == "uniform":
+            m = 0.5 * cells
+        elif kind == "ties":
+            m = cells * torch.randint(0, 3, (n, n), generator=gen)
+        elif kind == "planted":  # runs of about n / 4 pages attending mostly inside the run
+            run = torch.cumsum(torch.rand(n, generator=gen) < 4 / n, 0)
+            m = cells * (0.2 + 3.0 * (run[:, None] == run[None, :]) + 0.3 * torch.rand(n, n, generator=gen))
+        else:
+            m = cells * torch.rand(n, n, generator=gen, dtype=torch.float64)
+        maps[s] = torch.where(cells > 0, m, float("nan"))
+        tied = kind == "ties"
+        votes[s, :n_tok] = torch.randint(0, 4, (n_tok,), generator=gen) if tied else torch.rand(n_tok, generator=gen)
+    maps = maps.to(dtype)
+    n_tok = torch.tensor([c[0] for c in cases], dtype=torch.int32)
+    div = sd.divide_segments(maps.to(DEV), votes.to(dtype).to(DEV), n_tok.to(DEV), page, h, params)
+    span_of_page, selected, count = div.span_of_page.cpu(), div.selected.cpu(), div.index_count.cpu()
+    for s, (nt, kind) in enumerate(cases):
+        n_pages = cdiv(nt, page)
+        span, sel = sd.reference_divide(maps[s].double(), votes[s].to(dtype).double(), nt, page, h, params)
+        assert span_of_page[s, :n_pages].tolist() == span, (s, kind)
+        assert (span_of_page[s, n_pages:] == -1).all()
+        assert selected[s].nonzero().flatten().tolist() == sel, (s, kind)
+        for sid in range(n):  # index_count: per span id, its index tokens
+            assert int(count[s, sid]) == sum(1 for t in sel if span[t // page] == sid), (s, sid)
+        cells = tile_cells(nt, n, page, h)
+        valid = cells > 0
+        m = maps[s].double()
+        want_theta = max(float(torch.quantile(m[valid] / cells[valid], params.theta_quantile)),
+                         float(m[valid].sum() / cells[valid].sum()))
+        assert abs(float(div.theta[s]) - want_theta) <= 1e-5 * max(1.0, abs(want_theta)), (s, kind)
+        if kind in ("zero", "uniform"):  # nothing stands out: one span of all pages, ratio 1
+            assert span == [0] * n_pages
+            assert count[s].tolist() == [min(nt, params.max_index)] + [0] * (n - 1)
+        if kind == "planted" and nt == SEG:  # the triangles split the segment
+            assert len(set(span)) > 1
 
 
 def test_nms_matches_reference():

@@ -12,7 +12,9 @@ management (freeing, preemption, prefix caching) without any per-request bookkee
    its queries over its own keys is taken with a *local* softmax (the segment's keys only, as the
    paper's streaming local map), summed over all query heads (Eq. 4 sums heads), and reduced to
    page x page sums ``maps[s, a, b]`` plus per-key column sums (the InfLLM "votes", Eq. 6).
-2. **Division** (:func:`divide_segments`, torch, batched over segments, plus :func:`span_nms`, Triton):
+2. **Division** (:func:`divide_segments`, two Triton launches: one program per segment does all
+   of the following but the last item on the segment's ``[n, n]`` page tables, a second launch
+   ranks the index tokens per block of tokens):
    - the baseline ``theta`` of Eq. 5 is a quantile (``theta_quantile``, the paper's "90th
      percentile") of the per-cell mean attention of the page tiles, and at least the segment's
      mean cell value (else, with attention concentrated in a few tiles, the whole segment scores
@@ -48,7 +50,7 @@ Everything at decode has shapes fixed by host ints (CUDA-graph capturable). The 
 host-built segment tables (built once per step, shared by the layers) and no host sync.
 
 Imports nothing from vLLM. The ``reference_*`` functions at the end are float64 torch with loops,
-written independently of the batched code, for tests.
+written independently of the kernels, for tests.
 """
 
 from __future__ import annotations
@@ -352,10 +354,29 @@ def local_attention_maps(query: torch.Tensor, key: torch.Tensor, segments: SpanS
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _nms_kernel(x_ptr, y_ptr, score_ptr, keep_ptr, num_cand, iou,
-                BLOCK_C: tl.constexpr):
-    """Greedy NMS of one segment's candidates, already sorted by score (descending): a candidate
-    with a positive score is kept unless a kept one overlaps it with IoU above ``iou``."""
+def _greedy_nms(xs, ys, alive, order, num_steps, IOU: tl.constexpr):
+    """Keep mask of greedy NMS over candidates ``[xs, ys]`` visited by ``order`` (0 first; the
+    alive ones within the first ``num_steps``): an alive candidate is kept and suppresses the later
+    ones that it overlaps with IoU above ``IOU`` (float64 product, as :func:`reference_nms`)."""
+    keep = order < 0
+    for i in range(0, num_steps):
+        me = order == i
+        # scalars of candidate i, broadcast back as vectors (the interpreter mis-types scalar & vector)
+        a_i = (order * 0 + tl.sum(tl.where(me & alive, 1, 0), 0)) > 0
+        x_i = order * 0 + tl.sum(tl.where(me, xs, 0), 0)
+        y_i = order * 0 + tl.sum(tl.where(me, ys, 0), 0)
+        inter = tl.maximum(tl.minimum(ys, y_i) - tl.maximum(xs, x_i) + 1, 0).to(tl.float64)
+        union = ((y_i - x_i + 1) + (ys - xs + 1)).to(tl.float64) - inter
+        suppress = (inter > IOU * union) & (order > i) & a_i
+        keep = keep | (me & a_i)
+        alive = alive & (~suppress)
+    return keep
+
+
+@triton.jit
+def _nms_kernel(x_ptr, y_ptr, score_ptr, keep_ptr, num_cand, IOU: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One segment's candidates, already sorted by score (descending), through :func:`_greedy_nms`
+    (candidates with a positive score and ``y >= x`` are alive)."""
     seg = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_cand
@@ -363,31 +384,170 @@ def _nms_kernel(x_ptr, y_ptr, score_ptr, keep_ptr, num_cand, iou,
     xs = tl.load(x_ptr + base + offs, mask=ok, other=0)
     ys = tl.load(y_ptr + base + offs, mask=ok, other=-1)
     sc = tl.load(score_ptr + base + offs, mask=ok, other=0.0)
-    alive = ok & (sc > 0.0) & (ys >= xs)
-    keep = offs < 0
-    for i in range(0, num_cand):
-        me = offs == i
-        # scalars of candidate i, broadcast back as vectors (the interpreter mis-types scalar & vector)
-        a_i = (offs * 0 + tl.sum(tl.where(me & alive, 1, 0), 0)) > 0
-        x_i = offs * 0 + tl.sum(tl.where(me, xs, 0), 0)
-        y_i = offs * 0 + tl.sum(tl.where(me, ys, 0), 0)
-        inter = tl.maximum(tl.minimum(ys, y_i) - tl.maximum(xs, x_i) + 1, 0).to(tl.float32)
-        union = ((y_i - x_i + 1) + (ys - xs + 1)).to(tl.float32) - inter
-        suppress = (inter > iou * union) & (offs > i) & a_i
-        keep = keep | (me & a_i)
-        alive = alive & (~suppress)
+    keep = _greedy_nms(xs, ys, ok & (sc > 0.0) & (ys >= xs), offs, num_cand, IOU)
     tl.store(keep_ptr + base + offs, keep.to(tl.int8), mask=ok)
 
 
 def span_nms(x: torch.Tensor, y: torch.Tensor, score: torch.Tensor, iou: float) -> torch.Tensor:
     """Keep flags (bool ``[S, C]``) of candidates ``[x, y]`` (int32 ``[S, C]``, sorted by ``score``
-    descending per segment). Triton: one program per segment, C sequential steps."""
+    descending per segment): the NMS of :func:`divide_segments`' kernel on given candidates (one
+    program per segment, C sequential steps)."""
     s_count, c = x.shape
     keep = torch.zeros(s_count, c, dtype=torch.int8, device=x.device)
     if s_count and c:
-        _nms_kernel[(s_count,)](x.contiguous(), y.contiguous(), score.float().contiguous(), keep, c, float(iou),
-                                BLOCK_C=triton.next_power_of_2(c))
+        _nms_kernel[(s_count,)](x.contiguous(), y.contiguous(), score.float().contiguous(), keep, c,
+                                IOU=float(iou), BLOCK_C=triton.next_power_of_2(c))
     return keep.bool()
+
+
+@triton.jit
+def _kth_smallest_key(keys, k):
+    """The k-th smallest (from 0) of the int64 ``keys`` [BLOCK, BLOCK], by bisection (64 halvings
+    cover the int64 range; the midpoint is overflow-free)."""
+    lo = tl.min(tl.min(keys, 1), 0)
+    hi = tl.max(tl.max(keys, 1), 0)
+    for _ in range(64):
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+        enough = tl.sum(tl.sum((keys <= mid).to(tl.int32), 1), 0) > k
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    return lo
+
+
+@triton.jit
+def _round_half_even(x):
+    """``torch.round`` of non-negative ``x`` (ties to even), as int32."""
+    whole = x.to(tl.int32)
+    frac = x - whole.to(x.dtype)
+    up = (frac > 0.5) | ((frac == 0.5) & (whole % 2 == 1))
+    return whole + up.to(tl.int32)
+
+
+@triton.jit
+def _divide_kernel(map_ptr, ntok_ptr, table_ptr, span_ptr, count_ptr, theta_ptr,
+                   n, num_heads, s_ms, s_ma, s_mb, s_nt,
+                   PAGE: tl.constexpr, BLOCK: tl.constexpr, QUANTILE: tl.constexpr, IOU: tl.constexpr,
+                   LAM: tl.constexpr, MIN_INDEX: tl.constexpr, MAX_INDEX: tl.constexpr):
+    """One segment's spans from its page map (module doc, step 2), in the map's dtype: theta,
+    triangle scores, the best interval of every anti-diagonal, NMS, every page's span (id: its first
+    page) and every span's index-vector count. ``table_ptr``: the segment's scratch of three
+    [BLOCK, BLOCK] tables (triangle scores, triangle sums, prefix sums), read back at computed
+    positions after a barrier."""
+    seg = tl.program_id(0).to(tl.int64)
+    dt = map_ptr.dtype.element_ty
+    n_tok = tl.load(ntok_ptr + seg * s_nt).to(tl.int32)
+    n_pages = (n_tok + PAGE - 1) // PAGE
+    page = tl.arange(0, BLOCK)
+    rows = page[:, None]  # query page a, or interval end y
+    cols = page[None, :]  # key page b, or interval start x
+    in_pages = page < n_pages
+    tokens = tl.minimum(tl.maximum(n_tok - page * PAGE, 0), PAGE)
+
+    # causal (query, key) pairs x heads of each tile: p_a p_b below the diagonal, p_a (p_a + 1) / 2 on it
+    pa = tokens[:, None]
+    cells = tl.where(cols < rows, pa * tokens[None, :], tl.where(cols == rows, pa * (pa + 1) // 2, 0)) * num_heads
+    valid = cells > 0
+    cells = cells.to(dt)
+    mapped = tl.load(map_ptr + seg * s_ms + rows * s_ma + cols * s_mb, mask=valid, other=0.0)
+
+    # theta: torch.quantile of the valid cells' means (linear interpolation between the order
+    # statistics at floor and ceil of q (m - 1), torch.lerp's two forms), the order statistics found
+    # on integer keys that sort as the values do; at least the segment's mean cell value
+    means = tl.where(valid, mapped / tl.maximum(cells, 1.0), float("inf"))
+    bits = means.to(tl.float64).to(tl.int64, bitcast=True)
+    keys = tl.where(bits < 0, bits ^ 0x7FFFFFFFFFFFFFFF, bits)
+    n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
+    rank = tl.maximum(QUANTILE * (n_valid - 1).to(dt), 0.0)
+    k_low = rank.to(tl.int32)
+    k_high = k_low + (rank > k_low.to(dt)).to(tl.int32)
+    weight = rank - k_low.to(dt)
+    low_key = _kth_smallest_key(keys, k_low)
+    low = tl.max(tl.max(tl.where(keys <= low_key, means, float("-inf")), 1), 0)
+    next_up = tl.min(tl.min(tl.where(keys > low_key, means, float("inf")), 1), 0)
+    high = tl.where(tl.sum(tl.sum((keys <= low_key).to(tl.int32), 1), 0) > k_high, low, next_up)
+    quantile = tl.where(weight < 0.5, low + weight * (high - low), high - (high - low) * (1.0 - weight))
+    quantile = tl.where(n_valid > 0, quantile, 0.0)
+    average = tl.sum(tl.sum(mapped, 1), 0) / tl.maximum(tl.sum(tl.sum(cells, 1), 0), 1.0)
+    theta = tl.maximum(quantile, average)
+    tl.store(theta_ptr + seg, theta)
+
+    # tables: score_tri[y, x] / inside_tri[y, x] = sum over a <= y, b >= x of (maps - theta cells) /
+    # maps; prefix[y, x] = sum over a <= y, b <= x of maps
+    shifted = tl.where(valid, mapped - theta * cells, 0.0)
+    tables = table_ptr + seg * (3 * BLOCK * BLOCK)
+    tile = rows * BLOCK + cols
+    tl.store(tables + tile, tl.cumsum(tl.cumsum(shifted, 0), 1, reverse=True))
+    tl.store(tables + BLOCK * BLOCK + tile, tl.cumsum(tl.cumsum(mapped, 0), 1, reverse=True))
+    tl.store(tables + 2 * BLOCK * BLOCK + tile, tl.cumsum(tl.cumsum(mapped, 1), 0))
+    tl.debug_barrier()
+
+    # candidates: the best interval [x, d - x] of each anti-diagonal d (ties: smallest x)
+    diag = tl.arange(0, 2 * BLOCK)
+    cand_y = diag[:, None] - cols
+    on_diag = (cand_y >= cols) & (cand_y < n_pages)
+    cand = tl.load(tables + cand_y * BLOCK + cols, mask=on_diag, other=float("-inf"))
+    best = tl.max(cand, 1)
+    best_x = tl.min(tl.where(on_diag & (cand == best[:, None]), cols, BLOCK), 1)
+    best_y = diag - best_x
+    # visiting order: score descending, ties to the smaller d (a stable descending sort)
+    ahead = (best[:, None] > best[None, :]) | ((best[:, None] == best[None, :]) & (diag[:, None] < diag[None, :]))
+    order = tl.sum(ahead.to(tl.int32), 0)
+    alive = best > 0.0  # positive scores come first in the order
+    keep = _greedy_nms(best_x, best_y, alive, order, tl.sum(alive.to(tl.int32), 0), IOU)
+
+    # owner of each page: the first kept candidate (in order) covering it; span id: the owner's
+    # smallest page; uncovered pages: runs between owned pages, id = the run's first page
+    cover = keep[:, None] & (best_x[:, None] <= cols) & (cols <= best_y[:, None])  # [candidate, page]
+    owner = tl.min(tl.where(cover, order[:, None], 2 * BLOCK), 0)
+    owned = owner < 2 * BLOCK
+    mine = cover & (order[:, None] == owner[None, :])
+    owner_x = tl.sum(tl.where(mine, best_x[:, None], 0), 0)
+    owner_y = tl.sum(tl.where(mine, best_y[:, None], 0), 0)
+    first_owned = tl.min(tl.where(owned[None, :] & (owner[None, :] == owner[:, None]), cols, BLOCK), 1)
+    gap_start = tl.max(tl.where(owned[None, :] & (cols <= rows), cols, -1), 1) + 1
+    gap_end = tl.minimum(tl.min(tl.where(owned[None, :] & (cols >= rows), cols, BLOCK), 1) - 1, n_pages - 1)
+    span = tl.where(in_pages, tl.where(owned, first_owned, gap_start), -1)
+    sx = tl.where(owned, owner_x, gap_start)
+    sy = tl.where(owned, owner_y, gap_end)
+
+    # index vectors of the span [sx, sy] (Eq. 7): inside = triangle sum, row neighbours = the
+    # rows' sums left of sx (prefix[sy, sx - 1] - prefix[sx - 1, sx - 1])
+    inside = tl.load(tables + BLOCK * BLOCK + sy * BLOCK + sx, mask=in_pages, other=0.0)
+    has_left = in_pages & (sx > 0)
+    rows_left = tl.load(tables + 2 * BLOCK * BLOCK + sy * BLOCK + sx - 1, mask=has_left, other=0.0)
+    above = tl.load(tables + 2 * BLOCK * BLOCK + (sx - 1) * BLOCK + sx - 1, mask=has_left, other=0.0)
+    total = inside + (rows_left - above)
+    ratio = tl.where(total > 0, inside / tl.maximum(total, 1e-30), 1.0)
+    span_tokens = tl.sum(tl.where((span[:, None] == span[None, :]) & in_pages[None, :], tokens[None, :], 0), 1)
+    share = tl.exp((-LAM * (1.0 - ratio)).to(tl.float64)).to(dt)  # fp64: Triton's fp32 exp is approximate on GPUs
+    want = tl.minimum(tl.maximum(_round_half_even(span_tokens.to(dt) * share), MIN_INDEX), MAX_INDEX)
+    # per span id: the count at the span's first page (the page whose id is itself)
+    count = tl.where(span == page, tl.minimum(want, span_tokens), 0)
+    tl.store(span_ptr + seg * n + page, span.to(tl.int64), mask=page < n)
+    tl.store(count_ptr + seg * n + page, count.to(tl.int64), mask=page < n)
+
+
+@triton.jit
+def _index_tokens_kernel(vote_ptr, ntok_ptr, span_ptr, count_ptr, sel_ptr, n, seg_tok, s_vs, s_vt, s_nt,
+                         PAGE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T tokens of one segment: a token is an index token if fewer than its span's count of
+    the span's tokens rank before it (higher vote, or equal vote and lower position)."""
+    seg = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_tok = tl.load(ntok_ptr + seg * s_nt).to(tl.int32)
+    mine = t < n_tok
+    vote = tl.load(vote_ptr + seg * s_vs + t * s_vt, mask=mine, other=0.0)
+    span = tl.load(span_ptr + seg * n + t // PAGE, mask=mine, other=-1)
+    ahead = tl.zeros((BLOCK_T,), tl.int32)
+    for u0 in range(0, n_tok, BLOCK_T):
+        u = u0 + tl.arange(0, BLOCK_T)
+        theirs = u < n_tok
+        vote_u = tl.load(vote_ptr + seg * s_vs + u * s_vt, mask=theirs, other=0.0)
+        span_u = tl.load(span_ptr + seg * n + u // PAGE, mask=theirs, other=-2)
+        before = (vote_u[None, :] > vote[:, None]) | ((vote_u[None, :] == vote[:, None]) & (u[None, :] < t[:, None]))
+        ahead += tl.sum((before & (span_u[None, :] == span[:, None])).to(tl.int32), 1)
+    count = tl.load(count_ptr + seg * n + span, mask=mine, other=0)
+    tl.store(sel_ptr + seg * seg_tok + t, (mine & (ahead < count)).to(tl.int8), mask=t < seg_tok)
 
 
 @dataclass(frozen=True)
@@ -402,119 +562,37 @@ class SpanDivision:
     index_count: torch.Tensor
 
 
-def page_token_counts(n_tokens: torch.Tensor, n: int, page_size: int) -> torch.Tensor:
-    """Tokens of each page of each segment, ``[S, n]`` (int64)."""
-    a = torch.arange(n, device=n_tokens.device)
-    return (n_tokens.to(torch.int64)[:, None] - a * page_size).clamp(0, page_size)
-
-
-def cell_counts(page_tokens: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Causal (query, key) pairs x heads of each page tile ``[S, n, n]``: p_a * p_b below the
-    diagonal, p_a (p_a + 1) / 2 on it, 0 above."""
-    pa = page_tokens.to(torch.float64)
-    full = pa[:, :, None] * pa[:, None, :]
-    diag = torch.diag_embed(pa * (pa + 1) / 2)
-    n = pa.shape[1]
-    lower = torch.tril(torch.ones(n, n, dtype=torch.bool, device=pa.device), -1)
-    return (torch.where(lower, full, 0.0) + diag) * num_heads
-
-
 def divide_segments(maps: torch.Tensor, votes: torch.Tensor, n_tokens: torch.Tensor, page_size: int,
                     num_heads: int, params: SpanParams) -> SpanDivision:
-    """Spans and index tokens of every segment from its page map and votes (module doc, step 2).
-    Batched torch over segments (no host sync) plus :func:`span_nms`; float32 or float64 inputs."""
+    """Spans and index tokens of every segment from its page map ``[S, n, n]`` and votes ``[S,
+    segment_tokens]`` (module doc, step 2); ``n_tokens``: int ``[S]`` (any stride). Two launches, no
+    host sync: the division kernel (one program per segment; n <= 64 pages fit its registers), then
+    the index-token kernel (one program per block of a segment's tokens). float32 or float64 maps,
+    computed in their dtype. Sized for n <= 64 (larger n works, with large register tiles)."""
+    if maps.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"maps dtype {maps.dtype} not supported (float32, float64)")
     s_count, n, _ = maps.shape
-    dev, dt = maps.device, maps.dtype
-    a = torch.arange(n, device=dev)
-    pt = page_token_counts(n_tokens, n, page_size)  # [S, n]
-    n_pages = (pt > 0).sum(1)  # [S]
-    cells = cell_counts(pt, num_heads).to(dt)
-    valid = cells > 0
-    mean = torch.where(valid, maps / cells.clamp_min(1), float("nan"))
-    theta = torch.nanquantile(mean.view(s_count, -1), params.theta_quantile, dim=1).nan_to_num(0.0)  # [S]
-    # floor: the segment's mean cell value, so that the whole segment never scores positive (with
-    # attention concentrated in few tiles the quantile falls below it, and one span swallows all)
-    average = torch.where(valid, maps, 0.0).sum((1, 2)) / cells.sum((1, 2)).clamp_min(1)
-    theta = torch.maximum(theta, average)
-    mapped = torch.where(valid, maps, 0.0)
-    shifted = torch.where(valid, maps - theta[:, None, None] * cells, 0.0)
-
-    def triangle(m):  # tri[s, y, x] = sum over a <= y, b >= x of m[s, a, b]
-        return m.cumsum(1).flip(2).cumsum(2).flip(2)
-
-    score_tri = triangle(shifted)
-    inside_tri = triangle(mapped)
-    # row neighbours of [x, y]: sum over x <= a <= y, b < x = left[y, x] - left[x - 1, x]
-    left = torch.cat([torch.zeros_like(mapped[:, :, :1]), mapped.cumsum(2)[:, :, :-1]], 2).cumsum(1)  # [S, y, x]
-
-    # candidates: the best interval of each anti-diagonal d = x + y (ties: smallest x)
-    d = torch.arange(2 * n - 1, device=dev)
-    xs = a[None, :].expand(2 * n - 1, n)
-    ys = d[:, None] - xs
-    ok = (ys >= xs) & (ys < n)  # [C, n]
-    ys_c = ys.clamp(0, n - 1)
-    cand = score_tri[:, ys_c, xs]  # [S, C, n]
-    in_seg = ok[None] & (ys_c[None] < n_pages[:, None, None])
-    cand = torch.where(in_seg, cand, float("-inf"))
-    best_score, best_x = cand.max(2)  # first max: smallest x
-    best_y = d[None, :] - best_x
-    order = torch.sort(best_score, dim=1, descending=True, stable=True).indices
-    cx = best_x.gather(1, order).to(torch.int32)
-    cy = best_y.gather(1, order).to(torch.int32)
-    cs = best_score.gather(1, order)
-    keep = span_nms(cx, cy, torch.where(torch.isfinite(cs), cs, -1.0), params.iou)  # [S, C]
-
-    # owner of each page: the first kept candidate (in score order) that covers it
-    cover = keep[:, :, None] & (cx[:, :, None] <= a) & (a <= cy[:, :, None])  # [S, C, n]
-    owned = cover.any(1)
-    first = cover.to(torch.int8).argmax(1)  # [S, n]
-    in_pages = a[None, :] < n_pages[:, None]
-    # canonical span id of an owner: its smallest owned page
-    big = torch.full((s_count, cx.shape[1]), n, dtype=torch.int64, device=dev)
-    owner_min = big.scatter_reduce(1, first, torch.where(owned, a[None, :].expand(s_count, n), n), "amin")
-    gap_start = torch.where(owned, a, -1).cummax(1).values + 1  # first page of the uncovered run
-    gap_end = torch.where(owned, a, n).flip(1).cummin(1).values.flip(1) - 1
-    gap_end = torch.minimum(gap_end, n_pages[:, None] - 1)
-    span_id = torch.where(owned, owner_min.gather(1, first), gap_start)
-    sx = torch.where(owned, cx.gather(1, first).to(torch.int64), gap_start)
-    sy = torch.where(owned, cy.gather(1, first).to(torch.int64), gap_end)
-    span_id = torch.where(in_pages, span_id, -1)
-
-    # index vectors per span (Eq. 7), from the span's interval [sx, sy]
-    inside = inside_tri.gather(1, sy.clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
-        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)  # tri[s, sy, sx]
-    rows_left = left.gather(1, sy.clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
-        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)
-    above = left.gather(1, (sx - 1).clamp(0, n - 1)[:, :, None].expand(-1, -1, n)).gather(
-        2, sx.clamp(0, n - 1)[:, :, None]).squeeze(2)
-    neighbours = rows_left - torch.where(sx > 0, above, 0.0)
-    total = inside + neighbours
-    ratio = torch.where(total > 0, inside / total.clamp_min(1e-30), 1.0)
-    tokens_of_span = torch.zeros(s_count, n + 1, dtype=torch.int64, device=dev).scatter_add(
-        1, torch.where(in_pages, span_id, n), pt)[:, :n]  # [S, id]
-    share = torch.exp(-params.lam * (1.0 - ratio))  # per page, of its span
-    want = torch.round(tokens_of_span.gather(1, span_id.clamp(0, n - 1)).to(share.dtype) * share)
-    want = want.clamp(params.min_index, params.max_index).to(torch.int64)
-    # every page of a span has the same interval, so the same count: scatter any of them
-    count = torch.zeros(s_count, n + 1, dtype=torch.int64, device=dev).scatter(
-        1, torch.where(in_pages, span_id, n), want)[:, :n]
-    count = torch.minimum(count, tokens_of_span)
-
-    # the count most-voted tokens of each span (ties: lower position)
     seg_tok = votes.shape[1]
-    t = torch.arange(seg_tok, device=dev)
-    tok_valid = t[None, :] < n_tokens.to(torch.int64)[:, None]
-    tok_span = torch.where(tok_valid, span_id.gather(1, (t // page_size)[None, :].expand(s_count, -1)), n)
-    by_vote = torch.sort(torch.where(tok_valid, votes, float("-inf")), dim=1, descending=True, stable=True).indices
-    by_span = torch.sort(tok_span.gather(1, by_vote), dim=1, stable=True)
-    order = by_vote.gather(1, by_span.indices)
-    sorted_span = by_span.values
-    first_pos = torch.searchsorted(sorted_span.contiguous(), sorted_span.contiguous(), right=False)
-    rank = t[None, :] - first_pos
-    keep_sorted = (rank < torch.cat([count, torch.zeros_like(count[:, :1])], 1).gather(1, sorted_span)) \
-        & (sorted_span < n)
-    selected = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
-    return SpanDivision(span_id, selected, theta, count)
+    dev = maps.device
+    span_of_page = torch.empty(s_count, n, dtype=torch.int64, device=dev)
+    count = torch.empty(s_count, n, dtype=torch.int64, device=dev)
+    theta = torch.empty(s_count, dtype=maps.dtype, device=dev)
+    selected = torch.empty(s_count, seg_tok, dtype=torch.int8, device=dev)
+    if s_count:
+        block = triton.next_power_of_2(n)
+        tables = torch.empty(s_count, 3, block, block, dtype=maps.dtype, device=dev)
+        _divide_kernel[(s_count,)](
+            maps, n_tokens, tables, span_of_page, count, theta, n, num_heads, *maps.stride(), n_tokens.stride(0),
+            PAGE=page_size, BLOCK=block, QUANTILE=float(params.theta_quantile), IOU=float(params.iou),
+            LAM=float(params.lam), MIN_INDEX=params.min_index, MAX_INDEX=params.max_index,
+            num_warps=4 if block <= 32 else 8,
+        )
+        block_t = 64
+        _index_tokens_kernel[(s_count, triton.cdiv(seg_tok, block_t))](
+            votes, n_tokens, span_of_page, count, selected, n, seg_tok, *votes.stride(), n_tokens.stride(0),
+            PAGE=page_size, BLOCK_T=block_t,
+        )
+    return SpanDivision(span_of_page, selected.view(torch.bool), theta, count)
 
 
 def span_page_keys(keys: torch.Tensor, division: SpanDivision, page_size: int) -> torch.Tensor:
