@@ -310,10 +310,12 @@ class SpansSelector:
     decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
-                                         "share": float, "page": int}
+                                         "share": float, "page": int, "score": str}
+    # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
+    _divided: ClassVar[dict[tuple, tuple[list, list]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE):
+                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum"):
         from vllm_sparse_backend.decode_spans import span_params
         from vllm_sparse_backend.triton_kernels import span_decode, topk_decode
 
@@ -321,6 +323,7 @@ class SpansSelector:
         self.label = label
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.persist_pages, self.budget_pages, self.page_size = persist_pages, budget_pages, page_size
+        self.score = score  # "sum": q . (sum of index keys), Eq. 8 as written; "mean": q . their mean
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
         self.attended = AttendedShare()
@@ -329,9 +332,11 @@ class SpansSelector:
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        TopkSelector.check_params({k: v for k, v in params.items() if k != "persist"})
+        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score")})
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
+        if params.get("score", "sum") not in ("sum", "mean"):
+            raise ValueError(f"score must be sum or mean, got {params['score']}")
 
     @classmethod
     def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "SpansSelector":
@@ -341,7 +346,8 @@ class SpansSelector:
                   else params.get("budget", cfg.decode_budget_pages))
         return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
-                   persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page)
+                   persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
+                   score=params.get("score", "sum"))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -364,21 +370,32 @@ class SpansSelector:
             lens.append(t)
         return torch.stack(maps), torch.stack(votes), torch.tensor(lens)
 
+    def divide(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[list, list]:
+        """Per segment: the span id of each page and the index tokens (the division's loop
+        reference, which the GPU kernels are tested to equal)."""
+        maps, votes, lens = self.local_maps(q, k, scale)
+        out = [self._spans.reference_divide(maps[s].double(), votes[s].double(), int(lens[s]), self.page_size,
+                                            q.shape[0], self.params) for s in range(lens.shape[0])]
+        return [o[0] for o in out], [o[1] for o in out]
+
     def prefill(self, layer, q, k, v) -> None:
         scale = q.shape[-1] ** -0.5  # the model's scaling is 1/sqrt(head_dim) (Qwen2, Llama)
-        maps, votes, lens = self.local_maps(q, k, scale)
         seg, page = self.params.segment_tokens, self.page_size
         n_tok = k.shape[1]
         n_pages = -(-n_tok // page)
+        cache_key = (layer, k.data_ptr(), n_tok, seg, page)
+        if cache_key not in self._divided:
+            self._divided.clear()  # a new prompt
+        if cache_key not in self._divided:
+            self._divided[cache_key] = self.divide(q, k, scale)
+        spans, index_tokens = self._divided[cache_key]
         span_keys = torch.zeros(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
         keys = k.transpose(0, 1).double()  # [N, Hkv, D]
-        for s in range(lens.shape[0]):  # the division's loop reference (the tests hold the kernels to it)
-            span, index_tokens = self._spans.reference_divide(maps[s].double(), votes[s].double(), int(lens[s]),
-                                                              page, q.shape[0], self.params)
+        for s, (span, chosen) in enumerate(zip(spans, index_tokens)):
             p0, t0 = s * seg // page, s * seg
             for sid in set(span):
-                tokens = [t0 + t for t in index_tokens if span[t // page] == sid]
-                vector = keys[tokens].sum(0)
+                tokens = [t0 + t for t in chosen if span[t // page] == sid]
+                vector = keys[tokens].sum(0) / (len(tokens) if self.score == "mean" else 1)
                 for a, owner in enumerate(span):
                     if owner == sid:
                         span_keys[p0 + a] = vector
@@ -402,7 +419,8 @@ class SpansSelector:
             keys = torch.cat([keys, torch.zeros(n_pages - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)])
             flags = torch.cat([flags, torch.zeros(n_pages - flags.shape[0], flags.shape[1], dtype=flags.dtype)])
         last = (length - 1) // self.page_size  # the page this step wrote: its fallback key
-        keys[last] = self.params.min_index * k[:, last * self.page_size:length].double().mean(1)
+        fallback = self.params.min_index if self.score == "sum" else 1
+        keys[last] = fallback * k[:, last * self.page_size:length].double().mean(1)
         self._keys[layer], self._flags[layer] = keys, flags
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
