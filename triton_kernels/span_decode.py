@@ -62,9 +62,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk_decode import _check_cache, last_written_slot, page_key_tile
 from .topk_select import topk_ascending
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TILE = 64  # query and key rows of a local-map tile; segments and pages must divide into it
 SEGMENT_COLUMNS = 5  # int32 columns of a segment table: row, first token, tokens, first page, pages
 
@@ -124,19 +124,8 @@ def _update_span_keys_kernel(k_ptr, sk_ptr, flag_ptr, slot_ptr, num_slots, fallb
     new or reused) clears the page's persistent flag."""
     i = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + i).to(tl.int64)
-    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_slots, other=-1).to(tl.int64)
-    page = tl.maximum(slot // PAGE, 0)
-    offset = slot % PAGE
-    last_of_page = (nxt != slot + 1) | (offset == PAGE - 1)
-    n_valid = tl.where((slot >= 0) & last_of_page, offset + 1, 0)
-    offs_t = tl.arange(0, PAGE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    valid = (offs_t < n_valid)[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + page * s_kp + offs_t[:, None] * s_kt + kvh * s_kh + offs_d[None, :] * s_kd,
-                mask=valid, other=0.0).to(tl.float32)
-    k = tl.where(valid, k, 0.0)  # unused slots may hold NaN
+    slot, page, offset, n_valid = last_written_slot(slot_ptr, i, num_slots, PAGE)
+    k, valid, offs_d, d_ok = page_key_tile(k_ptr, page, n_valid, kvh, s_kp, s_kt, s_kh, s_kd, PAGE, HEAD_DIM, BLOCK_D)
     vec = tl.sum(k, 0) * (fallback_count / tl.maximum(n_valid, 1).to(tl.float32))
     store_ok = d_ok & ((offs_d * 0 + n_valid) > 0)  # vector form (the interpreter mis-types scalar & vector)
     tl.store(sk_ptr + page * s_sp + kvh * s_sh + offs_d * s_sd, vec, mask=store_ok)
@@ -159,18 +148,6 @@ def update_span_keys(key_cache: torch.Tensor, span_keys: torch.Tensor, flags: to
         *key_cache.stride(), *span_keys.stride(), *flags.stride(),
         PAGE=page, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
     )
-
-
-def _check_cache(key_cache: torch.Tensor) -> tuple[int, int, int]:
-    if key_cache.dim() != 4:
-        raise ValueError(f"key cache must be [num_pages, page_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)}")
-    if key_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"cache dtype {key_cache.dtype} not supported (fp16, bf16, fp32)")
-    page, hkv, d = key_cache.shape[1:]
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
-    return page, hkv, d
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,6 +231,17 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
 
 
 @triton.jit
+def _score_tile(q, k_ptr, tok0, offs_n, n_tok, kvh, offs_d, d_ok, s_kt, s_kh, s_kd, qk_scale,
+                DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """Scaled scores (log2 units) of the stacked query rows against the segment's keys ``offs_n``."""
+    kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
+                 mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0)
+    if not NATIVE_DOT:
+        kt = kt.to(tl.float32)
+    return tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+
+
+@triton.jit
 def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
                       s_qt, s_qh, s_qd, s_kt, s_kh, s_kd, s_ms, s_ma, s_vs, qk_scale,
                       GROUP: tl.constexpr, HPP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -288,11 +276,8 @@ def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
         l_i = tl.zeros((ROWS,), tl.float32)
         for kb in range(0, rb + 1):
             offs_n = kb * 64 + offs_n0
-            kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
-                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0)
-            if not NATIVE_DOT:
-                kt = kt.to(tl.float32)
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            s = _score_tile(q, k_ptr, tok0, offs_n, n_tok, kvh, offs_d, d_ok, s_kt, s_kh, s_kd, qk_scale,
+                            DOT_PRECISION, NATIVE_DOT)
             ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :]
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -304,11 +289,8 @@ def _local_map_kernel(q_ptr, k_ptr, seg_ptr, map_ptr, vote_ptr,
         offs_a = tl.arange(0, 64 // PAGE)
         for kb in range(0, rb + 1):
             offs_n = kb * 64 + offs_n0
-            kt = tl.load(k_ptr + (tok0 + offs_n)[None, :] * s_kt + kvh * s_kh + offs_d[:, None] * s_kd,
-                         mask=(offs_n < n_tok)[None, :] & d_ok[:, None], other=0.0)
-            if not NATIVE_DOT:
-                kt = kt.to(tl.float32)
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            s = _score_tile(q, k_ptr, tok0, offs_n, n_tok, kvh, offs_d, d_ok, s_kt, s_kh, s_kd, qk_scale,
+                            DOT_PRECISION, NATIVE_DOT)
             ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < n_tok)[None, :] & m_ok[:, None]
             p = tl.where(ok, tl.exp2(s - m_i[:, None]) * inv_l[:, None], 0.0)
             pooled = tl.sum(tl.sum(tl.sum(tl.reshape(p, (HPP, 64 // PAGE, PAGE, 64 // PAGE, PAGE)), 4), 2), 0)

@@ -114,17 +114,39 @@ def allocate_page_summaries(key_cache: torch.Tensor,
 
 
 @triton.jit
-def _summarise_page(k_ptr, smin_ptr, smax_ptr, page, n_valid, kvh,
-                    s_kp, s_kt, s_kh, s_kd, s_sp, s_sh, s_sd,
-                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """min / max over the first ``n_valid`` keys of physical ``page`` (int64) and KV head ``kvh``.
-    ``n_valid`` <= 0 writes nothing."""
+def page_key_tile(k_ptr, page, n_valid, kvh, s_kp, s_kt, s_kh, s_kd,
+                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The first ``n_valid`` keys of physical ``page`` and KV head ``kvh`` as fp32 ``[PAGE,
+    BLOCK_D]`` (0 elsewhere: unused slots may hold NaN), the validity mask, offs_d and d_ok."""
     offs_t = tl.arange(0, PAGE)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     valid = (offs_t < n_valid)[:, None] & d_ok[None, :]
     k = tl.load(k_ptr + page * s_kp + offs_t[:, None] * s_kt + kvh * s_kh + offs_d[None, :] * s_kd,
                 mask=valid, other=0.0).to(tl.float32)
+    return k, valid, offs_d, d_ok
+
+
+@triton.jit
+def last_written_slot(slot_ptr, i, num_slots, PAGE: tl.constexpr):
+    """Slot ``i`` of a slot_mapping: (slot, physical page, offset, n_valid). ``n_valid`` = offset + 1
+    when no later slot of this call continues the page (only the last write of a page recomputes
+    it), else 0; 0 for padding (-1)."""
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_slots, other=-1).to(tl.int64)
+    page = tl.maximum(slot // PAGE, 0)
+    offset = slot % PAGE
+    last_of_page = (nxt != slot + 1) | (offset == PAGE - 1)
+    return slot, page, offset, tl.where((slot >= 0) & last_of_page, offset + 1, 0)
+
+
+@triton.jit
+def _summarise_page(k_ptr, smin_ptr, smax_ptr, page, n_valid, kvh,
+                    s_kp, s_kt, s_kh, s_kd, s_sp, s_sh, s_sd,
+                    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """min / max over the first ``n_valid`` keys of physical ``page`` (int64) and KV head ``kvh``.
+    ``n_valid`` <= 0 writes nothing."""
+    k, valid, offs_d, d_ok = page_key_tile(k_ptr, page, n_valid, kvh, s_kp, s_kt, s_kh, s_kd, PAGE, HEAD_DIM, BLOCK_D)
     # invalid slots may hold NaN or stale keys: replace them (never multiply them away)
     k_min = tl.min(tl.where(valid, k, float("inf")), 0)
     k_max = tl.max(tl.where(valid, k, float("-inf")), 0)
@@ -140,14 +162,9 @@ def _update_summaries_kernel(k_ptr, smin_ptr, smax_ptr, slot_ptr, num_slots,
                              PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + i).to(tl.int64)
-    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_slots, other=-1).to(tl.int64)
-    page = slot // PAGE
-    offset = slot % PAGE
     # the page's next slot written by this same call recomputes the page (over more tokens)
-    last_of_page = (nxt != slot + 1) | (offset == PAGE - 1)
-    n_valid = tl.where((slot >= 0) & last_of_page, offset + 1, 0)
-    _summarise_page(k_ptr, smin_ptr, smax_ptr, tl.maximum(page, 0), n_valid, kvh,
+    _, page, _, n_valid = last_written_slot(slot_ptr, i, num_slots, PAGE)
+    _summarise_page(k_ptr, smin_ptr, smax_ptr, page, n_valid, kvh,
                     s_kp, s_kt, s_kh, s_kd, s_sp, s_sh, s_sd, PAGE, HEAD_DIM, BLOCK_D)
 
 
