@@ -62,8 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_decode import _check_cache, last_written_slot, page_key_tile
-from .topk_select import topk_ascending
+from .topk_decode import _check_cache, last_written_slot, page_key_tile, top_pages
 
 TILE = 64  # query and key rows of a local-map tile; segments and pages must divide into it
 SEGMENT_COLUMNS = 5  # int32 columns of a segment table: row, first token, tokens, first page, pages
@@ -162,8 +161,8 @@ class SpanSegments:
     query/key tensors), tokens, first logical page, pages; the first token is page-aligned in the
     sequence. ``page_seg`` / ``page_idx`` / ``page_row`` / ``page_lp``: int64 ``[P]`` the pages the
     division writes (segment, page within it, batch row, logical page). ``persist_*``: one entry
-    per prefill row: row, token range of its last queries ``[start, start + count)``, sequence
-    length after the chunk."""
+    per prefill row: the row, the token indices of its last ``last_q`` queries with their weights
+    (0 for the repeats that pad a shorter chunk), the sequence length after the chunk."""
 
     table: torch.Tensor
     n_tokens_host: tuple[int, ...]
@@ -667,13 +666,6 @@ def _span_scores(q, span_keys, flags, block_table, seq_lens, page_size, sink_pag
     return scores
 
 
-def _top_pages(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, hkv, score_width = scores.shape
-    ids, _, vals = topk_ascending(scores.view(batch * hkv, score_width), width, return_values=True)
-    ok = (vals > float("-inf")).view(batch, hkv, width)
-    return torch.where(ok, ids.view(batch, hkv, width), -1), ok.sum(-1, dtype=torch.int32)
-
-
 def select_span_pages(q: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor, block_table: torch.Tensor,
                       seq_lens: torch.Tensor, page_size: int, *, sink_pages: int, recent_pages: int,
                       persist_pages: int, num_pages_budget: int,
@@ -696,7 +688,7 @@ def select_span_pages(q: torch.Tensor, span_keys: torch.Tensor, flags: torch.Ten
         return empty, empty[..., 0]
     scores = _span_scores(q, span_keys, flags, block_table, seq_lens, page_size, sink_pages, recent_pages, width,
                           max_pages, persist=False)
-    return _top_pages(scores, width)
+    return top_pages(scores, width)
 
 
 def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: torch.Tensor,
@@ -713,7 +705,7 @@ def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: t
     max_pages = bt.shape[1]
     scores = _span_scores(q_sum, span_keys, flags, bt, segments.persist_seq_len, page_size, sink_pages,
                           recent_pages, persist_pages, max_pages, persist=True)
-    chosen, _ = _top_pages(scores, persist_pages)  # [R, Hkv, persist]
+    chosen, _ = top_pages(scores, persist_pages)  # [R, Hkv, persist]
     n_pages = (segments.persist_seq_len.to(torch.int64) + page_size - 1) // page_size
     sink_row = flags.shape[0] - 1
     lp = torch.arange(max_pages, device=bt.device)

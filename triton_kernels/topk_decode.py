@@ -317,12 +317,18 @@ def select_pages(q: torch.Tensor, summary_min: torch.Tensor, summary_max: torch.
         GROUP=group, HPS=hps, PAGE=page_size, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_H=triton.next_power_of_2(hps), BLOCK_P=block_p,
     )
-    # forced pages are +inf, so they always make the width; pages past the sequence are -inf and
-    # have the highest page numbers, so in ascending order they come last and are cut off there
+    return top_pages(scores, width)
+
+
+def top_pages(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``width`` best pages of fp32 page scores ``[batch, S, score_width]``: (selected int32
+    ``[batch, S, width]`` logical pages ascending, -1 where the score is -inf; counts ``[batch,
+    S]``). Forced pages scored +inf always make the width; pages past the sequence are -inf and
+    have the highest page numbers, so in ascending order they come last and are cut off there."""
+    batch, n_sel, score_width = scores.shape
     ids, _, vals = topk_ascending(scores.view(batch * n_sel, score_width), width, return_values=True)
     ok = (vals > float("-inf")).view(batch, n_sel, width)
-    selected = torch.where(ok, ids.view(batch, n_sel, width), -1)
-    return selected, ok.sum(-1, dtype=torch.int32)
+    return torch.where(ok, ids.view(batch, n_sel, width), -1), ok.sum(-1, dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------------------
