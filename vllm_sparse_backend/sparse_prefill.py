@@ -7,7 +7,7 @@ Backend-agnostic glue between a planned step and the math. Two paths:
   in PyTorch on those K/V and the PyTorch reference computes the rows.
 * :func:`run_sparse_rows_paged`: the GPU path. Estimation reads K through the block table
   (:mod:`vllm_sparse_backend.paged_estimate`) and the Triton kernel reads K/V the same way;
-  nothing is gathered and nothing waits for the GPU unless stats are being written.
+  nothing is gathered and nothing waits for the GPU.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
       (they ran on the sparse path) and are also counted under ``dense_reasons`` when the flags
       are next read (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
 
-    Nothing here waits for the GPU unless ``settings.stats_file`` is set (its dump reads every
-    count back). On the forwards the stage timer samples (``timing_sample_every``) the computed
+    Nothing here waits for the GPU, also with ``settings.stats_file`` set: every row's counts are
+    then read back later like a sampled forward's and the file catches up as they arrive
+    (:meth:`SparseStats.refresh`). On the forwards the stage timer samples (``timing_sample_every``) the computed
     pairs, the flags and FlexPrefill's per-head decisions are counted on the device and read back
     later (:meth:`SparseStats.read_later`).
     """
@@ -122,13 +123,13 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
                whole_rows=whole)
         timing.lap("kernel")
     timing.done()
-    if settings.stats_file:
-        STATS.dump(settings.stats_file)
+    if settings.stats_file:  # without waiting: the counts still on the device follow (STATS.refresh)
+        STATS.dump(settings.stats_file, wait=False)
 
 
 def _defer_measured(row: SparseRow, num_heads: int, est, flag: torch.Tensor | None, patterns: dict) -> None:
     """Record a row now and its measured pairs once the device has counted them (no host sync;
-    exact in the stats file, whose dump waits for them). A row flagged dense (``flag``)
+    the stats file shows them once they arrive). A row flagged dense (``flag``)
     computed all its causal pairs; FlexPrefill heads are split by their per-head choice."""
     causal = causal_pairs(row.q_len, row.ctx_len, num_heads)
     computed = count_pairs_tensor(est.index, row.q_len, row.ctx_len) * est.heads_per_list

@@ -34,6 +34,7 @@ class SparseStats:
     stage_seconds: Counter = field(default_factory=Counter)  # sampled seconds per stage (estimate, kernel)
     stage_samples: Counter = field(default_factory=Counter)  # sampled forwards per stage
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
@@ -196,14 +197,34 @@ class SparseStats:
             "stage_samples": dict(self.stage_samples),
         }
 
-    def dump(self, path: str) -> None:
-        self.flush_deferred()  # waits for every readout, these counts' and earlier ones
-        tmp = f"{path}.{os.getpid()}.tmp"
+    def dump(self, path: str, wait: bool = True) -> None:
+        """Rewrite the JSON file at ``path``. ``wait``: first wait for every readout (a host
+        sync on CUDA), so the file is exact now. Without ``wait`` (what CUDA forwards do, so
+        that a stats file does not stall the GPU once per layer) the file holds what the device
+        has finished counting, ``pending_readouts`` says how many counts are still on their
+        way, and :meth:`refresh` rewrites it when they arrive."""
+        self.flush_deferred(wait=wait)
+        if not wait:
+            self.poll_readouts()
+        self._write(path)
+
+    def refresh(self, path: str) -> None:
+        """Apply the readouts the device has finished and rewrite ``path`` if any were: called
+        by every CUDA forward while counts are pending, so the file catches up at the next
+        forward (the first decode step of a prompt, at the latest, when it runs eagerly)
+        without waiting for the GPU."""
+        if self._readouts and self.poll_readouts():
+            self._write(path)
+
+    def _write(self, path: str) -> None:
         with self._lock:
             data = self.as_dict()
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+            data["pending_readouts"] = len(self._readouts)
+        with self._write_lock:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
 
 
 STATS = SparseStats()

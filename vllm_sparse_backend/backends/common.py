@@ -177,7 +177,7 @@ def build_sparse_metadata(cm, allow_context: bool, dense_build: Callable[[Any, b
         log_once("long rows with %s run dense", reason)
         STATS.record_dense_reason(reason, count)
     if plan.dense_reasons and cfg.stats_file:
-        STATS.dump(cfg.stats_file)
+        STATS.dump(cfg.stats_file, wait=False)
     if not plan.has_sparse:
         return None
     runs = [DenseRun(qsl[a], qsl[b], dense_build(slice_rows(cm, a, b, seq_lens), k == 0))

@@ -38,6 +38,7 @@ from ..paged_estimate import HeadGroups
 from ..plan import SparseRow, budget_density, kv_group_share
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
+from ..stats import STATS
 from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, group_head_counts, log_once,
                      logger, prepare_group, resolve_layer_heads, settings, unsupported_reason)
 
@@ -232,6 +233,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         mode = settings().decode_mode
+        if settings().stats_file and not torch.cuda.is_current_stream_capturing():
+            STATS.refresh(settings().stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
         elif mode != "dense" and output_scale is None and self._decode_off is None:
