@@ -114,6 +114,17 @@ def test_interp_last_q_longer_than_64():
 
 
 @cpu_only
+@pytest.mark.parametrize("settings,patterns", [
+    (SETTINGS, ["vertical_slash"] * 8),  # per-head budgets: the share is a floor on each head's
+    (SHARED, ["vertical_slash"] * 8),  # one budget per group: a host int
+    (SETTINGS, MIXED)])
+def test_interp_budgets_growing_with_the_row(settings, patterns):
+    """vertical_share / slash_share: the paged path selects what the torch path selects."""
+    grown = settings.model_copy(update={"vertical_share": 0.1, "slash_share": 0.25})
+    check(patterns, 200, 333, 2, 64, 16, torch.float32, 4, "cpu", grown)
+
+
+@cpu_only
 def test_head_count_mismatch_is_an_error():
     heads = [resolve_head(None, SETTINGS)] * 4
     q, _, key_cache, table = make_row(64, 0, 1, 2, 64, 16, torch.float32, 0, "cpu")

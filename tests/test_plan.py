@@ -85,3 +85,45 @@ def test_kv_group_share_needs_the_setting_and_uniform_groups():
     assert kv_group_share([vs] * 4 + [flex] * 4, 2, on) == 1  # FlexPrefill decides per head
     assert kv_group_share([vs] * 4, 4, on) == 1  # no GQA: nothing to share
     assert kv_group_share([vs] * 7, 1, on) == 7
+
+
+def test_budgets_growing_with_the_row():
+    """vertical_share / slash_share raise a row's budgets to a share of its keys, never lower
+    them, never past the keys; budget_density sees the same budgets."""
+    from vllm_sparse_backend.head_configs import resolve_head
+    from vllm_sparse_backend.plan import budget_density, vs_budget, vs_budgets
+
+    assert vs_budget(1000, None, 500_000) == 1000
+    assert vs_budget(1000, 0.02, 10_000) == 1000  # the fixed budget is larger
+    assert vs_budget(1000, 0.02, 131_072) == 2622  # ceil(0.02 * 131072)
+    assert vs_budget(1000, 0.5, 800) == 800  # never more keys than the row has
+    s = SparseSettings(vertical_share=0.02, slash_share=0.1)
+    assert vs_budgets(1000, 6096, 131_072, s) == (2622, 13108)
+    head = [resolve_head(None, s)]
+    visible = 114_688 + 16_385 / 2  # the last 16K chunk of a 128K prompt
+    assert budget_density(head, 16_384, 114_688, s) == pytest.approx((2622 + 13108) / visible)
+    assert budget_density(head, 16_384, 114_688, SparseSettings()) == pytest.approx(7096 / visible)
+
+
+def test_torch_estimator_with_shares_equals_explicit_budgets():
+    """The CPU estimators with shares select exactly what explicit budgets of the same size do."""
+    import torch
+
+    from vllm_sparse_backend.head_configs import resolve_head
+    from vllm_sparse_backend.patterns import estimate_index
+    from vllm_sparse_backend.plan import vs_budgets
+
+    g = torch.Generator().manual_seed(0)
+    q_len, ctx, h, hkv, d = 300, 500, 4, 2, 32
+    q = torch.randn(q_len, h, d, generator=g)
+    k = torch.randn(ctx + q_len, hkv, d, generator=g)
+    base = SparseSettings(last_q=32, keep_first_columns=2, keep_last_diagonals=2, vertical_size=5, slash_size=8)
+    grown = base.model_copy(update={"vertical_share": 0.05, "slash_share": 0.1})
+    v, sl = vs_budgets(5, 8, ctx + q_len, grown)
+    assert (v, sl) == (40, 80)
+    explicit = base.model_copy(update={"vertical_size": v, "slash_size": sl})
+    a = estimate_index(q, k, ctx, [resolve_head(None, grown)] * h, grown, d ** -0.5).index
+    b = estimate_index(q, k, ctx, [resolve_head(None, explicit)] * h, explicit, d ** -0.5).index
+    for x, y in ((a.block_count, b.block_count), (a.block_index, b.block_index),
+                 (a.column_count, b.column_count), (a.column_index, b.column_index)):
+        assert torch.equal(x, y)

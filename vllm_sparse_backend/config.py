@@ -47,6 +47,12 @@ class SparseSettings(BaseModel):
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
     vertical_size: int = Field(1000, ge=1, description="Vertical (column) budget per head.")
     slash_size: int = Field(6096, ge=1, description="Slash (diagonal) budget per head.")
+    # Budgets that grow with the context: a row's vertical (slash) budget is the larger of the
+    # size above and this share of the row's keys (context + chunk). None = fixed budgets.
+    vertical_share: float | None = Field(None, gt=0.0, le=1.0,
+                                         description="Vertical budget at least this share of the row's keys.")
+    slash_share: float | None = Field(None, gt=0.0, le=1.0,
+                                      description="Slash budget at least this share of the row's keys.")
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")

@@ -29,7 +29,7 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
-from .plan import budget_density
+from .plan import budget_density, vs_budget
 
 
 @dataclass
@@ -124,12 +124,17 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
     slash[:, : max(1, settings.keep_last_diagonals)] = float("inf")  # at least the main diagonal
-    max_v = min(int(group.max_params["vertical_size"]), kv_len)
-    max_s = min(int(group.max_params["slash_size"]), kv_len)
+    shares = {"vertical_size": settings.vertical_share, "slash_size": settings.slash_share}
+
     def budget(name):  # a host int when the group has one budget (vs_topk then skips the per-head cut)
         lo, hi = group.min_params[name], group.max_params[name]
-        return int(hi) if lo == hi else group.params[name]
+        if lo == hi:
+            return vs_budget(int(hi), shares[name], kv_len)
+        floor = 1 if shares[name] is None else vs_budget(1, shares[name], kv_len)
+        return group.params[name].clamp(min=floor, max=kv_len)
 
+    max_v = vs_budget(int(group.max_params["vertical_size"]), settings.vertical_share, kv_len)
+    max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
     v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"), max_v, max_s)
     return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
 

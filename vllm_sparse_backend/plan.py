@@ -6,6 +6,7 @@ can call it without vLLM.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -51,6 +52,19 @@ def kv_group_share(heads: list[ResolvedHead], num_kv_heads: int, settings: Spars
     return g
 
 
+def vs_budget(size: int, share: float | None, kv_len: int) -> int:
+    """A vertical-slash budget for a row of ``kv_len`` keys: ``size``, or ``share`` of the keys
+    where that is more (``vertical_share`` / ``slash_share``), never more than the keys."""
+    budget = size if share is None else max(size, math.ceil(share * kv_len))
+    return min(budget, kv_len)
+
+
+def vs_budgets(vertical_size: int, slash_size: int, kv_len: int, settings: SparseSettings) -> tuple[int, int]:
+    """(vertical, slash) budgets of one head for a row of ``kv_len`` keys (see :func:`vs_budget`)."""
+    return (vs_budget(vertical_size, settings.vertical_share, kv_len),
+            vs_budget(slash_size, settings.slash_share, kv_len))
+
+
 def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
                    settings: SparseSettings) -> float:
     """The share of a row's causal (query, key) pairs the heads' budgets alone would select,
@@ -60,7 +74,7 @@ def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len:
     budget density is above ``max_density`` would fall back to dense after estimation anyway;
     it is sent dense without estimating. Keys per query, per head: vertical + slash sizes
     (vertical-slash), top-k blocks (block-sparse), sink + window (A-shape), the minimum budget
-    (FlexPrefill), all (dense); over the mean number of keys a query of the row can see,
+    (FlexPrefill), all (dense), with the row's budgets (:func:`vs_budgets`); over the mean number of keys a query of the row can see,
     ``ctx_len + (q_len + 1) / 2``. ``heads``: the layer's heads, or a Counter of distinct heads.
     """
     counts = heads if isinstance(heads, Counter) else Counter(heads)
@@ -69,7 +83,7 @@ def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len:
     for h, n in counts.items():
         keys = {PatternName.DENSE: visible,
                 PatternName.A_SHAPE: h.sink_tokens + h.local_window,
-                PatternName.VERTICAL_SLASH: h.vertical_size + h.slash_size,
+                PatternName.VERTICAL_SLASH: sum(vs_budgets(h.vertical_size, h.slash_size, ctx_len + q_len, settings)),
                 PatternName.BLOCK_SPARSE: h.topk_blocks * settings.block_size,
                 PatternName.FLEX_PREFILL: settings.min_budget}[h.pattern]
         total += n * min(1.0, keys / visible)

@@ -15,7 +15,7 @@ import torch
 from ..config import PatternName, SparseSettings
 from ..head_configs import ResolvedHead
 from ..index import SparseIndex, build_index, num_blocks
-from ..plan import kv_group_share
+from ..plan import kv_group_share, vs_budgets
 from ..reference import kv_head_map
 from .a_shape import a_shape_selection
 from .block_sparse import block_sparse_selection
@@ -63,8 +63,11 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
         elif pattern is PatternName.A_SHAPE:
             sel = a_shape_selection(per_head("sink_tokens"), per_head("local_window"), q_len, ctx_len, b)
         elif pattern is PatternName.VERTICAL_SLASH:
+            # budgets that grow with the row (vertical_share / slash_share) as on the GPU path
+            v_floor, s_floor = vs_budgets(1, 1, kv_len, settings)
             sel = vertical_slash_selection(
-                q[:, ids], k, kvh[ids], ctx_len, per_head("vertical_size"), per_head("slash_size"),
+                q[:, ids], k, kvh[ids], ctx_len, per_head("vertical_size").clamp(min=v_floor),
+                per_head("slash_size").clamp(min=s_floor),
                 last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
                 keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale, share=share)
         elif pattern is PatternName.BLOCK_SPARSE:
