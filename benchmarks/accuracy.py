@@ -11,18 +11,26 @@ task and length: accuracy per variant, the attention density the sparse path act
     python benchmarks/accuracy.py --model smollm2 --lengths 2048 4096 8000 --samples 2
     python benchmarks/accuracy.py --model qwen-coder --lengths 8192 16384 --tasks single_needle \\
         multi_key --variants dense vs flex0.9 flex0.95 'vs-small=vertical_size=250,slash_size=1000'
+    # GPU, as served: library gating, 16K chunks, YaRN x4 beyond the trained 32K, servers
+    # started together and measured one after another
+    python benchmarks/accuracy.py --model qwen-coder-1.5b --lengths 16384 32000 65536 130000 \\
+        --samples 3 --library-gating --yarn 4 --parallel-servers --variants dense default flex0.9
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, 8K context), ``qwen-coder``
-(Qwen2.5-Coder-0.5B-Instruct, 32K), or a Hugging Face folder. Variants: see
+(Qwen2.5-Coder-0.5B-Instruct, 32K), ``qwen-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, 32K), or a
+Hugging Face folder. Variants: see
 ``vllm_sparse_backend.evaluation.variants``; without ``--variants``, ``searched`` is added to
 the default list when ``head_configs/<model folder or name>.json`` exists. Writes
-``<out>.json`` (every prompt's output, score, density, timing) and ``<out>.txt`` (the table).
+``<out>.json`` (every prompt's output, score, density, timing) and ``<out>.txt`` (the tables:
+per task and length, and per length with each variant's TTFT speedup over the first variant).
+``benchmarks/frontier.py`` draws score against TTFT speedup from the JSON.
 Asserts nothing: CI runs a small subset (tests/test_accuracy_ci.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -36,13 +44,29 @@ import time
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
-from vllm_sparse_backend.demo import ServerError, cuda_available  # noqa: E402
+from vllm_sparse_backend.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_backend.evaluation import accuracy as acc  # noqa: E402
 from vllm_sparse_backend.evaluation import inputs  # noqa: E402
-from vllm_sparse_backend.evaluation.tasks import TASKS, HFTokenizer, make_samples  # noqa: E402
+from vllm_sparse_backend.evaluation.tasks import TASKS, HFTokenizer, Sample, make_samples  # noqa: E402
 from vllm_sparse_backend.evaluation.variants import Variant  # noqa: E402
 
 REPO = _HERE.parent
+
+
+def cached_samples(path: pathlib.Path | None, model_dir: pathlib.Path, text_name: str,
+                   args: argparse.Namespace, build) -> list[Sample]:
+    """``build()``, or the prompts a former run with the same inputs saved in ``path``."""
+    key = {"model": pathlib.Path(model_dir).name, "text": text_name, "tasks": args.tasks,
+           "lengths": args.lengths, "samples": args.samples, "seed": args.seed}
+    if path is not None and path.exists():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return [Sample(**{**s, "expected": tuple(s["expected"]),
+                              "needle_depths": tuple(s["needle_depths"])}) for s in cached["samples"]]
+    samples = build()
+    if path is not None:
+        path.write_text(json.dumps({"key": key, "samples": [dataclasses.asdict(s) for s in samples]}))
+    return samples
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=2, help="prompts per task and length")
     p.add_argument("--seed", type=int, default=0, help="first sample's seed")
     p.add_argument("--min-sparse-query-len", type=int, default=1024,
-                   help="VLLM_SPARSE_MIN_SPARSE_QUERY_LEN of the sparse servers")
+                   help="VLLM_SPARSE_MIN_SPARSE_QUERY_LEN of the sparse servers (their "
+                        "VLLM_SPARSE_MAX_DENSITY is 1.0: the sparse path forced on)")
+    p.add_argument("--library-gating", action="store_true",
+                   help="sparse servers keep the library's min_sparse_query_len and max_density "
+                        "(what `vllm serve` does) instead of forcing the sparse path on")
+    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                   help="prompts longer than the model's max_position_embeddings run on a YaRN "
+                        "copy of the model (rope scaling FACTOR over the trained context)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill chunk (default: the whole prompt on CPU, 16384 on CUDA)")
+    p.add_argument("--prompt-cache", type=pathlib.Path, default=None,
+                   help="JSON file keeping the built prompts for later runs of the same model, "
+                        "text, tasks, lengths, samples and seed (building 128K prompts takes a while)")
+    p.add_argument("--parallel-servers", action="store_true",
+                   help="CUDA: start every server of the run at once (fixed KV cache each), then "
+                        "measure them one after another")
     p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
                    "accuracy_<device>_<model>_<date>)")
     p.add_argument("--start-timeout", type=float, default=900)
@@ -75,21 +114,37 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
 
     t0 = time.monotonic()
-    tok = HFTokenizer(str(model_dir))
-    samples = make_samples(tok, text, args.tasks, args.lengths, args.samples, args.seed)
-    longest = max(s.n_tokens + s.max_tokens for s in samples)
-    max_len = min(cfg.get("max_position_embeddings", longest), -(-(longest + 16) // 256) * 256)
-    if longest > max_len:
-        p.error(f"prompts need {longest} tokens; the model's context is {max_len}")
+    samples = cached_samples(args.prompt_cache, model_dir, text_name, args, lambda: make_samples(
+        HFTokenizer(str(model_dir)), text, args.tasks, args.lengths, args.samples, args.seed))
+    native = cfg.get("max_position_embeddings") or max(s.n_tokens + s.max_tokens for s in samples)
+    rope_of = {s.key: "native" if s.n_tokens + s.max_tokens <= native or not args.yarn
+               else f"yarn{args.yarn:g}" for s in samples}
+    limits = {"native": native}
+    if args.yarn:
+        limits[f"yarn{args.yarn:g}"] = int(native * args.yarn)
+    max_lens = {}
+    for rope, limit in limits.items():
+        need = [s.n_tokens + s.max_tokens for s in samples if rope_of[s.key] == rope]
+        if need:
+            max_lens[rope] = min(limit, -(-(max(need) + 16) // 256) * 256)
+            if max(need) > max_lens[rope]:
+                p.error(f"prompts need {max(need)} tokens; the model's context is {limit}"
+                        + ("" if args.yarn else " (--yarn FACTOR serves longer prompts with YaRN)"))
     print(f"model {model_name} ({model_dir}), text {text_name}, device {device}: {len(samples)} "
-          f"prompts built in {time.monotonic() - t0:.1f} s; max-model-len {max_len}", flush=True)
+          f"prompts built in {time.monotonic() - t0:.1f} s; max-model-len "
+          + ", ".join(f"{r} {n}" for r, n in max_lens.items()), flush=True)
 
     date = datetime.date.today().isoformat()
     out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
                        f"accuracy_{device}_{run.short_name}_{date}")
     out.parent.mkdir(parents=True, exist_ok=True)
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-accuracy-"))
+    model_dirs = {"native": model_dir}
+    if args.yarn and any(r != "native" for r in rope_of.values()):
+        model_dirs[f"yarn{args.yarn:g}"] = acc.yarn_model_dir(model_dir, args.yarn, workdir)
     results: list[acc.Result] = []
+    gating = ({"min_sparse_query_len": None, "max_density": None} if args.library_gating else
+              {"min_sparse_query_len": args.min_sparse_query_len, "max_density": 1.0})
     if args.resume and out.with_suffix(".json").exists():
         old = json.loads(out.with_suffix(".json").read_text())
         # Results of tasks or lengths not asked for now stay (a later run may cover a subset);
@@ -104,9 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                != (r.depth, r.n_tokens) for r in kept):
             p.error(f"{out}.json holds results of other prompts (other --samples or --seed?); "
                     "use another --out")
-        if old["meta"]["min_sparse_query_len"] != args.min_sparse_query_len:
-            p.error(f"{out}.json was run with --min-sparse-query-len "
-                    f"{old['meta']['min_sparse_query_len']}")
+        for field, now in (("min_sparse_query_len", gating["min_sparse_query_len"]),
+                           ("max_density", gating["max_density"]), ("yarn", args.yarn),
+                           ("max_num_batched_tokens", args.max_num_batched_tokens)):
+            if old["meta"].get(field) != now:
+                p.error(f"{out}.json was run with {field} {old['meta'].get(field)}, not {now}")
         done = list(dict.fromkeys(r.variant for r in kept))
         results += kept
         # Earlier runs' variants stay in the table, first and in their order.
@@ -117,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"model": model_name, "model_dir": str(model_dir), "text": text_name, "device": device,
             "host": platform.node(), "date": date, "tasks": args.tasks, "lengths": args.lengths,
             "samples": args.samples, "seed": args.seed,
-            "min_sparse_query_len": args.min_sparse_query_len, "max_model_len": max_len,
-            "variants": {v.label: v.overrides for v in variants}, "base_settings": acc.SPARSE_BASE,
+            **gating, "max_model_len": max_lens, "yarn": args.yarn,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "variants": {v.label: v.overrides for v in variants},
             "commands": [" ".join(sys.argv)]}
     if args.resume and results:
         meta["commands"] = old["meta"].get("commands", []) + meta["commands"]
@@ -128,18 +186,22 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         rows = acc.summarize(results, labels)
         table = acc.format_table(rows, labels)
+        lengths = acc.by_length(results, labels)
         summary = acc.overall(results, labels)
         out.with_suffix(".json").write_text(json.dumps(
-            {"meta": meta, "rows": rows, "overall": summary,
+            {"meta": meta, "rows": rows, "by_length": lengths, "overall": summary,
              "results": acc.results_json(results)}, indent=1) + "\n")
         lines = [f"# {model_name} on {device}, {date}: {args.samples} prompt(s) per task and "
                  f"length, text {text_name}; needle depths spread over the prompt",
                  "# acc = mean score (share of expected values in the greedy answer); dens = "
-                 "computed / causal attention pairs in sparse rows; ttft = time to first token",
-                 table, "", f"overall ({next(iter(summary.values()))['n'] if summary else 0} "
+                 "computed share of all the prompt's causal attention pairs (rows that ran dense "
+                 "count whole); ttft = mean time to first token; spd = first variant's TTFT / "
+                 "this one's, same prompts",
+                 table, "", "score (density, TTFT speedup) per length, every task:",
+                 acc.format_length_table(lengths, labels), "", f"overall ({next(iter(summary.values()))['n'] if summary else 0} "
                  "prompts run by every variant): " + ", ".join(
-                     f"{k} acc {v['accuracy']:.3f}" + (f" dens {v['density']:.3f}"
-                                                       if v["density"] is not None else "")
+                     f"{k} acc {v['accuracy']:.3f}" + (f" dens {v['density_all']:.3f}"
+                                                       if v["density_all"] is not None else "")
                      for k, v in summary.items())]
         # A variant listed in the meta but without results must not read as a blank success.
         missing = [label for label in labels if not any(r.variant == label for r in results)]
@@ -149,22 +211,48 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 
-    for v in variants:
-        if any(r.variant == v.label for r in results):
-            continue
+    def log(m: str) -> None:
+        print(m, flush=True)
+
+    # One server per variant and model folder (native, YaRN), each given its prompts.
+    todo = [(v, rope, [s for s in samples if rope_of[s.key] == rope])
+            for v in variants if not any(r.variant == v.label for r in results) for rope in max_lens]
+    todo = [t for t in todo if t[2]]
+    kw = dict(workdir=workdir, cuda=cuda, max_num_batched_tokens=args.max_num_batched_tokens, **gating)
+    started: dict[tuple[str, str], acc.Launched] = {}
+    if args.parallel_servers and cuda:
         t1 = time.monotonic()
-        try:
-            acc.run_variant(model_dir, v, samples, workdir=workdir, max_model_len=max_len,
-                            min_sparse_query_len=args.min_sparse_query_len, cuda=cuda,
-                            start_timeout=args.start_timeout, log=lambda m: print(m, flush=True),
-                            into=results)
-        except (ServerError, OSError) as e:  # a dead server: record it, go on with the rest
-            print(f"[{v.label}] FAILED: {e}", flush=True)
-            meta.setdefault("errors", {})[v.label] = str(e)[:2000]
-        else:  # an earlier run's failure of this variant (on --resume) is no longer the story
-            meta.get("errors", {}).pop(v.label, None)
-        print(f"[{v.label}] done in {time.monotonic() - t1:.0f} s", flush=True)
-        save()
+        for v, rope, _ in todo:
+            started[v.label, rope] = acc.launch(model_dirs[rope], v, max_model_len=max_lens[rope], rope=rope,
+                                                shared_gpu=True, **kw)
+        log(f"started {len(started)} servers")
+    failed: set[str] = set()
+    try:
+        for v, rope, group in todo:
+            if v.label in failed:
+                continue
+            t1 = time.monotonic()
+            server = started.get((v.label, rope)) or acc.launch(
+                model_dirs[rope], v, max_model_len=max_lens[rope], rope=rope, **kw)
+            try:
+                ready = wait_ready(server.handle, args.start_timeout)
+                log(f"[{v.label}/{rope}] server ready ({ready:.0f} s more)")
+                acc.measure(server, group, log=log, into=results)
+            except (ServerError, OSError) as e:  # a dead server: record it, go on with the rest
+                acc.report_failure(server, log)
+                log(f"[{v.label}/{rope}] FAILED: {e}")
+                meta.setdefault("errors", {})[v.label] = str(e)[:2000]
+                failed.add(v.label)
+                results[:] = [r for r in results if r.variant != v.label]  # no half variants
+            else:  # an earlier run's failure of this variant (on --resume) is no longer the story
+                meta.get("errors", {}).pop(v.label, None)
+            finally:
+                server.handle.stop()  # frees its GPU memory for the servers still to measure
+            log(f"[{v.label}/{rope}] done in {time.monotonic() - t1:.0f} s")
+            save()
+    finally:
+        for server in started.values():
+            server.handle.stop()
     save()  # also when every variant was already there (--resume re-renders the table)
     print(f"wrote {out}.json and {out}.txt (server logs in {workdir})")
     return 0

@@ -78,7 +78,10 @@ def test_every_prompt_really_ran_sparse(runs):
         assert r.sparse_share == pytest.approx(1.0), r  # every layer of every prompt token
         assert r.density is not None and 0.3 < r.density < 0.9, r
         assert r.head_patterns == {"vertical_slash": 9 * 30}, r  # 9 heads x 30 layers
-    assert all(r.density is None and r.sparse_share is None for r in dense)
+        # every row sparse: the stats' causal pairs are all of the prompt's (layers x heads x
+        # n(n+1)/2), so the whole-prompt density is the sparse rows' density
+        assert r.density_all == pytest.approx(r.density, abs=1e-12), r
+    assert all(r.density is None and r.sparse_share is None and r.density_all == 1.0 for r in dense)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,6 +150,10 @@ def test_server_args_and_kv_cache_size(tmp_path):
     dense_gpu = acc.server_args(tmp_path, 8192, dense=True, cuda=True)
     assert dense_gpu[:2] == ["--attention-backend", "FLASH_ATTN"] and "bfloat16" in dense_gpu
     assert "--kv-cache-memory-bytes" not in dense_gpu
+    assert dense_gpu[dense_gpu.index("--max-num-batched-tokens") + 1] == "8192"  # chunk capped at the length
+    long_gpu = acc.server_args(tmp_path, 131072, dense=False, cuda=True, shared_gpu=True)
+    assert long_gpu[long_gpu.index("--max-num-batched-tokens") + 1] == str(acc.GPU_CHUNK)
+    assert long_gpu[long_gpu.index("--kv-cache-memory-bytes") + 1] == str(acc.kv_cache_bytes(cfg, 131072, 2))
     assert acc.server_args(tmp_path, 8192, dense=False, cuda=False)[:2] == \
         ["--attention-backend", "sparse-prefill"]
 
@@ -169,3 +176,40 @@ def test_summaries_compare_the_same_prompts():
     assert total["dense"]["accuracy"] == 0.5 and total["vs"]["accuracy"] == 1.0
     table = acc.format_table(rows, ["dense", "vs"])
     assert "0.600" in table and table.count("\n") == 4
+
+
+def test_speedup_is_the_baselines_ttft_over_the_variants_on_the_same_prompts():
+    def r(variant, seed, ttft, n=2048, density_all=None):
+        return acc.Result(variant, "a", n, n - 8, seed, 0.5, ["1"], "x", 1.0, ttft, ttft + 1,
+                          density_all=density_all)
+
+    results = [r("dense", 0, 2.0), r("dense", 1, 4.0), r("dense", 0, 9.0, n=4096),
+               r("vs", 0, 1.0, density_all=0.3), r("vs", 1, 1.0, density_all=0.5),
+               r("vs", 2, 50.0, density_all=0.5)]  # seed 2: no dense twin, left out of the ratio
+    cell = acc.summarize(results, ["dense", "vs"])[0]["vs"]
+    assert cell["speedup"] == pytest.approx(3.0 / 1.0) and cell["density_all"] == pytest.approx(13 / 30)
+    rows = acc.by_length(results, ["dense", "vs"])
+    assert [row["tokens"] for row in rows] == [2048, 4096] and "vs" not in rows[1]
+    md = acc.format_length_table(rows, ["dense", "vs"])
+    assert md.splitlines()[0] == "| variant | 2K | 4K |"
+    assert "| dense | 1.00 (3.00 s) | 1.00 (9.00 s) |" in md
+    assert "| vs | 1.00 (0.433, 3.00x) |  |" in md
+
+
+def test_causal_pairs_all_and_yarn_folder(tmp_path):
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
+           "hidden_size": 96, "max_position_embeddings": 32768,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "rope_theta": 1e6}
+    assert acc.causal_pairs_all(cfg, 4) == 2 * 3 * (1 + 2 + 3 + 4)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(cfg))
+    (model / "model.safetensors").write_bytes(b"weights")
+    out = acc.yarn_model_dir(model, 4, tmp_path / "work")
+    got = json.loads((out / "config.json").read_text())
+    want = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    assert got["rope_parameters"] == want and got["rope_scaling"] == {**want, "type": "yarn"}
+    assert got["max_position_embeddings"] == 4 * 32768  # as transformers and vLLM 0.32 expect it
+    assert (out / "model.safetensors").read_bytes() == b"weights" and (out / "model.safetensors").is_symlink()
+    assert json.loads((model / "config.json").read_text()) == cfg  # the model itself is untouched
+    assert acc.yarn_model_dir(model, 4, tmp_path / "work") == out  # again: the same folder

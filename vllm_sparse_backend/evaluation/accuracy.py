@@ -9,12 +9,19 @@ token ids to ``/v1/completions`` (greedy, streamed), one at a time, so that
 * the time to the first streamed token is the prompt's prefill time (plus one decode step);
 * the worker's statistics file (``VLLM_SPARSE_STATS_FILE``), read before and after each prompt,
   gives that prompt's computed attention density and how many of its layer passes ran sparse.
-  Keeping that file exact costs the sparse servers a read-back of the counts (a GPU sync on
-  CUDA) and a file rewrite per layer forward, so their time to first token is an upper bound on
-  the prefill time; speed is measured by ``benchmarks/e2e.py``, without the file.
+  On CUDA the worker never waits for the GPU to write it (the counts follow a forward or two
+  later, at the latest at the prompt's first decode step, which runs eagerly here), so the time
+  to first token is the server's own; on CPU it rewrites the file after every sparse layer.
 
-Server flags keep every prompt a single, uncached prefill (the CPU backend runs chunks with
-cached context dense): ``--max-num-batched-tokens`` = ``--max-model-len`` and no prefix caching.
+No prefix caching, so every prompt is a whole prefill. On CPU one chunk per prompt
+(``--max-num-batched-tokens`` = ``--max-model-len``: the CPU backend runs chunks with cached
+context dense); on CUDA chunked prefill as served (16384-token chunks by default).
+
+Prompts longer than the model's trained context can run with YaRN rope scaling
+(:func:`yarn_model_dir`): a copy of the model folder whose ``config.json`` asks for it, served
+for those prompts only, so shorter prompts keep the model's own positions. On CUDA, the servers
+of a run can be started all at once (``shared_gpu``: a fixed KV cache each) and measured one
+after another: an idle server does not touch the GPU.
 """
 
 from __future__ import annotations
@@ -28,14 +35,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..demo import ServerError, read_stats, start_server, wait_ready
+from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
 from .tasks import Sample, score
 from .variants import Variant
-
-# The sparse path is forced on for prompts from this length (the library default, 4096, targets
-# long prompts); CUDA rows denser than max_density would otherwise fall back to FlashAttention,
-# which would hide the pattern's effect on accuracy.
-SPARSE_BASE = {"max_density": 1.0}
 
 
 @dataclass
@@ -54,6 +56,10 @@ class Result:
     density: float | None = None  # computed / causal (query, key) pairs of this prompt's sparse rows
     sparse_share: float | None = None  # share of the prompt's (token, layer) passes that ran sparse
     head_patterns: dict[str, int] = field(default_factory=dict)
+    # computed share of all the prompt's causal (query, key) pairs, every layer and head: sparse
+    # rows' computed pairs plus every pair of the rows that ran dense (1 for the dense baseline)
+    density_all: float | None = None
+    rope: str = "native"  # "native", or "yarnF": the YaRN copy of the model (factor F)
 
 
 def model_config(model_dir: str | os.PathLike) -> dict:
@@ -61,28 +67,73 @@ def model_config(model_dir: str | os.PathLike) -> dict:
 
 
 def kv_cache_bytes(cfg: dict, max_model_len: int, dtype_bytes: int = 4) -> int:
-    """CPU KV-cache size for one sequence of ``max_model_len`` tokens, with headroom, rounded up
-    to 64 MiB (vLLM's CPU backend refuses to start when it cannot hold one full sequence)."""
+    """KV-cache size for one sequence of ``max_model_len`` tokens, with headroom, rounded up
+    to 64 MiB (vLLM refuses to start when it cannot hold one full sequence). fp32 on CPU, bf16
+    (``dtype_bytes`` 2) for the fixed caches of servers sharing a GPU."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
     need = int(per_token * max_model_len * 1.25) + (64 << 20)
     return -(-need // (64 << 20)) * (64 << 20)
 
 
+GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend is tuned for
+
+
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
-                served_name: str = "eval-model") -> list[str]:
+                served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
+                shared_gpu: bool = False) -> list[str]:
+    """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
+    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for one sequence
+    instead of a share of the GPU's memory, so that several servers can start side by side."""
     if dense:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
         args = ["--attention-backend", "sparse-prefill"]
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = min(GPU_CHUNK, max_model_len) if cuda else max_model_len
     # fp32 on CPU: without avx512_bf16, bf16 compute is several times slower there.
     args += ["--served-model-name", served_name, "--dtype", "bfloat16" if cuda else "float32",
              "--enforce-eager", "--max-model-len", str(max_model_len),
-             "--max-num-batched-tokens", str(max_model_len), "--no-enable-prefix-caching",
+             "--max-num-batched-tokens", str(max_num_batched_tokens), "--no-enable-prefix-caching",
              "--max-num-seqs", "4", "--seed", "0"]
     if not cuda:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_config(model_dir), max_model_len))]
+    elif shared_gpu:
+        # vLLM's start-up check wants gpu_memory_utilization x total free; the KV cache is fixed.
+        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_config(model_dir), max_model_len, 2)),
+                 "--gpu-memory-utilization", "0.05"]
     return args
+
+
+def yarn_model_dir(model_dir: str | os.PathLike, factor: float, workdir: str | os.PathLike) -> pathlib.Path:
+    """A folder in ``workdir`` that serves ``model_dir`` with YaRN rope scaling: links to its
+    files and a ``config.json`` asking for YaRN with ``factor`` over the model's trained context
+    (``original_max_position_embeddings`` = its ``max_position_embeddings``), and the scaled
+    ``max_position_embeddings`` (transformers' convention for YaRN; vLLM 0.26 derives the long
+    context from the factor, vLLM 0.32 from this field). Both spellings of the scaling are
+    written (transformers 5 ``rope_parameters``, 4.x ``rope_scaling``), with the same values."""
+    src = pathlib.Path(model_dir).resolve()
+    out = pathlib.Path(workdir) / f"{src.name}-yarn{factor:g}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
+    cfg = model_config(src)
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    rope = {"rope_type": "yarn", "factor": float(factor),
+            "original_max_position_embeddings": int(cfg["max_position_embeddings"])}
+    if theta is not None:
+        rope["rope_theta"] = theta
+    cfg["rope_parameters"] = dict(rope)
+    cfg["rope_scaling"] = {**rope, "type": "yarn"}
+    cfg["max_position_embeddings"] = int(cfg["max_position_embeddings"] * factor)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def causal_pairs_all(cfg: dict, n_tokens: int) -> int:
+    """(query, key) pairs x query heads x layers of dense causal attention over a prompt."""
+    return cfg["num_hidden_layers"] * cfg["num_attention_heads"] * n_tokens * (n_tokens + 1) // 2
 
 
 def stream_completion(host: str, port: int, body: dict, timeout: float = 7200
@@ -125,18 +176,33 @@ def _delta(after: dict | None, before: dict | None, key: str) -> int:
     return int((after or {}).get(key, 0)) - int((before or {}).get(key, 0))
 
 
-def run_variant(model_dir: str | os.PathLike, variant: Variant, samples: Sequence[Sample], *,
-                workdir: str | os.PathLike, max_model_len: int, min_sparse_query_len: int,
-                cuda: bool = False, start_timeout: float = 900,
-                log: Callable[[str], None] = print, into: list[Result] | None = None
-                ) -> list[Result]:
-    """Start a server for ``variant``, run every sample through it (warm-up first), stop it.
-    Results are appended to ``into`` (returned) as they come, so a caller keeps the prompts
-    that finished when a later one fails."""
+@dataclass
+class Launched:
+    """A server started for one variant on one model folder (native or YaRN)."""
+    variant: Variant
+    rope: str
+    handle: ServerHandle
+    stats_path: pathlib.Path
+    cfg: dict
+    max_model_len: int
+    max_num_batched_tokens: int | None
+
+
+def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.PathLike, max_model_len: int,
+           min_sparse_query_len: int | None, max_density: float | None = 1.0, cuda: bool = False,
+           rope: str = "native", max_num_batched_tokens: int | None = None,
+           shared_gpu: bool = False) -> Launched:
+    """Start (do not wait for) the server of ``variant`` on ``model_dir``.
+
+    ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
+    library's default (what ``vllm serve`` does). The accuracy runs used to force the sparse
+    path on (1024, 1.0) so that a pattern's effect on answers shows; a run that reports time to
+    first token next to the answers keeps the defaults."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    label = variant.label.replace("/", "_")
+    label = f"{variant.label}-{rope}".replace("/", "_")
     stats_path = workdir / f"{label}-stats.json"
+    stats_path.unlink(missing_ok=True)
     server_tmp = workdir / f"{label}-tmp"  # vLLM leaves socket files in TMPDIR
     server_tmp.mkdir(exist_ok=True)
     # A long sparse prefill on CPU can take longer than vLLM's default limit on one model step
@@ -145,51 +211,98 @@ def run_variant(model_dir: str | os.PathLike, variant: Variant, samples: Sequenc
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                                                  "7200")}
     if not variant.dense:
-        env.update(variant.env(min_sparse_query_len=min_sparse_query_len,
-                               stats_file=str(stats_path), **SPARSE_BASE))
-    num_layers = model_config(model_dir)["num_hidden_layers"]
-    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense,
-                                                 cuda=cuda), env, workdir / f"{label}.log")
+        gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
+                                    ("max_density", max_density)) if v is not None}
+        env.update(variant.env(stats_file=str(stats_path), **gating))
+    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
+                                                 max_num_batched_tokens=max_num_batched_tokens,
+                                                 shared_gpu=shared_gpu), env, workdir / f"{label}.log")
+    return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
+                    max_num_batched_tokens)
+
+
+def _settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
+    """The stats file once no counts are on their way (CUDA forwards write it without waiting
+    for the GPU; ``pending_readouts`` says how many are still to come)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = read_stats(path)
+        if not (stats or {}).get("pending_readouts") or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str], None] = print,
+            into: list[Result] | None = None) -> list[Result]:
+    """Run every sample through a ready server, one at a time (warm-up first). Results are
+    appended to ``into`` (returned) as they come, so a caller keeps the prompts that finished
+    when a later one fails."""
+    handle, variant, cfg = server.handle, server.variant, server.cfg
     results = [] if into is None else into
+    num_layers = cfg["num_hidden_layers"]
+    model = handle.model()
+    # Warm-up: the first long prompt pays one-time costs (allocations, first sparse call). Two
+    # chunks when chunked, so that a chunk with cached context has run too.
+    longest = max(samples, key=lambda s: s.n_tokens).prompt_ids
+    chunk = server.max_num_batched_tokens or len(longest)
+    warm = longest[: max(64, min(len(longest), 2 * chunk + 64, server.max_model_len - 16))]
+    stream_completion(handle.host, handle.port, {"model": model, "prompt": list(warm), "max_tokens": 2,
+                                                 "temperature": 0})
+    for s in samples:
+        before = _settled_stats(server.stats_path)
+        text, ttft, total, usage = stream_completion(handle.host, handle.port, {
+            "model": model, "prompt": list(s.prompt_ids), "max_tokens": s.max_tokens,
+            "temperature": 0})
+        if usage.get("prompt_tokens") not in (None, s.n_tokens):
+            raise ServerError(f"{s.key}: server counted {usage['prompt_tokens']} prompt "
+                              f"tokens, sent {s.n_tokens}")
+        after = _settled_stats(server.stats_path)
+        r = Result(variant.label, s.task, s.target_tokens, s.n_tokens, s.seed, s.depth,
+                   list(s.expected), text, score(s, text), round(ttft, 3), round(total, 3), rope=server.rope)
+        if variant.dense:
+            r.density_all = 1.0
+        else:
+            causal = _delta(after, before, "causal_pairs")
+            computed = _delta(after, before, "computed_pairs")
+            r.density = computed / causal if causal else None
+            r.sparse_share = _delta(after, before, "sparse_query_tokens") / (num_layers * s.n_tokens)
+            total_pairs = causal_pairs_all(cfg, s.n_tokens)
+            r.density_all = (total_pairs - causal + computed) / total_pairs
+            pat_after = (after or {}).get("head_patterns", {})
+            pat_before = (before or {}).get("head_patterns", {})
+            r.head_patterns = {k: v - pat_before.get(k, 0) for k, v in pat_after.items()
+                               if v - pat_before.get(k, 0)}
+        results.append(r)
+        dens = "" if r.density_all is None or variant.dense else f" density {r.density_all:.3f}"
+        log(f"[{variant.label}/{server.rope}] {s.key} ({s.n_tokens} tok, depth {s.depth}): score "
+            f"{r.score:.2f}, ttft {ttft:.2f} s{dens}; {text.strip()[:80]!r}")
+    return results
+
+
+def run_variant(model_dir: str | os.PathLike, variant: Variant, samples: Sequence[Sample], *,
+                workdir: str | os.PathLike, max_model_len: int, min_sparse_query_len: int | None,
+                max_density: float | None = 1.0, cuda: bool = False, start_timeout: float = 900,
+                log: Callable[[str], None] = print, into: list[Result] | None = None,
+                rope: str = "native", max_num_batched_tokens: int | None = None) -> list[Result]:
+    """Start a server for ``variant``, run every sample through it (:func:`measure`), stop it."""
+    server = launch(model_dir, variant, workdir=workdir, max_model_len=max_model_len,
+                    min_sparse_query_len=min_sparse_query_len, max_density=max_density, cuda=cuda, rope=rope,
+                    max_num_batched_tokens=max_num_batched_tokens)
     try:
-        ready = wait_ready(handle, start_timeout)
-        log(f"[{variant.label}] server ready in {ready:.0f} s ({handle.log_path})")
-        model = handle.model()
-        # Warm-up: the first long prompt pays one-time costs (allocations, first sparse call).
-        warm = samples[0].prompt_ids[: max(64, min(len(samples[0].prompt_ids), min_sparse_query_len + 64))]
-        stream_completion(handle.host, handle.port, {"model": model, "prompt": warm,
-                                                     "max_tokens": 2, "temperature": 0})
-        for s in samples:
-            before = read_stats(stats_path)
-            text, ttft, total, usage = stream_completion(handle.host, handle.port, {
-                "model": model, "prompt": list(s.prompt_ids), "max_tokens": s.max_tokens,
-                "temperature": 0})
-            if usage.get("prompt_tokens") not in (None, s.n_tokens):
-                raise ServerError(f"{s.key}: server counted {usage['prompt_tokens']} prompt "
-                                  f"tokens, sent {s.n_tokens}")
-            after = read_stats(stats_path)
-            r = Result(variant.label, s.task, s.target_tokens, s.n_tokens, s.seed, s.depth,
-                       list(s.expected), text, score(s, text), round(ttft, 3), round(total, 3))
-            if not variant.dense:
-                causal = _delta(after, before, "causal_pairs")
-                r.density = _delta(after, before, "computed_pairs") / causal if causal else None
-                r.sparse_share = _delta(after, before, "sparse_query_tokens") / (num_layers * s.n_tokens)
-                pat_after = (after or {}).get("head_patterns", {})
-                pat_before = (before or {}).get("head_patterns", {})
-                r.head_patterns = {k: v - pat_before.get(k, 0) for k, v in pat_after.items()
-                                   if v - pat_before.get(k, 0)}
-            results.append(r)
-            dens = "" if r.density is None else f" density {r.density:.3f}"
-            log(f"[{variant.label}] {s.key} ({s.n_tokens} tok, depth {s.depth}): score "
-                f"{r.score:.2f}, ttft {ttft:.1f} s{dens}; {text.strip()[:80]!r}")
+        ready = wait_ready(server.handle, start_timeout)
+        log(f"[{variant.label}/{rope}] server ready in {ready:.0f} s ({server.handle.log_path})")
+        return measure(server, samples, log=log, into=into)
     except Exception:
-        first = handle.first_error()
-        if first:
-            log(f"[{variant.label}] first error in {handle.log_path}:\n{first}")
+        report_failure(server, log)
         raise
     finally:
-        handle.stop()
-    return results
+        server.handle.stop()
+
+
+def report_failure(server: Launched, log: Callable[[str], None]) -> None:
+    first = server.handle.first_error()
+    if first:
+        log(f"[{server.variant.label}/{server.rope}] first error in {server.handle.log_path}:\n{first}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,32 +314,57 @@ def _mean(xs: list[float | None]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def _cell(rs: Sequence[Result], base: dict[tuple, Result]) -> dict[str, Any]:
+    """Mean score, densities and TTFT of ``rs``; ``speedup``: the baseline's mean TTFT over the
+    same prompts divided by theirs; ``same_output``: share of prompts answered as the baseline."""
+    paired = [(base[(r.task, r.target_tokens, r.seed)], r) for r in rs if (r.task, r.target_tokens, r.seed) in base]
+    b_ttft, v_ttft = _mean([b.ttft_s for b, _ in paired]), _mean([r.ttft_s for _, r in paired])
+    return {"n": len(rs), "accuracy": _mean([r.score for r in rs]),
+            "density": _mean([r.density for r in rs]), "density_all": _mean([r.density_all for r in rs]),
+            "ttft_s": _mean([r.ttft_s for r in rs]),
+            "speedup": b_ttft / v_ttft if paired and v_ttft else None,
+            "same_output": sum(b.output == r.output for b, r in paired) / len(paired) if paired else None}
+
+
+def _baseline(results: Sequence[Result], variants: Sequence[str]) -> dict[tuple, Result]:
+    return {(r.task, r.target_tokens, r.seed): r for r in results if variants and r.variant == variants[0]}
+
+
 def summarize(results: Sequence[Result], variants: Sequence[str]) -> list[dict[str, Any]]:
-    """One row per (task, target length): per variant the mean score, density and TTFT, and the
-    share of prompts whose output equals the first variant's (normally dense)."""
+    """One row per (task, target length): per variant the mean score, densities, TTFT and its
+    speedup over the first variant (normally dense) on the same prompts, and the share of
+    prompts whose output equals the first variant's."""
+    base = _baseline(results, variants)
     cells: dict[tuple, dict[str, list[Result]]] = {}
     for r in results:
         cells.setdefault((r.task, r.target_tokens), {}).setdefault(r.variant, []).append(r)
     rows = []
     for (task, n), by_variant in sorted(cells.items()):
         row: dict[str, Any] = {"task": task, "tokens": n}
-        base = {(r.seed, r.depth): r.output for r in by_variant.get(variants[0], [])}
         for v in variants:
-            rs = by_variant.get(v, [])
-            if not rs:
-                continue
-            same = [base.get((r.seed, r.depth)) == r.output for r in rs if (r.seed, r.depth) in base]
-            row[v] = {"n": len(rs), "accuracy": _mean([r.score for r in rs]),
-                      "density": _mean([r.density for r in rs]),
-                      "ttft_s": _mean([r.ttft_s for r in rs]),
-                      "same_output": sum(same) / len(same) if same else None}
+            if by_variant.get(v):
+                row[v] = _cell(by_variant[v], base)
+        rows.append(row)
+    return rows
+
+
+def by_length(results: Sequence[Result], variants: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per target length, every task together (the README's per-model tables)."""
+    base = _baseline(results, variants)
+    rows = []
+    for n in sorted({r.target_tokens for r in results}):
+        row: dict[str, Any] = {"tokens": n}
+        for v in variants:
+            rs = [r for r in results if r.variant == v and r.target_tokens == n]
+            if rs:
+                row[v] = _cell(rs, base)
         rows.append(row)
     return rows
 
 
 def overall(results: Sequence[Result], variants: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per variant, over the prompts that every listed variant ran (so that the means compare
-    like with like): mean score, density and TTFT."""
+    like with like): mean score, densities and TTFT."""
     def key(r: Result) -> tuple:
         return (r.task, r.target_tokens, r.seed)
 
@@ -239,19 +377,28 @@ def overall(results: Sequence[Result], variants: Sequence[str]) -> dict[str, dic
         if rs:
             out[v] = {"n": len(rs), "accuracy": _mean([r.score for r in rs]),
                       "density": _mean([r.density for r in rs]),
+                      "density_all": _mean([r.density_all for r in rs]),
                       "ttft_s": _mean([r.ttft_s for r in rs])}
     return out
 
 
-def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
-    """Plain-text table: accuracy per variant, then density and prefill time (TTFT)."""
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+def _f(x, spec):
+    return "-" if x is None else format(x, spec)
 
+
+def _dens(c: dict) -> str:
+    d = c.get("density_all") if c.get("density_all") is not None else c.get("density")
+    return "1" if d is None or d >= 0.9995 else _f(d, ".3f")
+
+
+def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
+    """Plain-text table per task and length: per variant the score, the computed density of
+    all the prompt's attention, the mean TTFT and its speedup over the first variant."""
     head = f"{'task':<18} {'tokens':>6} {'n':>2}"
     for v in variants:
-        head += f" | {v[:20]:^20}"
-    sub = f"{'':<18} {'':>6} {'':>2}" + "".join(f" | {'acc':>5} {'dens':>5} {'ttft':>8}" for _ in variants)
+        head += f" | {v[:26]:^26}"
+    sub = f"{'':<18} {'':>6} {'':>2}" + "".join(f" | {'acc':>5} {'dens':>5} {'ttft':>7} {'spd':>5}"
+                                                for _ in variants)
     lines = [head, sub, "-" * len(sub)]
     for row in rows:
         n = next((row[v]["n"] for v in variants if v in row), 0)
@@ -259,11 +406,36 @@ def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
         for v in variants:
             c = row.get(v)
             if c is None:
-                line += f" | {'':>20}"
+                line += f" | {'':>26}"
             else:
-                dens = "1" if c["density"] is None else f(c["density"], ".3f")
-                line += f" | {f(c['accuracy'], '.2f'):>5} {dens:>5} {f(c['ttft_s'], '.1f') + ' s':>8}"
+                spd = _f(c.get("speedup"), ".2f") + "x" if c.get("speedup") is not None else "-"
+                line += f" | {_f(c['accuracy'], '.2f'):>5} {_dens(c):>5} {_f(c['ttft_s'], '.2f') + 's':>7} {spd:>5}"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def length_label(n: int) -> str:
+    """16384 -> '16K', 32000 -> '32K', 130000 -> '130K'."""
+    return f"{n // 1024}K" if n % 1024 == 0 else f"{n / 1000:.0f}K"
+
+
+def format_length_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
+    """Markdown: one line per variant, one column per length; each cell 'score (density,
+    TTFT speedup)', the baseline's cells 'score (TTFT)'."""
+    lengths = [r["tokens"] for r in rows]
+    lines = ["| variant | " + " | ".join(length_label(n) for n in lengths) + " |",
+             "|---" * (len(lengths) + 1) + "|"]
+    for i, v in enumerate(variants):
+        cells = []
+        for r in rows:
+            c = r.get(v)
+            if c is None:
+                cells.append("")
+            elif i == 0:
+                cells.append(f"{_f(c['accuracy'], '.2f')} ({_f(c['ttft_s'], '.2f')} s)")
+            else:
+                cells.append(f"{_f(c['accuracy'], '.2f')} ({_dens(c)}, {_f(c.get('speedup'), '.2f')}x)")
+        lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -404,8 +404,12 @@ def common_words(tok: TaskTokenizer, text: str, n_tokens: int, seed: int, depth:
     if len(build(0)) > n_tokens:
         raise ValueError(f"n_tokens={n_tokens} is too short for {n_common}x{common_freq} words")
     lo, hi = 0, len(rare_pool)
-    if len(build(hi)) <= n_tokens:
-        raise ValueError(f"not enough distinct words in the text for {n_tokens} tokens")
+    # A text's vocabulary fills about 64K tokens at 2 occurrences per rare word; longer lists
+    # repeat the rare words more often, always well below the common words' count.
+    while len(build(hi)) <= n_tokens:
+        if 2 * (rare_freq + 1) > common_freq:
+            raise ValueError(f"not enough distinct words in the text for {n_tokens} tokens")
+        rare_freq += 1
     while hi - lo > 1:  # largest n_rare that fits
         mid = (lo + hi) // 2
         if len(build(mid)) <= n_tokens:

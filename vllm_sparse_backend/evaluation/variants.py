@@ -18,11 +18,12 @@ from typing import Any, Sequence
 
 from ..config import ENV_PREFIX, SparseSettings
 
-# The library's defaults are the "vs" preset: MInference's vertical-slash with 1000 columns and
-# 6096 diagonals per head. FlexPrefill at the paper's two gammas. A-shape and block-sparse at
+# The library's defaults ("default", and "vs" spelled out): MInference's vertical-slash with 1000
+# columns and 6096 diagonals per head. FlexPrefill at the paper's two gammas. A-shape and block-sparse at
 # their defaults, for the attention check.
 PRESETS: dict[str, dict[str, Any] | None] = {
     "dense": None,
+    "default": {},  # the library's settings as they are (what `vllm serve` runs)
     "vs": {"default_pattern": "vertical_slash"},
     "flex0.9": {"default_pattern": "flex_prefill", "gamma": 0.9},
     "flex0.95": {"default_pattern": "flex_prefill", "gamma": 0.95},
