@@ -18,11 +18,16 @@ def test_resolve_model_by_name_or_folder(tmp_path, monkeypatch):
     assert inputs.resolve_model("qwen-coder") == (tmp_path / "q", "Qwen2.5-Coder-0.5B-Instruct")
     folder = tmp_path / "My-Model"
     folder.mkdir()
-    with pytest.raises(ValueError, match="neither one of smollm2, qwen-coder nor a folder"):
+    with pytest.raises(ValueError,
+                       match="neither one of smollm2, qwen-coder, qwen-coder-1.5b nor a folder"):
         inputs.resolve_model(str(folder))
     (folder / "config.json").write_text(json.dumps({}))
     assert inputs.resolve_model(str(folder)) == (folder, "My-Model")
     assert inputs.short_model_name("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct") == "qwen-coder"
+    monkeypatch.setitem(assets.ASSETS, "qwen-coder-1.5b", lambda: tmp_path / "q15")
+    assert inputs.resolve_model("qwen-coder-1.5b") == (tmp_path / "q15",
+                                                       "Qwen2.5-Coder-1.5B-Instruct")
+    assert inputs.short_model_name("qwen-coder-1.5b", "x") == "qwen-coder-1.5b"
     assert inputs.short_model_name(str(folder), "My-Model") == "My-Model"
 
 

