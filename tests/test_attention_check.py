@@ -12,7 +12,7 @@ from vllm_sparse_backend.config import PatternName, SparseSettings
 from vllm_sparse_backend.evaluation import attention_check as ac
 from vllm_sparse_backend.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
 from vllm_sparse_backend.head_configs import resolve_head
-from vllm_sparse_backend.index import build_index, causal_block_mask, index_to_dense_mask
+from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.reference import causal_pairs
 
@@ -164,3 +164,254 @@ def test_capture_from_a_tiny_transformers_model(tmp_path):
     assert checker.capture_diff < 1e-4
     assert [r.layer for r in checker.results] == [0, 1]
     assert all(0 < r.density < 1 and 0 < r.recall <= 1 for r in checker.results)
+
+
+def test_score_rows_keep_the_last_rows():
+    rows = ac.score_rows(1000, 100, seed=2, tail=30)
+    assert rows.numel() == 100 and torch.equal(rows, rows.sort().values)
+    assert torch.equal(rows[-30:], torch.arange(970, 1000))
+    assert torch.equal(rows[:70], ac.sample_rows(970, 70, seed=2))  # stratified before the tail
+    assert torch.equal(ac.score_rows(50, 100, tail=10), torch.arange(50))
+    assert torch.equal(ac.score_rows(1000, 100, seed=2), ac.sample_rows(1000, 100, seed=2))
+
+
+@pytest.mark.parametrize("chunk", [256, 200])
+def test_chunked_checker_matches_brute_force(chunk):
+    """With ``chunk`` every chunk is estimated against the keys up to its end, at its own
+    position (what chunked prefill runs); recall, error and density equal float64 brute force
+    over the union of the chunks' masks."""
+    q, k, v = _qkv(4)
+    base = dict(block_size=32, flex_block_size=32, last_q=32, min_budget=32)
+    variants = [parse_variant("vs=vertical_size=20,slash_size=40"),
+                parse_variant("flex=default_pattern=flex_prefill,gamma=0.6")]
+    rows = ac.score_rows(N, 90, seed=0, tail=20)
+    checker = ac.LayerChecker(variants, rows=90, base_settings=base, chunk=chunk, tail=20)
+    results = checker(0, q, k, v, SCALE)
+    for var, res in zip(variants, results):
+        s = var.settings(**base)
+        heads = [resolve_head(None, s)] * H
+        mask = torch.zeros(H, N, N, dtype=torch.bool)
+        for c0 in range(0, N, chunk):
+            c1 = min(N, c0 + chunk)
+            index = estimate_index(q[c0:c1], k[:c1], c0, heads, s, SCALE).index
+            mask[:, c0:c1, :c1] = index_to_dense_mask(index, c1 - c0, c0)
+        full = causal_mask(H, N, 0)
+        kvh = torch.arange(H) // (H // HKV)
+        sc = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * SCALE
+        p = torch.softmax(sc.masked_fill(~full, float("-inf")), -1)
+        recall = (p * mask).sum(-1)[:, rows]
+        dense = masked_attention_f64(q, k, v, full, SCALE)[rows]
+        sparse = masked_attention_f64(q, k, v, mask, SCALE)[rows]
+        assert res.chunks == -(-N // chunk)
+        assert res.density == pytest.approx(mask.sum().item() / causal_pairs(N, 0, H))
+        assert res.recall == pytest.approx(float(recall.mean()), abs=1e-5)
+        assert res.error == pytest.approx(float((sparse - dense).norm() / dense.norm()), rel=1e-4, abs=1e-6)
+        assert 0 < res.tile_density <= 1 and res.density < 1
+
+
+def test_gating_routes_chunks_dense_like_the_backend():
+    q, k, v = _qkv(5)
+    base = dict(block_size=32, flex_block_size=32, last_q=32, min_budget=32)
+    short = ac.LayerChecker([parse_variant("vs=vertical_size=20,slash_size=40")], rows=N, chunk=300, gating=True,
+                            base_settings={**base, "min_sparse_query_len": 301})
+    (r,) = short(0, q, k, v, SCALE)
+    assert r.density == 1.0 and r.error < 1e-6 and r.dense_chunks == {ac.GATING_SHORT: 2}
+    budgets = ac.LayerChecker([parse_variant("vs=vertical_size=200,slash_size=400")], rows=N, chunk=300,
+                              gating=True, base_settings={**base, "min_sparse_query_len": 100, "max_density": 0.3})
+    (r,) = budgets(0, q, k, v, SCALE)
+    assert r.density == 1.0 and r.dense_chunks.get(ac.GATING_BUDGETS) == 2
+    est = ac.LayerChecker([parse_variant("vs=vertical_size=8,slash_size=8")], rows=N, chunk=300, gating=True,
+                          base_settings={**base, "min_sparse_query_len": 100, "max_density": 0.05})
+    (r,) = est(0, q, k, v, SCALE)
+    assert r.dense_chunks.get(ac.GATING_ESTIMATED, 0) >= 1
+    off = ac.LayerChecker([parse_variant("vs=vertical_size=8,slash_size=8")], rows=N, chunk=300,
+                          base_settings={**base, "min_sparse_query_len": 100, "max_density": 0.05})
+    (r,) = off(0, q, k, v, SCALE)
+    assert r.dense_chunks == {} and r.density < 0.5
+
+
+def test_checker_reports_the_backends_group_sharing(tmp_path):
+    """The default vertical-slash shares one selection per KV group (summed scores) as the
+    backend does; FlexPrefill and kv_group_shared=false do not."""
+    q, k, v = _qkv(6)
+    base = dict(block_size=32, flex_block_size=32, last_q=32, min_budget=32)
+    variants = [parse_variant("vs=vertical_size=20,slash_size=40"),
+                parse_variant("vs-head=vertical_size=20,slash_size=40,kv_group_shared=false"),
+                parse_variant("flex0.9")]
+    shared, per_head, flex = ac.LayerChecker(variants, rows=64, base_settings=base)(0, q, k, v, SCALE)
+    assert (shared.kv_share, per_head.kv_share, flex.kv_share) == (H // HKV, 1, 1)
+    s = variants[0].settings(**base)
+    index = estimate_index(q, k, 0, [resolve_head(None, s)] * H, s, SCALE).index
+    assert torch.equal(index.block_index[0], index.block_index[1])  # heads 0 and 1: one group
+    assert shared.density == pytest.approx(count_pairs(index, N, 0) / causal_pairs(N, 0, H))
+
+
+def _tiny_qwen_folder(path, **extra):
+    """A Qwen2 config.json in the form of the cached folders (transformers 5 spelling plus the
+    4.x keys patch_hf_config adds), no weights."""
+    import json
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "max_position_embeddings": 32768, "vocab_size": 300,
+           "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "rope_scaling": None,
+           "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "torch_dtype": "float32", **extra}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_yarn_option_sets_the_rope_scaling(tmp_path):
+    """--yarn 4: rope_type yarn, factor 4, original_max_position_embeddings 32768 (the trained
+    length), theta kept; the rotary embedding then uses YaRN frequencies and attention factor
+    0.1 ln 4 + 1; without it the config is the file's."""
+    transformers = pytest.importorskip("transformers")
+    import math
+
+    folder = _tiny_qwen_folder(tmp_path / "qwen")
+    plain = ac.model_config(str(folder))
+    yarn = ac.model_config(str(folder), yarn=4)
+    rope = ac.rope_description(yarn)
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0
+    assert rope["original_max_position_embeddings"] == 32768 and rope["rope_theta"] == 1e6
+    assert yarn.max_position_embeddings == 131072 and plain.max_position_embeddings == 32768
+    assert ac.rope_description(plain)["rope_type"] == "default"
+    assert ac.model_config(str(folder), yarn=2, yarn_original=16384).rope_parameters[
+        "original_max_position_embeddings"] == 16384
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    r_plain, r_yarn = Qwen2RotaryEmbedding(plain), Qwen2RotaryEmbedding(yarn)
+    assert r_yarn.attention_scaling == pytest.approx(0.1 * math.log(4) + 1)
+    assert r_plain.attention_scaling == 1.0
+    assert torch.equal(r_yarn.inv_freq[:2], r_plain.inv_freq[:2])  # high frequencies extrapolated
+    assert torch.allclose(r_yarn.inv_freq[-1], r_plain.inv_freq[-1] / 4)  # low ones interpolated
+    with pytest.raises(ValueError):
+        ac.model_config(str(folder), yarn=0.5)
+    del transformers
+
+
+def test_capture_with_yarn_runs_the_scaled_model(tmp_path):
+    """CaptureModel loads the model with the YaRN config: the captured Q/K differ from the plain
+    model's (rotary scaling) while the layer check still holds."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=16, max_position_embeddings=256, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = [i % 290 + 3 for i in range(300)]
+    got = {}
+    for yarn in (None, 4.0):
+        cap = ac.CaptureModel(str(tmp_path), "cpu", yarn=yarn)
+        assert cap.device == "cpu" and cap.dtype == torch.float32
+        checker = ac.LayerChecker([parse_variant("vs=vertical_size=16,slash_size=32")], rows=64,
+                                  base_settings={"block_size": 32, "last_q": 32})
+
+        def on_layer(layer, q, k, v, scale, out, yarn=yarn, checker=checker):
+            got[yarn] = q.clone()
+            checker(layer, q, k, v, scale, out)
+
+        cap(ids, on_layer)
+        assert checker.capture_diff < 1e-4
+    assert not torch.allclose(got[None], got[4.0])
+
+
+def test_fused_sdpa_path_gives_the_models_attention(tmp_path):
+    """The CUDA capture path (K/V repeated to the query heads, fused SDPA kernels only) run on
+    the CPU: the model's layer outputs equal the recomputed dense attention, as with
+    transformers' own SDPA function, and the captured Q/K/V are the same."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=16, max_position_embeddings=2048, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = [i * 7 % 290 + 3 for i in range(333)]
+    outs = {}
+    for fused in (False, True):
+        cap = ac.CaptureModel(str(tmp_path), "cpu")
+        cap.fused_sdpa = fused
+        checker = ac.LayerChecker([parse_variant("vs=vertical_size=16,slash_size=32")], rows=333,
+                                  base_settings={"block_size": 32, "last_q": 32})
+
+        def on_layer(layer, q, k, v, scale, out, fused=fused, checker=checker):
+            outs[fused, layer] = (q.clone(), k.clone(), out.clone())
+            checker(layer, q, k, v, scale, out)
+
+        cap(ids, on_layer)
+        assert checker.capture_diff < 1e-4
+    for layer in range(2):
+        for a, b in zip(outs[False, layer], outs[True, layer]):
+            assert torch.allclose(a, b, atol=1e-5)
+    for bad in ("gpu", "cuda:x") + (() if torch.cuda.is_available() else ("cuda",)):
+        with pytest.raises(ValueError):
+            ac.resolve_device(bad)
+    assert ac.resolve_device("cpu") == "cpu"
+    assert ac.resolve_dtype("auto", "cuda") == torch.bfloat16 and ac.resolve_dtype(None, "cpu") == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_checker_and_capture_on_cuda(tmp_path):
+    """The same measurements on the GPU (tensors stay there) as on the CPU, chunked and gated;
+    the capture runs bf16 with the fused SDPA path."""
+    q, k, v = _qkv(7)
+    base = dict(block_size=32, flex_block_size=32, last_q=32, min_budget=32, min_sparse_query_len=100)
+    variants = [parse_variant("vs=vertical_size=20,slash_size=40"), parse_variant("flex0.9")]
+    cpu = ac.LayerChecker(variants, rows=128, base_settings=base, chunk=256, gating=True, tail=16)(0, q, k, v, SCALE)
+    gpu = ac.LayerChecker(variants, rows=128, base_settings=base, chunk=256, gating=True, tail=16)(
+        0, q.cuda(), k.cuda(), v.cuda(), SCALE)
+    for a, b in zip(cpu, gpu):
+        assert b.density == pytest.approx(a.density, rel=0.02) and b.recall == pytest.approx(a.recall, abs=0.01)
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=64, max_position_embeddings=8192, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    cap = ac.CaptureModel(str(tmp_path), "cuda", yarn=2)
+    assert cap.dtype == torch.bfloat16
+    checker = ac.LayerChecker(variants, rows=256, base_settings=base, chunk=2048)
+    seen = []
+
+    def on_layer(layer, q, k, v, scale, out):
+        assert q.is_cuda and q.dtype == torch.bfloat16
+        seen.append(layer)
+        checker(layer, q, k, v, scale, out)
+
+    cap([i % 290 + 3 for i in range(6000)], on_layer)
+    assert seen == [0, 1] and checker.capture_diff < 0.05
+
+
+def test_capture_model_is_the_stock_model_and_gets_no_mask(tmp_path, monkeypatch):
+    """On a tiny Qwen2 (the architecture the GPU runs use) the capture's attention gets no mask
+    (so never an n x n one; the fused path is taken for every layer) and its layers' outputs are
+    those of the stock transformers SDPA model."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen2Config(vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    ids = [i * 7 % 290 + 3 for i in range(200)]
+
+    def attn_outputs(model, run):
+        outs = []
+        hooks = [layer.self_attn.register_forward_hook(lambda mod, a, out: outs.append(out[0].detach()))
+                 for layer in model.model.layers]
+        run()
+        for h in hooks:
+            h.remove()
+        return outs
+
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = attn_outputs(stock, lambda: stock.model(torch.tensor([ids])))
+    calls = []
+    real = ac._cuda_causal_sdpa
+    monkeypatch.setattr(ac, "_cuda_causal_sdpa", lambda *a: calls.append(1) or real(*a))
+    cap = ac.CaptureModel(str(tmp_path), "cpu")
+    cap.fused_sdpa = True
+    got = attn_outputs(cap.model, lambda: cap(ids, lambda *a: None))
+    assert len(calls) == 2
+    for a, b in zip(ref, got):
+        assert torch.allclose(a, b, atol=1e-5)

@@ -2,41 +2,53 @@
 sparse selection keep?
 
 transformers runs the model once on a real prompt with a custom attention function that hands
-each layer's post-RoPE Q, K, V (and the layer's own SDPA output) to a callback. For every layer
-and every variant, the project's estimators (:func:`vllm_sparse_backend.patterns.estimate_index`)
-build the sparse index from that Q/K exactly as the backend would, and against exact dense
-attention we measure
+each layer's post-RoPE Q, K, V (and the layer's own SDPA output) to a callback, on the device the
+model runs on. For every layer and every variant, the project's estimators
+(:func:`vllm_sparse_backend.patterns.estimate_index`, with the backend's own decision whether the
+heads of a KV group share one selection, :func:`vllm_sparse_backend.plan.kv_group_share`) build
+the sparse index from that Q/K exactly as the backend would, and against exact dense attention we
+measure
 
 * **recall**: the share of each query's true softmax mass that falls on the selected keys,
   averaged over heads and queries (1.0 = nothing that matters was skipped);
 * **output error**: ``||o_sparse - o_dense|| / ||o_dense||`` over the sampled queries, where
   ``o_sparse`` is softmax over the selected keys only (what the sparse kernel computes);
-* **density**: the selected share of the causal (query, key) pairs, exact, from the index.
+* **density**: the selected share of the causal (query, key) pairs, exact, from the index; and
+  the kernel's cost, the key tiles it processes over the causal tiles (``tile_density``).
 
 The metric rows are computed for a stratified sample of query positions (``rows``; all of them
-for short prompts), a tile of queries at a time against all keys (float32 scores, float64 sums),
-so no n x n matrix is ever formed. Unlike task accuracy this stays meaningful beyond the length
-a model was trained for.
+for short prompts; optionally the last ``tail`` rows too), a tile of queries at a time against all
+keys (float32 scores, float64 sums), so no n x n matrix is ever formed: on CUDA at 128K a tile of
+64 rows x 12 heads is 400 MB of scores. Everything stays on the device of the captured tensors.
+
+With ``chunk`` the prompt is estimated the way vLLM's chunked prefill runs it (16K-token chunks
+on CUDA): each chunk's queries against the keys up to its end, the chunk's own last queries doing
+the estimation; with ``gating`` the library's routing applies per chunk and layer as in the CUDA
+backend (chunks under ``min_sparse_query_len`` queries, budgets or estimated indices denser than
+``max_density`` run dense). Unlike task accuracy this stays meaningful beyond the length a model
+was trained for (with YaRN, :func:`model_config`).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..head_configs import layer_heads, load_head_config
-from ..index import SparseIndex, count_pairs, num_blocks
+from ..head_configs import HeadConfigFile, layer_heads, load_head_config
+from ..index import SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks
 from ..patterns import estimate_index
+from ..plan import budget_density, kv_group_share
 from ..reference import causal_pairs, kv_head_map
 from .variants import Variant
 
 
 def sample_rows(n: int, count: int, seed: int = 0) -> torch.Tensor:
     """``count`` query positions out of ``n``: one at random in each of ``count`` equal strata
-    (all positions when ``count >= n``). Sorted, int64."""
+    (all positions when ``count >= n``). Sorted, int64, on the CPU (a CPU generator: move the
+    result to the device)."""
     if count >= n:
         return torch.arange(n)
     g = torch.Generator().manual_seed(seed)
@@ -46,28 +58,41 @@ def sample_rows(n: int, count: int, seed: int = 0) -> torch.Tensor:
     return torch.minimum(lo + offs, torch.full_like(lo, n - 1))
 
 
+def score_rows(n: int, count: int, seed: int = 0, tail: int = 0) -> torch.Tensor:
+    """``count`` query positions out of ``n``: the last ``tail`` positions (the queries that see
+    the most keys, where a selection loses most), the rest stratified over the positions before
+    them (:func:`sample_rows`). All positions when ``count >= n``. Sorted, unique, int64, CPU."""
+    if count >= n:
+        return torch.arange(n)
+    tail = max(0, min(tail, count, n))
+    head = sample_rows(n - tail, count - tail, seed) if count > tail and n > tail else torch.zeros(0, dtype=torch.long)
+    return torch.cat([head, torch.arange(n - tail, n)]).unique()
+
+
 def allowed_keys(index: SparseIndex, rows: torch.Tensor, kv_len: int, ctx_len: int = 0,
                  causal: bool = True) -> torch.Tensor:
     """bool [H, len(rows), kv_len]: the keys the index lets each given query row use (rows are
-    positions within the chunk), causality applied unless ``causal`` is False (for callers whose
-    probabilities are already 0 past the query)."""
+    positions within the chunk, on the index's device), causality applied unless ``causal`` is
+    False (for callers whose probabilities are already 0 past the query)."""
     b = index.block_size
     h = index.num_heads
+    device = index.block_count.device
+    rows = rows.to(device)
     qb = rows // b
     nkb = num_blocks(kv_len, b)
     blocks = index.block_index[:, qb].to(torch.int64)  # [H, T, MAXB], -1 padded
     t = rows.shape[0]
-    mask_b = torch.zeros(h, t, nkb + 1, dtype=torch.bool)
+    mask_b = torch.zeros(h, t, nkb + 1, dtype=torch.bool, device=device)
     mask_b.scatter_(2, torch.where(blocks >= 0, blocks, nkb), True)
     mask = mask_b[..., :nkb].repeat_interleave(b, dim=-1)[..., :kv_len]
     cols = index.column_index[:, qb].to(torch.int64)  # [H, T, MAXC]
     if cols.shape[-1]:
-        mask_c = torch.zeros(h, t, kv_len + 1, dtype=torch.bool)
+        mask_c = torch.zeros(h, t, kv_len + 1, dtype=torch.bool, device=device)
         mask_c.scatter_(2, torch.where(cols >= 0, cols, kv_len), True)
         mask = mask | mask_c[..., :kv_len]
     if not causal:
         return mask
-    return mask & (torch.arange(kv_len)[None, :] <= (rows + ctx_len)[:, None])[None]
+    return mask & (torch.arange(kv_len, device=device)[None, :] <= (rows + ctx_len)[:, None])[None]
 
 
 @dataclass
@@ -91,43 +116,90 @@ class SelectionStats:
     def error(self) -> float:
         return float((self.err_sq.sum() / self.ref_sq.sum().clamp_min(1e-300)).sqrt())
 
+    def add(self, other: "SelectionStats") -> None:
+        self.recall_sum += other.recall_sum
+        self.err_sq += other.err_sq
+        self.ref_sq += other.ref_sq
+        self.rows += other.rows
+
 
 def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     indices: Sequence[SparseIndex], rows: torch.Tensor, tile: int = 64,
                     reference_out: torch.Tensor | None = None) -> tuple[list[SelectionStats], float]:
-    """Recall and output error of several indices of one layer (q [n, H, D], k/v [n, Hkv, D],
-    a pure prefill: query i sits at position i).
+    """Recall and output error of several indices of one row of one layer: q [q_len, H, D] (the
+    row's queries, at positions ``kv_len - q_len ..``), k/v [kv_len, Hkv, D] (a pure prefill
+    when kv_len == q_len). ``rows``: positions within the row's queries.
 
-    Returns one :class:`SelectionStats` per index and, when ``reference_out`` ([n, H, Dv], e.g.
-    the model's own attention output) is given, the largest relative difference between it and
-    the dense output computed here on the sampled rows (a check of the capture itself).
+    Scores are float32, a tile of ``tile`` rows against all keys at a time, sums float64; the
+    results (per-head tensors) are on q's device. Returns one :class:`SelectionStats` per index
+    and, when ``reference_out`` ([q_len, H, Dv], e.g. the model's own attention output) is given,
+    the largest relative difference between it and the dense output computed here on the sampled
+    rows (a check of the capture itself).
     """
-    n, h, _ = q.shape
-    kvh = kv_head_map(h, k.shape[1])
+    q_len, h, _ = q.shape
+    n = k.shape[0]
+    ctx = n - q_len
+    device = q.device
+    rows = rows.to(device)
+    kvh = kv_head_map(h, k.shape[1], device)
     kh = k.transpose(0, 1).float()[kvh]  # [H, n, D]: one gather per layer, reused by every tile
     vh = v.transpose(0, 1).float()[kvh]  # [H, n, Dv]
-    stats = [SelectionStats(torch.zeros(h, dtype=torch.float64), torch.zeros(h, dtype=torch.float64),
-                            torch.zeros(h, dtype=torch.float64), int(rows.numel())) for _ in indices]
-    ref_diff = 0.0
+    keys = torch.arange(n, device=device)
+
+    def zeros():
+        return torch.zeros(h, dtype=torch.float64, device=device)
+
+    stats = [SelectionStats(zeros(), zeros(), zeros(), int(rows.numel())) for _ in indices]
+    ref_diff = torch.zeros((), dtype=torch.float64, device=device)
     for t0 in range(0, rows.numel(), tile):
         rr = rows[t0:t0 + tile]
         qt = q[rr].transpose(0, 1).float()  # [H, T, D]
         s = torch.matmul(qt, kh.transpose(-1, -2)) * scale  # [H, T, n]
-        s.masked_fill_(torch.arange(n)[None, None, :] > rr[None, :, None], float("-inf"))
+        s.masked_fill_(keys[None, None, :] > (rr + ctx)[None, :, None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         del s
         dense = torch.matmul(p, vh).double()  # [H, T, Dv]
         if reference_out is not None:
             ref = reference_out[rr].transpose(0, 1).double()
-            ref_diff = max(ref_diff, float((ref - dense).norm() / dense.norm().clamp_min(1e-30)))
+            ref_diff = torch.maximum(ref_diff, (ref - dense).norm() / dense.norm().clamp_min(1e-30))
         for st, index in zip(stats, indices):
-            pm = p * allowed_keys(index, rr, n, causal=False)  # p is 0 past each query already
+            pm = p * allowed_keys(index, rr, n, ctx, causal=False)  # p is 0 past each query already
             kept = pm.sum(-1, dtype=torch.float64)  # [H, T]
             sparse = torch.matmul(pm, vh).double() / kept.clamp_min(1e-300)[..., None]
             st.recall_sum += kept.sum(-1)
             st.err_sq += ((sparse - dense) ** 2).sum((-1, -2))
             st.ref_sq += (dense ** 2).sum((-1, -2))
-    return stats, ref_diff
+    return stats, float(ref_diff)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel cost
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS_PER_TILE = 64  # single key columns the sparse kernel gathers into one key tile
+
+
+def kernel_tiles_per_head(index: SparseIndex) -> torch.Tensor:
+    """Key tiles the sparse kernel processes per query head (int64 [H], on the index's device):
+    one per listed key block and query block, plus the query block's columns 64 to a tile."""
+    cols = (index.column_count.to(torch.int64) + COLUMNS_PER_TILE - 1) // COLUMNS_PER_TILE
+    return index.block_count.to(torch.int64).sum(1) + cols.sum(1)
+
+
+def kernel_tiles(index: SparseIndex) -> int:
+    """Key tiles the sparse kernel processes for this index (all heads, all query blocks)."""
+    return int(kernel_tiles_per_head(index).sum())
+
+
+def causal_tiles(q_len: int, ctx_len: int, block_size: int, num_heads: int = 1) -> int:
+    """Key tiles of dense causal attention for one row (per head, times ``num_heads``)."""
+    return num_heads * int(causal_block_mask(q_len, ctx_len, block_size).sum())
+
+
+def dense_index(num_heads: int, q_len: int, ctx_len: int, block_size: int, device=None) -> SparseIndex:
+    """Every causal key block: what a row that runs dense computes."""
+    mask = causal_block_mask(q_len, ctx_len, block_size, device)[None].expand(num_heads, -1, -1).clone()
+    return build_index(mask, block_size, q_len, ctx_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,41 +215,102 @@ class LayerResult:
     recall_min_head: float  # the worst head's mean recall
     error: float  # relative L2 output error over all heads and sampled rows
     error_max_head: float
-    head_patterns: dict[str, int]
+    head_patterns: dict[str, int]  # heads per pattern (x estimated chunks when chunked)
+    tile_density: float = float("nan")  # kernel key tiles / causal key tiles
+    kv_share: int = 1  # query heads per selection (the GQA group when shared, as the backend runs it)
+    chunks: int = 1  # chunks the prompt was estimated in
+    dense_chunks: dict[str, int] = field(default_factory=dict)  # chunks run dense, per reason (gating)
+
+
+GATING_SHORT = "query chunk shorter than min_sparse_query_len"
+GATING_BUDGETS = "budgets denser than max_density"
+GATING_ESTIMATED = "estimated density above max_density"
 
 
 class LayerChecker:
-    """Callable per captured layer: estimates each variant's index and measures it."""
+    """Callable per captured layer: estimates each variant's index and measures it.
+
+    ``chunk``: estimate the prompt in chunks of this many queries, each against the keys up to
+    its end (vLLM's chunked prefill; 0 = the whole prompt as one row). ``gating``: route chunks
+    dense where the CUDA backend would (see the module docstring). ``tail``: the last rows of the
+    prompt always among the sampled rows. ``head_files``: head-config files by variant label, in
+    place of the variants' ``head_config`` paths.
+    """
 
     def __init__(self, variants: Sequence[Variant], rows: int = 1024, seed: int = 0,
-                 base_settings: dict[str, Any] | None = None, tile: int = 64):
+                 base_settings: dict[str, Any] | None = None, tile: int = 64, *, chunk: int = 0,
+                 gating: bool = False, tail: int = 0,
+                 head_files: dict[str, HeadConfigFile] | None = None):
         self.variants = [v for v in variants if not v.dense]
         self.settings = {v.label: v.settings(**(base_settings or {})) for v in self.variants}
         self.head_files = {label: load_head_config(s.head_config)
                            for label, s in self.settings.items() if s.head_config}
-        self.rows, self.seed, self.tile = rows, seed, tile
+        self.head_files.update(head_files or {})
+        self.rows, self.seed, self.tile, self.tail = rows, seed, tile, tail
+        self.chunk, self.gating = chunk, gating
         self.results: list[LayerResult] = []
         self.capture_diff = 0.0  # largest relative difference, our dense vs the model's output
+
+    def _index(self, s, heads, q, k, ctx, scale, reasons) -> tuple[SparseIndex, dict]:
+        q_len, h = q.shape[0], q.shape[1]
+        if self.gating:
+            if q_len < s.min_sparse_query_len or ctx + q_len < s.min_sparse_seq_len:
+                reasons[GATING_SHORT] = reasons.get(GATING_SHORT, 0) + 1
+                return dense_index(h, q_len, ctx, s.block_size, q.device), {}
+            if s.max_density < 1.0 and budget_density(heads, q_len, ctx, s) > s.max_density:
+                reasons[GATING_BUDGETS] = reasons.get(GATING_BUDGETS, 0) + 1
+                return dense_index(h, q_len, ctx, s.block_size, q.device), {}
+        est = estimate_index(q, k, ctx, heads, s, scale)
+        if self.gating and s.max_density < 1.0 and float(index_density(est.index, q_len, ctx)) > s.max_density:
+            reasons[GATING_ESTIMATED] = reasons.get(GATING_ESTIMATED, 0) + 1
+            return dense_index(h, q_len, ctx, s.block_size, q.device), dict(est.head_patterns)
+        return est.index, dict(est.head_patterns)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  model_out: torch.Tensor | None = None) -> list[LayerResult]:
         n, h, _ = q.shape
-        indices, patterns = [], []
-        for var in self.variants:
-            s = self.settings[var.label]
-            heads = layer_heads(self.head_files.get(var.label), s, layer, h)
-            est = estimate_index(q, k, 0, heads, s, scale)
-            indices.append(est.index)
-            patterns.append(dict(est.head_patterns))
-        rows = sample_rows(n, self.rows, self.seed + layer)
-        stats, diff = selection_stats(q, k, v, scale, indices, rows, self.tile, model_out)
-        self.capture_diff = max(self.capture_diff, diff)
+        step = self.chunk if self.chunk and self.chunk < n else n
+        bounds = [(c0, min(n, c0 + step)) for c0 in range(0, n, step)]
+        rows = score_rows(n, self.rows, self.seed + layer, self.tail).to(q.device)
+        heads = {var.label: layer_heads(self.head_files.get(var.label), self.settings[var.label], layer, h)
+                 for var in self.variants}
+        total: list[SelectionStats | None] = [None] * len(self.variants)
+        pairs = [0] * len(self.variants)
+        tiles = [0] * len(self.variants)
+        causal_t = [0] * len(self.variants)
+        patterns: list[dict[str, int]] = [{} for _ in self.variants]
+        reasons: list[dict[str, int]] = [{} for _ in self.variants]
+        for c0, c1 in bounds:
+            qc, kc, vc = q[c0:c1], k[:c1], v[:c1]
+            indices = []
+            for i, var in enumerate(self.variants):
+                s = self.settings[var.label]
+                index, pat = self._index(s, heads[var.label], qc, kc, c0, scale, reasons[i])
+                indices.append(index)
+                for name, cnt in pat.items():
+                    patterns[i][name] = patterns[i].get(name, 0) + cnt
+                pairs[i] += count_pairs(index, c1 - c0, c0)
+                tiles[i] += kernel_tiles(index)
+                causal_t[i] += causal_tiles(c1 - c0, c0, index.block_size, h)
+            rr = rows[(rows >= c0) & (rows < c1)] - c0
+            out_c = None if model_out is None else model_out[c0:c1]
+            stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c)
+            self.capture_diff = max(self.capture_diff, diff)
+            for i, st in enumerate(stats):
+                if total[i] is None:
+                    total[i] = st
+                else:
+                    total[i].add(st)
         causal = causal_pairs(n, 0, h)
         out = []
-        for var, index, st, pat in zip(self.variants, indices, stats, patterns):
-            out.append(LayerResult(layer, var.label, count_pairs(index, n, 0) / causal,
+        for i, var in enumerate(self.variants):
+            st = total[i]
+            s = self.settings[var.label]
+            out.append(LayerResult(layer, var.label, pairs[i] / causal,
                                    float(st.recall_per_head.mean()), float(st.recall_per_head.min()),
-                                   st.error, float(st.error_per_head.max()), pat))
+                                   st.error, float(st.error_per_head.max()), patterns[i],
+                                   tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
+                                   len(bounds), reasons[i]))
         self.results.extend(out)
         return out
 
@@ -189,11 +322,14 @@ def summarize(results: Sequence[LayerResult]) -> dict[str, dict[str, float]]:
         rs = [r for r in results if r.variant == label]
         out[label] = {"layers": len(rs),
                       "density": statistics.fmean(r.density for r in rs),
+                      "tile_density": statistics.fmean(r.tile_density for r in rs),
                       "recall": statistics.fmean(r.recall for r in rs),
                       "recall_min_layer": min(r.recall for r in rs),
                       "recall_min_head": min(r.recall_min_head for r in rs),
                       "error": statistics.fmean(r.error for r in rs),
-                      "error_max_layer": max(r.error for r in rs)}
+                      "error_max_layer": max(r.error for r in rs),
+                      "shared_layers": sum(r.kv_share > 1 for r in rs),
+                      "dense_chunks": sum(sum(r.dense_chunks.values()) for r in rs)}
     return out
 
 
@@ -208,30 +344,173 @@ def results_json(results: Sequence[LayerResult]) -> list[dict]:
 _ATTENTION_NAME = "vllm_sparse_eval_capture"
 
 
-def capture_attention(model_dir: str, token_ids: Sequence[int],
-                      on_layer: Callable[..., Any], device: str = "cpu") -> dict:
-    """Run the model's decoder (fp32, no LM head) once on ``token_ids``; for each attention layer
-    call ``on_layer(layer, q [n, H, D], k [n, Hkv, D], v [n, Hkv, Dv], scale, out [n, H, Dv])``
-    with post-RoPE tensors and the layer's own (SDPA) output. Returns the model config dict."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def resolve_device(device: str = "auto") -> str:
+    """``auto``: cuda when available, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device {device!r}: cpu, cuda, cuda:N or auto")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: CUDA is not available here")
+    return device
 
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask,
-                                              scaling=scaling, **kwargs)
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        on_layer(module.layer_idx, query[0].transpose(0, 1).detach().cpu(),
-                 key[0].transpose(0, 1).detach().cpu(), value[0].transpose(0, 1).detach().cpu(),
-                 float(scaling), out[0].detach().cpu())
-        return out, weights
 
-    AttentionInterface.register(_ATTENTION_NAME, attention)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=_ATTENTION_NAME,
-                                                 dtype=torch.float32)
-    model.to(device).eval()
-    with torch.no_grad():
-        # The decoder only: the LM head over every position would need n x vocab floats
-        # (20 GB for Qwen2.5 at 32K), and no logits are needed here.
-        model.model(torch.tensor([list(token_ids)], device=device), use_cache=False)
-    return model.config.to_dict()
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """``auto``/None: bfloat16 on CUDA (the served dtype; SDPA runs flash attention), float32 on
+    the CPU (bf16 matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r}: one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def yarn_parameters(config, factor: float, original: int | None = None) -> dict[str, Any]:
+    """YaRN rope parameters for ``config`` (Qwen2.5's recipe beyond its trained 32K: ``factor``
+    4 with ``original_max_position_embeddings`` 32768, vLLM's ``--hf-overrides`` spelling)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    original = int(original or config.max_position_embeddings)
+    params = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    if theta is not None:
+        params["rope_theta"] = float(theta)
+    return params
+
+
+def model_config(model_dir: str, yarn: float | None = None, yarn_original: int | None = None):
+    """The model's transformers config, with YaRN rope scaling applied when ``yarn`` is given:
+    ``rope_parameters`` = {rope_type: yarn, factor, original_max_position_embeddings, rope_theta}
+    (transformers 5, where ``rope_scaling`` is an alias of it; 4.x: ``rope_scaling`` with
+    ``type``/``rope_type``) and ``max_position_embeddings`` = factor x original, so that
+    transformers' consistency check sees the same factor."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if not yarn:
+        return config
+    if yarn < 1:
+        raise ValueError(f"yarn factor {yarn}: must be >= 1")
+    params = yarn_parameters(config, yarn, yarn_original)
+    if "rope_parameters" in type(config).__dict__ or hasattr(config, "rope_parameters"):
+        config.rope_parameters = params  # transformers 5 (rope_scaling is an alias)
+    else:  # transformers 4.x
+        config.rope_scaling = {**params, "type": "yarn"}
+    config.max_position_embeddings = max(int(config.max_position_embeddings),
+                                         int(params["original_max_position_embeddings"] * yarn))
+    return config
+
+
+def rope_description(config) -> dict[str, Any] | None:
+    """The rope parameters the model runs with (for result metadata)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return dict(rope) if rope else None
+
+
+def _no_attention_mask(*args, **kwargs):
+    """Mask function registered for the capture's attention name: a single unpadded prompt
+    needs none (the attention is causal by construction)."""
+    return None
+
+
+def _cuda_causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prefill on CUDA, [b, H, n, D] in, [b, n, H, D] out (transformers'
+    layout), by a fused SDPA kernel only (flash, memory-efficient or cuDNN): the math fallback,
+    which forms the n x n score matrix (400 GB at 128K for 12 heads), is excluded, so an
+    unsupported case fails at once instead of running out of memory. K/V are repeated to the
+    query heads (0.4 GB each at 128K) rather than relying on ``enable_gqa`` support."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rep = query.shape[1] // key.shape[1]
+    if rep > 1:
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1,
+                                                               scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+class CaptureModel:
+    """A transformers model loaded once, run on prompts with each layer's attention handed to a
+    callback (see :func:`capture_attention`). ``device``: cuda/cpu/auto; ``dtype``: see
+    :func:`resolve_dtype`; ``yarn``: rope scaling factor (:func:`model_config`).
+
+    Attention inside the model: on CUDA :func:`_cuda_causal_sdpa` (fused kernels only, never an
+    n x n matrix), on the CPU transformers' SDPA function; ``fused_sdpa`` True / False forces one
+    or the other (tests run the CUDA path's code on the CPU)."""
+
+    fused_sdpa: bool | None = None
+
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str | torch.dtype | None = None,
+                 yarn: float | None = None, yarn_original: int | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.config = model_config(model_dir, yarn, yarn_original)
+        self._on_layer: Callable[..., Any] | None = None
+        self._register()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, config=self.config,
+                                                          attn_implementation=_ATTENTION_NAME,
+                                                          dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.num_heads = int(self.config.num_attention_heads)
+        self.num_kv_heads = int(getattr(self.config, "num_key_value_heads", None) or self.num_heads)
+
+    def _register(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+            # attention_mask is None for a registered custom name: SDPA runs causal (is_causal).
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            fused = query.is_cuda if self.fused_sdpa is None else self.fused_sdpa
+            if fused and attention_mask is None and kwargs.get("sliding_window") is None:
+                out, weights = _cuda_causal_sdpa(query, key, value, scaling), None
+            else:
+                out, weights = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                                      scaling=scaling, **kwargs)
+            if self._on_layer is not None:
+                self._on_layer(module.layer_idx, query[0].transpose(0, 1).detach(),
+                               key[0].transpose(0, 1).detach(), value[0].transpose(0, 1).detach(),
+                               float(scaling), out[0].detach())
+            return out, weights
+
+        AttentionInterface.register(_ATTENTION_NAME, attention)
+        try:  # no mask at all for this name (never an n x n one): attention runs is_causal
+            from transformers.masking_utils import AttentionMaskInterface
+
+            AttentionMaskInterface.register(_ATTENTION_NAME, _no_attention_mask)
+        except ImportError:  # pragma: no cover - transformers without mask interfaces
+            pass
+
+    def __call__(self, token_ids: Sequence[int], on_layer: Callable[..., Any]) -> None:
+        """Run the decoder once on ``token_ids``; ``on_layer(layer, q [n, H, D], k [n, Hkv, D],
+        v [n, Hkv, Dv], scale, out [n, H, Dv])`` gets post-RoPE tensors on the model's device
+        (views valid during the call only) and the layer's own SDPA output."""
+        self._register()
+        self._on_layer = on_layer
+        try:
+            with torch.no_grad():
+                # The decoder only: the LM head over every position would need n x vocab floats
+                # (20 GB for Qwen2.5 at 32K), and no logits are needed here.
+                self.model.model(torch.tensor([list(token_ids)], device=self.device), use_cache=False)
+        finally:
+            self._on_layer = None
+
+
+def capture_attention(model_dir: str, token_ids: Sequence[int], on_layer: Callable[..., Any],
+                      device: str = "cpu", dtype: str | torch.dtype | None = None,
+                      yarn: float | None = None) -> dict:
+    """Load the model (float32 on the CPU, bf16 on CUDA unless ``dtype``), run its decoder once
+    on ``token_ids`` and call ``on_layer(layer, q [n, H, D], k [n, Hkv, D], v [n, Hkv, Dv],
+    scale, out [n, H, Dv])`` for each attention layer with post-RoPE tensors on ``device`` and
+    the layer's own (SDPA) output. Returns the model config dict."""
+    cap = CaptureModel(model_dir, device, dtype, yarn)
+    cap(token_ids, on_layer)
+    return cap.config.to_dict()
