@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[sample.n_tokens] = ac.summarize(checker.results)
         meta.setdefault("capture_diff", {})[sample.n_tokens] = checker.capture_diff
         meta.setdefault("seconds", {})[sample.n_tokens] = round(time.monotonic() - t0, 1)
-        out.with_suffix(".json").write_text(json.dumps(
+        out.with_name(out.name + ".json").write_text(json.dumps(
             {"meta": meta, "summary": summary, "layers": per_length}, indent=1) + "\n")
 
     how = (f"{meta['dtype']}" + (f", YaRN x{args.yarn:g}" if args.yarn else "")
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_layer:
         for n, res in per_length.items():
             lines += ["", format_layers(res, n)]
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"wrote {out}.json and {out}.txt")
     return 0

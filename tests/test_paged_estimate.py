@@ -362,3 +362,14 @@ def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
                           torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
                           lambda *a: launched.append(a), sent_dense.append)
     assert sent_dense == [SparseRow(0, 0, 4096, 0)] and not launched
+
+
+@cpu_only
+@pytest.mark.parametrize("settings,ctx_len,patterns", [
+    (SHARED, 333, ["vertical_slash"] * 8),  # one budget per group; 333 % 64: bands start mid-block
+    (SHARED, 320, ["vertical_slash"] * 8),  # context a multiple of 64: aligned bands
+    (SETTINGS, 333, ["vertical_slash"] * 8),  # per-head budgets: band counts as a tensor
+    (SETTINGS, 0, MIXED)])
+def test_interp_slash_bands(settings, ctx_len, patterns):
+    """slash_band: the paged path keeps the bands the torch path keeps."""
+    check(patterns, 200, ctx_len, 2, 64, 16, torch.float32, 5, "cpu", settings.model_copy(update={"slash_band": 64}))

@@ -176,3 +176,48 @@ def test_every_pattern_lets_each_query_see_itself_and_counts_heads(ctx_len, rng)
     causal = (torch.arange(ctx_len + q_len)[None, :] <= (i + ctx_len)[:, None])
     assert (mask[dense_heads] == causal).all()
     assert mask.sum() < causal.sum() * h
+
+
+def test_slash_bands_keep_whole_bands_by_summed_score():
+    """slash_band > 1: diagonals are kept in bands aligned so that a band meets two key blocks
+    per query block; the kept bands are the ones with the largest summed scores, as many as
+    the budget in diagonals rounded up to bands."""
+    import torch
+
+    from vllm_sparse_backend.patterns.vertical_slash import (band_shift, slash_band_scores,
+                                                             slash_bands_to_diagonals)
+
+    assert band_shift(0, 64) == 0 and band_shift(333, 64) == 51 and band_shift(320, 64) == 0
+    slash = torch.zeros(1, 300)
+    slash[0, 10] = 5.0  # band 0 (ctx 0: diagonals 0..63)
+    slash[0, 130:190] = 0.1  # band 2: 6.0 in total, more than band 0's single strong diagonal
+    scores = slash_band_scores(slash, 0, 64)
+    assert scores.shape == (1, 5) and torch.allclose(scores[0], torch.tensor([5.0, 0.0, 6.0, 0.0, 0.0]))
+    keep = slash_bands_to_diagonals(torch.tensor([[False, False, True, False, False]]), 300, 0, 64)
+    assert keep.shape == (1, 300) and keep[0].nonzero().flatten().tolist() == list(range(128, 192))
+    # ctx 333: bands start at diagonals = 333 (mod 64), i.e. 13, 77, ...; band 0 is 0..12
+    shifted = slash_band_scores(slash, 333, 64)
+    assert shifted.shape == (1, 6) and shifted[0, 0] == 5.0  # diagonal 10 lies in the partial band 0
+    keep = slash_bands_to_diagonals(torch.tensor([[True, False, False, False, False, True]]), 300, 333, 64)
+    assert keep[0].nonzero().flatten().tolist() == list(range(13)) + list(range(269, 300))
+
+
+def test_slash_bands_cost_two_key_blocks_per_band():
+    """A kept band of block_size diagonals meets exactly two key blocks in every query block
+    (one where it starts at the main diagonal), whatever the context's alignment: the budget
+    buys blocks, not scattered lines."""
+    import torch
+
+    from vllm_sparse_backend.patterns.vertical_slash import band_shift, slash_block_mask
+
+    for ctx in (0, 64, 333, 1000):
+        q_len, kv_len, b = 256, ctx + 256, 64
+        shift = band_shift(ctx, b)
+        keep = torch.zeros(1, kv_len, dtype=torch.bool)
+        keep[0, 2 * b - shift: 3 * b - shift] = True  # band 2 (bands start at ctx_len mod b), away from both ends
+        mask = slash_block_mask(keep, q_len, ctx, b)
+        per_qb = mask[0].sum(-1)
+        assert (per_qb[per_qb > 0] <= 2).all(), (ctx, per_qb)
+        single = torch.zeros_like(keep)
+        single[0, 2 * b - shift + 5] = True  # one diagonal of that band costs the same blocks
+        assert (slash_block_mask(single, q_len, ctx, b) <= mask).all()

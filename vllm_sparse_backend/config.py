@@ -53,6 +53,9 @@ class SparseSettings(BaseModel):
                                          description="Vertical budget at least this share of the row's keys.")
     slash_share: float | None = Field(None, gt=0.0, le=1.0,
                                       description="Slash budget at least this share of the row's keys.")
+    slash_band: int = Field(1, ge=1, le=1024, description=(
+        "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
+        "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")

@@ -29,6 +29,7 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
+from .patterns.vertical_slash import band_count, band_shift, slash_band_scores
 from .plan import budget_density, vs_budget
 
 
@@ -135,8 +136,31 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
 
     max_v = vs_budget(int(group.max_params["vertical_size"]), settings.vertical_share, kv_len)
     max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
-    v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"), max_v, max_s)
+    band = settings.slash_band
+    if band == 1:
+        v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"),
+                                             max_v, max_s)
+    else:  # whole bands of diagonals by their summed scores (patterns.vertical_slash.slash_band_scores)
+        bands = slash_band_scores(slash, ctx_len, band)
+        # -inf past the last band: one width for both score rows (vs_topk's single-launch select)
+        bands = torch.nn.functional.pad(bands, (0, kv_len - bands.shape[1]), value=float("-inf"))
+        s_budget = budget("slash_size")
+        n_bands = -(-s_budget // band) if isinstance(s_budget, int) else band_count(s_budget, band)
+        v_idx, v_cnt, b_idx, _ = vs_topk(vertical, bands, budget("vertical_size"), n_bands, max_v, -(-max_s // band))
+        s_idx, s_cnt = _band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
     return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
+
+
+def _band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending band ids (int32 [h, w], -1 padded) -> their diagonals (int32 [h, w * band],
+    ascending, -1 padded) and counts [h]; diagonals outside [0, kv_len) of the first and last
+    bands dropped."""
+    h, w = b_idx.shape
+    d = b_idx.to(torch.int64)[:, :, None] * band - shift + torch.arange(band, device=b_idx.device)
+    ok = (b_idx[:, :, None] >= 0) & (d >= 0) & (d < kv_len)
+    d = torch.where(ok, d, torch.full_like(d, 1 << 40)).view(h, w * band).sort(-1).values
+    d = torch.where(d == 1 << 40, torch.full_like(d, -1), d)
+    return d.to(torch.int32).contiguous(), ok.view(h, -1).sum(-1).to(torch.int32)
 
 
 def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, ctx_len: int,

@@ -69,7 +69,8 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
                 q[:, ids], k, kvh[ids], ctx_len, per_head("vertical_size").clamp(min=v_floor),
                 per_head("slash_size").clamp(min=s_floor),
                 last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
-                keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale, share=share)
+                keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale, share=share,
+                slash_band=settings.slash_band)
         elif pattern is PatternName.BLOCK_SPARSE:
             sel = block_sparse_selection(q[:, ids], k, kvh[ids], ctx_len, per_head("topk_blocks"), block_size=b,
                                          share=share)

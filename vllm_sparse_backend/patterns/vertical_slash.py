@@ -45,13 +45,43 @@ def vertical_slash_to_selection(vertical_keep: torch.Tensor, slash_keep: torch.T
     return PatternSelection(slash_block_mask(slash_keep, q_len, ctx_len, block_size), cols, cols >= 0)
 
 
+def band_shift(ctx_len: int, band: int) -> int:
+    """Diagonals before the first whole band: bands start at diagonals congruent to ``ctx_len``
+    (mod ``band``), where a band of ``block_size`` diagonals meets exactly two key blocks in
+    every query block (any other start would meet three)."""
+    return (-ctx_len) % band
+
+
+def slash_band_scores(slash: torch.Tensor, ctx_len: int, band: int) -> torch.Tensor:
+    """[h, kv_len] diagonal scores -> [h, bands] sums over bands of ``band`` diagonals (band 0
+    is partial unless ``ctx_len`` is a multiple of ``band``; +inf stays +inf)."""
+    h, kv_len = slash.shape
+    shift = band_shift(ctx_len, band)
+    padded = torch.nn.functional.pad(slash, (shift, -(-(kv_len + shift) // band) * band - kv_len - shift))
+    return padded.view(h, -1, band).sum(-1)
+
+
+def slash_bands_to_diagonals(band_keep: torch.Tensor, kv_len: int, ctx_len: int, band: int) -> torch.Tensor:
+    """bool [h, bands] -> bool [h, kv_len]: every diagonal of a kept band."""
+    shift = band_shift(ctx_len, band)
+    return band_keep.repeat_interleave(band, dim=-1)[:, shift:shift + kv_len]
+
+
+def band_count(slash_size: torch.Tensor, band: int) -> torch.Tensor:
+    """Bands standing for a budget of ``slash_size`` diagonals (rounded up)."""
+    return (slash_size + band - 1) // band
+
+
 def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
-                             scale: float, share: int = 1) -> PatternSelection:
+                             scale: float, share: int = 1, slash_band: int = 1) -> PatternSelection:
     """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head.
     ``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from their
-    column and diagonal sums added up (budgets: the group's first head's)."""
+    column and diagonal sums added up (budgets: the group's first head's). ``slash_band`` > 1:
+    diagonals are kept in bands of that many (:func:`slash_band_scores`), ``slash_size`` / band
+    bands per head by their summed scores: with bands of ``block_size`` the budget buys key
+    blocks the kernel computes anyway, where scattered single diagonals each cost two blocks."""
     q_len, kv_len = q.shape[0], k.shape[0]
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
     vertical, slash = vertical_and_slash_sums(probs, qpos)
@@ -60,5 +90,10 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
     vertical[:, :keep_first_columns] = float("inf")
     slash[:, :max(1, keep_last_diagonals)] = float("inf")  # the main diagonal at least: no empty rows
     v_keep = keep_top(vertical, vertical_size.clamp(max=kv_len))
-    s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
+    if slash_band > 1:
+        bands = slash_band_scores(slash, ctx_len, slash_band)
+        s_keep = slash_bands_to_diagonals(keep_top(bands, band_count(slash_size.clamp(max=kv_len), slash_band)),
+                                          kv_len, ctx_len, slash_band)
+    else:
+        s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
     return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size).repeat_heads(share)
