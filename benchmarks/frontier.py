@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.results:
         run = json.loads(path.read_text())
         meta = run["meta"]
-        runs.append((f"{meta['model']}, {meta['device']}, {meta['date']}", run))
+        runs.append((f"{meta['model']}, {meta['device']}\n{path.stem}", run))
     draw(runs, args.out)
     print(f"wrote {args.out}")
     return 0
