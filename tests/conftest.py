@@ -29,3 +29,15 @@ def causal_mask(h, q_len, ctx_len):
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+def load_script(relpath: str, name: str | None = None):
+    """Import a script of the repository (``benchmarks/x.py``, ``deploy/check.py``) as a module."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

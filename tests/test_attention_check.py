@@ -140,16 +140,23 @@ def test_searched_variant_finds_a_shipped_file(tmp_path):
     assert searched_variant(["other"], tmp_path) is None
 
 
+def _save_tiny_llama(path, layers: int, max_positions: int, heads: int = 4, head_dim: int = 16,
+                     intermediate: int = 128) -> None:
+    """A random-weight Llama with 2 KV heads saved to ``path`` (skips without transformers)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=heads * head_dim, intermediate_size=intermediate,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                                   head_dim=head_dim, max_position_embeddings=max_positions, rope_theta=10000.0)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+
 @pytest.mark.slow
 def test_capture_from_a_tiny_transformers_model(tmp_path):
     """Post-RoPE Q/K: recomputing attention from what the capture hands over reproduces each
     layer's own SDPA output (pre-RoPE tensors would not)."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, max_position_embeddings=2048, rope_theta=10000.0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _save_tiny_llama(tmp_path, layers=2, max_positions=2048)
     ids = torch.randint(0, 300, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     checker = ac.LayerChecker([parse_variant("vs=vertical_size=16,slash_size=32")], rows=64,
                               base_settings={"block_size": 32, "last_q": 32})
@@ -265,7 +272,7 @@ def test_yarn_option_sets_the_rope_scaling(tmp_path):
     """--yarn 4: rope_type yarn, factor 4, original_max_position_embeddings 32768 (the trained
     length), theta kept; the rotary embedding then uses YaRN frequencies and attention factor
     0.1 ln 4 + 1; without it the config is the file's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import math
 
     folder = _tiny_qwen_folder(tmp_path / "qwen")
@@ -287,18 +294,12 @@ def test_yarn_option_sets_the_rope_scaling(tmp_path):
     assert torch.allclose(r_yarn.inv_freq[-1], r_plain.inv_freq[-1] / 4)  # low ones interpolated
     with pytest.raises(ValueError):
         ac.model_config(str(folder), yarn=0.5)
-    del transformers
 
 
 def test_capture_with_yarn_runs_the_scaled_model(tmp_path):
     """CaptureModel loads the model with the YaRN config: the captured Q/K differ from the plain
     model's (rotary scaling) while the layer check still holds."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, max_position_embeddings=256, rope_theta=10000.0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _save_tiny_llama(tmp_path, layers=1, max_positions=256)
     ids = [i % 290 + 3 for i in range(300)]
     got = {}
     for yarn in (None, 4.0):
@@ -320,12 +321,7 @@ def test_fused_sdpa_path_gives_the_models_attention(tmp_path):
     """The CUDA capture path (K/V repeated to the query heads, fused SDPA kernels only) run on
     the CPU: the model's layer outputs equal the recomputed dense attention, as with
     transformers' own SDPA function, and the captured Q/K/V are the same."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=96, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                                   head_dim=16, max_position_embeddings=2048, rope_theta=10000.0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _save_tiny_llama(tmp_path, layers=2, max_positions=2048, heads=6)
     ids = [i * 7 % 290 + 3 for i in range(333)]
     outs = {}
     for fused in (False, True):
@@ -362,12 +358,7 @@ def test_checker_and_capture_on_cuda(tmp_path):
         0, q.cuda(), k.cuda(), v.cuda(), SCALE)
     for a, b in zip(cpu, gpu):
         assert b.density == pytest.approx(a.density, rel=0.02) and b.recall == pytest.approx(a.recall, abs=0.01)
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=64, max_position_embeddings=8192, rope_theta=10000.0)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _save_tiny_llama(tmp_path, layers=2, max_positions=8192, head_dim=64, intermediate=256)
     cap = ac.CaptureModel(str(tmp_path), "cuda", yarn=2)
     assert cap.dtype == torch.bfloat16
     checker = ac.LayerChecker(variants, rows=256, base_settings=base, chunk=2048)

@@ -5,22 +5,19 @@ library's gating and YaRN; the JSON and table it writes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 import torch
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def recall_module():
-    spec = importlib.util.spec_from_file_location("attention_recall", ROOT / "benchmarks" / "attention_recall.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/attention_recall.py", "attention_recall")
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 
 import pytest
 import torch
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def dt():
-    spec = importlib.util.spec_from_file_location("decode_topk_trace", ROOT / "benchmarks" / "decode_topk_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/decode_topk_trace.py", "decode_topk_trace")
 
 
 def test_resident_positions(dt):

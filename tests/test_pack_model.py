@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 import shutil
 
 import pytest
+from conftest import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("pack_model", ROOT / "benchmarks" / "pack_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/pack_model.py", "pack_model")
 
 
 def test_pack_unpack_round_trip(tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ on the manifests and on deliberately broken copies of them."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import os
 import re
 import shutil
@@ -17,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
@@ -275,10 +275,7 @@ def test_shellcheck_passes_the_entrypoint():
 # ---------------------------------------------------------------------------------------------
 
 def _check_module():
-    spec = importlib.util.spec_from_file_location("deploy_check", ROOT / "deploy" / "check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("deploy/check.py", "deploy_check")
 
 
 @pytest.fixture(scope="module")

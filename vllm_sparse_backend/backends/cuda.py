@@ -233,7 +233,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         mode = settings().decode_mode
-        if settings().stats_file and not torch.cuda.is_current_stream_capturing():
+        if settings().stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
             STATS.refresh(settings().stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
