@@ -213,3 +213,28 @@ def test_causal_pairs_all_and_yarn_folder(tmp_path):
     assert (out / "model.safetensors").read_bytes() == b"weights" and (out / "model.safetensors").is_symlink()
     assert json.loads((model / "config.json").read_text()) == cfg  # the model itself is untouched
     assert acc.yarn_model_dir(model, 4, tmp_path / "work") == out  # again: the same folder
+
+
+def test_prompt_cache_returns_the_same_samples_for_the_same_inputs(tmp_path):
+    import argparse
+
+    from conftest import load_script
+    from vllm_sparse_backend.evaluation.tasks import Sample
+
+    bench = load_script("benchmarks/accuracy.py", "accuracy_bench")
+    sample = Sample("multi_value", 2048, 0, 0.5, [1, 2, 3], ("11", "22"), "The values are:", 48,
+                    (0.5, 0.7), {"k": 1})
+    args = argparse.Namespace(tasks=["multi_value"], lengths=[2048], samples=1, seed=0)
+    calls = []
+
+    def build():
+        calls.append(1)
+        return [sample]
+
+    path = tmp_path / "prompts.json"
+    assert bench.cached_samples(path, tmp_path / "model", "austen.txt", args, build) == [sample]
+    assert bench.cached_samples(path, tmp_path / "model", "austen.txt", args, build) == [sample]
+    assert len(calls) == 1  # the second came from the file, equal field by field
+    other = argparse.Namespace(tasks=["multi_value"], lengths=[4096], samples=1, seed=0)
+    bench.cached_samples(path, tmp_path / "model", "austen.txt", other, build)
+    assert len(calls) == 2  # other lengths: built again

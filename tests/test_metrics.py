@@ -339,3 +339,44 @@ def test_server_metrics_at_vllm_metrics_after_a_long_request(tmp_path):
     # the plugin's own port serves the same (multiprocess) numbers
     own = _samples(own_text)
     assert own[("sparse_prefill_query_tokens_total", (("route", "sparse"),))] == 2 * 1500
+
+
+class _Event:
+    """A device event the test completes by hand (``query`` as CUDA's: done or not yet)."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_stats_file_without_waiting_catches_up(tmp_path):
+    """dump(wait=False), as CUDA forwards call it: the file holds what has arrived and says how
+    many counts are still on their way; refresh() rewrites it once they arrive, and only then."""
+    import torch
+
+    st, _ = _stats_with_registry()
+    path = tmp_path / "s.json"
+    first, second = _Event(), _Event()
+    for event, value in ((first, 100), (second, 40)):
+        st._readouts.append((event, torch.tensor([value]), lambda v: st.record_measured_pairs(400, v[0])))
+    st.record_sparse_row(64, causal=None, computed=None, head_patterns={"vertical_slash": 2})
+    st.dump(str(path), wait=False)
+    d = json.loads(path.read_text())
+    assert (d["pending_readouts"], d["causal_pairs"], d["sparse_rows"]) == (2, 0, 1)
+    second.done = True  # in order: the second cannot be applied before the first
+    st.refresh(str(path))
+    assert json.loads(path.read_text())["pending_readouts"] == 2
+    first.done = True
+    st.refresh(str(path))
+    d = json.loads(path.read_text())
+    assert (d["pending_readouts"], d["causal_pairs"], d["computed_pairs"]) == (0, 800, 140)
+    path.unlink()
+    st.refresh(str(path))  # nothing new: no rewrite
+    assert not path.exists()
+    st.dump(str(path))  # the waiting dump writes in any case
+    assert json.loads(path.read_text())["computed_pairs"] == 140
