@@ -25,7 +25,8 @@ from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.plan import kv_group_share
 from vllm_sparse_backend.reference import kv_head_map
-from vllm_sparse_backend.search import causal_tiles, kernel_tiles, search_head, search_layer
+from vllm_sparse_backend.evaluation.attention_check import causal_tiles, kernel_tiles
+from vllm_sparse_backend.search import search_head, search_layer
 
 N, B = 1024, 64
 DENSITY = 0.6  # of the causal key tiles: enough for every planted pattern, far from dense

@@ -38,8 +38,7 @@ from typing import Callable, Sequence
 import torch
 
 from .config import PatternName, SparseSettings
-from .evaluation.attention_check import (COLUMNS_PER_TILE, causal_tiles, kernel_tiles,  # noqa: F401
-                                         kernel_tiles_per_head, score_rows, selection_stats)
+from .evaluation.attention_check import COLUMNS_PER_TILE, kernel_tiles_per_head, score_rows, selection_stats
 from .head_configs import HeadConfigFile, HeadPattern, resolve_head
 from .index import causal_block_mask, num_blocks
 from .patterns import estimate_index
