@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
                        f"accuracy_{device}_{run.short_name}_{date}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # with_name, not with_suffix: a name such as accuracy_h200_qwen-coder-1.5b holds a dot
+    out_json, out_txt = out.with_name(out.name + ".json"), out.with_name(out.name + ".txt")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-accuracy-"))
     model_dirs = {"native": model_dir}
     if args.yarn and any(r != "native" for r in rope_of.values()):
@@ -145,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[acc.Result] = []
     gating = ({"min_sparse_query_len": None, "max_density": None} if args.library_gating else
               {"min_sparse_query_len": args.min_sparse_query_len, "max_density": 1.0})
-    if args.resume and out.with_name(out.name + ".json").exists():
-        old = json.loads(out.with_name(out.name + ".json").read_text())
+    if args.resume and out_json.exists():
+        old = json.loads(out_json.read_text())
         # Results of tasks or lengths not asked for now stay (a later run may cover a subset);
         # those of prompts asked for again must be of the same prompts: same model and text,
         # and per (task, length, seed) the same depth and token count.
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         table = acc.format_table(rows, labels)
         lengths = acc.by_length(results, labels)
         summary = acc.overall(results, labels)
-        out.with_name(out.name + ".json").write_text(json.dumps(
+        out_json.write_text(json.dumps(
             {"meta": meta, "rows": rows, "by_length": lengths, "overall": summary,
              "results": acc.results_json(results)}, indent=1) + "\n")
         lines = [f"# {model_name} on {device}, {date}: {args.samples} prompt(s) per task and "
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             lines.append("no results (not run yet, or failed: see meta.errors in the JSON): "
                          + ", ".join(missing))
-        out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
+        out_txt.write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
 
     def log(m: str) -> None:

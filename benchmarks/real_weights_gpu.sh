@@ -20,8 +20,9 @@ case "${1:-}" in
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site-plugin . \
       2>&1 | grep -v "^WARNING: Running pip as" || true
     rm -rf build ./*.egg-info
-    python3 -c "import vllm_sparse_backend as p, importlib.metadata as m; print('plugin', p.__file__, \
-[e.name for e in m.entry_points(group='vllm.general_plugins')])"
+    # from /tmp: the checkout itself would come first on sys.path and hide the installed copy
+    (cd /tmp && python3 -c "import vllm_sparse_backend as p, importlib.metadata as m; print('plugin', p.__file__, \
+[e.name for e in m.entry_points(group='vllm.general_plugins')])")
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader ;;
   run)
     shift

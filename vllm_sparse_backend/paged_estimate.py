@@ -131,8 +131,7 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
         lo, hi = group.min_params[name], group.max_params[name]
         if lo == hi:
             return vs_budget(int(hi), shares[name], kv_len)
-        floor = 1 if shares[name] is None else vs_budget(1, shares[name], kv_len)
-        return group.params[name].clamp(min=floor, max=kv_len)
+        return group.params[name].clamp(min=vs_budget(1, shares[name], kv_len), max=kv_len)
 
     max_v = vs_budget(int(group.max_params["vertical_size"]), settings.vertical_share, kv_len)
     max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
@@ -144,9 +143,8 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
         bands = slash_band_scores(slash, ctx_len, band)
         # -inf past the last band: one width for both score rows (vs_topk's single-launch select)
         bands = torch.nn.functional.pad(bands, (0, kv_len - bands.shape[1]), value=float("-inf"))
-        s_budget = budget("slash_size")
-        n_bands = -(-s_budget // band) if isinstance(s_budget, int) else band_count(s_budget, band)
-        v_idx, v_cnt, b_idx, _ = vs_topk(vertical, bands, budget("vertical_size"), n_bands, max_v, -(-max_s // band))
+        v_idx, v_cnt, b_idx, _ = vs_topk(vertical, bands, budget("vertical_size"), band_count(budget("slash_size"), band),
+                                         max_v, band_count(max_s, band))
         s_idx, s_cnt = _band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
     return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
 

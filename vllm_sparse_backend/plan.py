@@ -74,8 +74,8 @@ def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len:
     budget density is above ``max_density`` would fall back to dense after estimation anyway;
     it is sent dense without estimating. Keys per query, per head: vertical + slash sizes
     (vertical-slash), top-k blocks (block-sparse), sink + window (A-shape), the minimum budget
-    (FlexPrefill), all (dense), with the row's budgets (:func:`vs_budgets`); over the mean number of keys a query of the row can see,
-    ``ctx_len + (q_len + 1) / 2``. ``heads``: the layer's heads, or a Counter of distinct heads.
+    (FlexPrefill), all (dense), with the row's budgets (:func:`vs_budgets`); over the mean
+    number of keys a query of the row can see, ``ctx_len + (q_len + 1) / 2``. ``heads``: the layer's heads, or a Counter of distinct heads.
     """
     counts = heads if isinstance(heads, Counter) else Counter(heads)
     visible = ctx_len + (q_len + 1) / 2

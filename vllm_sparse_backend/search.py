@@ -38,14 +38,17 @@ from typing import Callable, Sequence
 import torch
 
 from .config import PatternName, SparseSettings
-from .evaluation.attention_check import COLUMNS_PER_TILE, kernel_tiles_per_head, score_rows, selection_stats
-from .head_configs import HeadConfigFile, HeadPattern, resolve_head
+from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
+                                         kernel_tiles_per_head, resolve_device, rope_description, score_rows,
+                                         selection_stats)
+from .evaluation.variants import Variant
+from .head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
 from .index import causal_block_mask, num_blocks
 from .patterns import estimate_index
 from .patterns.a_shape import a_shape_selection
 from .patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from .patterns.vertical_slash import slash_block_mask
-from .plan import kv_group_share
+from .plan import budget_density, kv_group_share, vs_budgets
 from .reference import kv_head_map
 
 
@@ -168,10 +171,6 @@ def vs_tiles(v_rank: torch.Tensor, s_rank: torch.Tensor, v_count: torch.Tensor, 
 def _vs_floors(n: int, settings: SparseSettings) -> tuple[int, int]:
     """The smallest budgets the estimator runs a row of ``n`` keys with (budgets that grow with
     the row, ``vertical_share`` / ``slash_share``, where the settings have them)."""
-    try:
-        from .plan import vs_budgets
-    except ImportError:  # pragma: no cover - settings without growing budgets
-        return 1, 1
     return vs_budgets(1, 1, n, settings)
 
 
@@ -463,11 +462,6 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
     searched, and again with the verification's results: with ``verify`` the file is run as the
     backend would run it on the same prompts (:class:`..evaluation.attention_check.LayerChecker`)
     and its achieved density, tile density, recall and output error go into ``settings``."""
-    from .evaluation.attention_check import CaptureModel, LayerChecker, rope_description
-    from .evaluation.variants import Variant
-    from .head_configs import FORMAT_NAME, LayerHeads, save_head_config
-    from .plan import budget_density
-
     if selection not in ("group", "head"):
         raise ValueError(f"selection {selection!r}: group or head")
     lengths = {len(s) for s in samples}
@@ -606,8 +600,6 @@ def capture_qkv(model_dir: str, token_ids: list[int], device: str = "auto") -> t
     """Run the model once on ``token_ids``; return per layer (q [L, H, D], k [L, Hkv, D],
     v [L, Hkv, D], scale) after rotary embedding (on the CPU), and the config. Keeps every
     layer: for short prompts and tests only (the search itself works in the capture callback)."""
-    from .evaluation.attention_check import capture_attention, resolve_device
-
     captured: dict[int, tuple] = {}
 
     def keep(layer, q, k, v, scale, out):

@@ -79,8 +79,8 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
 
     Nothing here waits for the GPU, also with ``settings.stats_file`` set: every row's counts are
     then read back later like a sampled forward's and the file catches up as they arrive
-    (:meth:`SparseStats.refresh`). On the forwards the stage timer samples (``timing_sample_every``) the computed
-    pairs, the flags and FlexPrefill's per-head decisions are counted on the device and read back
+    (:meth:`SparseStats.refresh`). On the forwards the stage timer samples
+    (``timing_sample_every``) the computed pairs, the flags and FlexPrefill's per-head decisions are counted on the device and read back
     later (:meth:`SparseStats.read_later`).
     """
     num_heads = query.shape[1]

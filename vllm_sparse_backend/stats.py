@@ -34,7 +34,6 @@ class SparseStats:
     stage_seconds: Counter = field(default_factory=Counter)  # sampled seconds per stage (estimate, kernel)
     stage_samples: Counter = field(default_factory=Counter)  # sampled forwards per stage
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
@@ -220,11 +219,10 @@ class SparseStats:
         with self._lock:
             data = self.as_dict()
             data["pending_readouts"] = len(self._readouts)
-        with self._write_lock:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, path)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
 
 
 STATS = SparseStats()

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
+from .rope import scaled_max_positions, yarn_parameters
 from .tasks import Sample, score
 from .variants import Variant
 
@@ -119,14 +120,10 @@ def yarn_model_dir(model_dir: str | os.PathLike, factor: float, workdir: str | o
         if f.name != "config.json" and not (out / f.name).exists():
             (out / f.name).symlink_to(f)
     cfg = model_config(src)
-    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
-    rope = {"rope_type": "yarn", "factor": float(factor),
-            "original_max_position_embeddings": int(cfg["max_position_embeddings"])}
-    if theta is not None:
-        rope["rope_theta"] = theta
+    rope = yarn_parameters(cfg.get("rope_parameters"), cfg.get("rope_theta"), cfg["max_position_embeddings"], factor)
     cfg["rope_parameters"] = dict(rope)
     cfg["rope_scaling"] = {**rope, "type": "yarn"}
-    cfg["max_position_embeddings"] = int(cfg["max_position_embeddings"] * factor)
+    cfg["max_position_embeddings"] = scaled_max_positions(rope, cfg["max_position_embeddings"])
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -248,8 +245,8 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
     warm = longest[: max(64, min(len(longest), 2 * chunk + 64, server.max_model_len - 16))]
     stream_completion(handle.host, handle.port, {"model": model, "prompt": list(warm), "max_tokens": 2,
                                                  "temperature": 0})
+    before = _settled_stats(server.stats_path)
     for s in samples:
-        before = _settled_stats(server.stats_path)
         text, ttft, total, usage = stream_completion(handle.host, handle.port, {
             "model": model, "prompt": list(s.prompt_ids), "max_tokens": s.max_tokens,
             "temperature": 0})
@@ -273,6 +270,7 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
             r.head_patterns = {k: v - pat_before.get(k, 0) for k, v in pat_after.items()
                                if v - pat_before.get(k, 0)}
         results.append(r)
+        before = after  # nothing runs between two prompts
         dens = "" if r.density_all is None or variant.dense else f" density {r.density_all:.3f}"
         log(f"[{variant.label}/{server.rope}] {s.key} ({s.n_tokens} tok, depth {s.depth}): score "
             f"{r.score:.2f}, ttft {ttft:.2f} s{dens}; {text.strip()[:80]!r}")

@@ -42,6 +42,7 @@ from ..index import SparseIndex, build_index, causal_block_mask, count_pairs, in
 from ..patterns import estimate_index
 from ..plan import budget_density, kv_group_share
 from ..reference import causal_pairs, kv_head_map
+from .rope import scaled_max_positions, yarn_parameters
 from .variants import Variant
 
 
@@ -369,18 +370,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return names[dtype]
 
 
-def yarn_parameters(config, factor: float, original: int | None = None) -> dict[str, Any]:
-    """YaRN rope parameters for ``config`` (Qwen2.5's recipe beyond its trained 32K: ``factor``
-    4 with ``original_max_position_embeddings`` 32768, vLLM's ``--hf-overrides`` spelling)."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
-    original = int(original or config.max_position_embeddings)
-    params = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
-    if theta is not None:
-        params["rope_theta"] = float(theta)
-    return params
-
-
 def model_config(model_dir: str, yarn: float | None = None, yarn_original: int | None = None):
     """The model's transformers config, with YaRN rope scaling applied when ``yarn`` is given:
     ``rope_parameters`` = {rope_type: yarn, factor, original_max_position_embeddings, rope_theta}
@@ -392,15 +381,14 @@ def model_config(model_dir: str, yarn: float | None = None, yarn_original: int |
     config = AutoConfig.from_pretrained(model_dir)
     if not yarn:
         return config
-    if yarn < 1:
-        raise ValueError(f"yarn factor {yarn}: must be >= 1")
-    params = yarn_parameters(config, yarn, yarn_original)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = yarn_parameters(rope, getattr(config, "rope_theta", None), config.max_position_embeddings, yarn,
+                             yarn_original)
     if "rope_parameters" in type(config).__dict__ or hasattr(config, "rope_parameters"):
         config.rope_parameters = params  # transformers 5 (rope_scaling is an alias)
     else:  # transformers 4.x
         config.rope_scaling = {**params, "type": "yarn"}
-    config.max_position_embeddings = max(int(config.max_position_embeddings),
-                                         int(params["original_max_position_embeddings"] * yarn))
+    config.max_position_embeddings = scaled_max_positions(params, config.max_position_embeddings)
     return config
 
 

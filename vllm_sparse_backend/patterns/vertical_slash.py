@@ -67,8 +67,8 @@ def slash_bands_to_diagonals(band_keep: torch.Tensor, kv_len: int, ctx_len: int,
     return band_keep.repeat_interleave(band, dim=-1)[:, shift:shift + kv_len]
 
 
-def band_count(slash_size: torch.Tensor, band: int) -> torch.Tensor:
-    """Bands standing for a budget of ``slash_size`` diagonals (rounded up)."""
+def band_count(slash_size: torch.Tensor | int, band: int) -> torch.Tensor | int:
+    """Bands standing for a budget of ``slash_size`` diagonals (rounded up; per head or one int)."""
     return (slash_size + band - 1) // band
 
 
