@@ -16,7 +16,8 @@ d=128), bf16, page 16 in random order.
     python benchmarks/backend_path.py --sizes 16,32,64,128 --chunk 16384
 
 Variants: vertical-slash 1000/6096 with one selection per query head and with ``kv_group_shared``
-(the default: one selection per KV head, the group's heads stacked in the kernel), block-sparse
+(the default: one selection per KV head, the group's heads stacked in the kernel), the latter
+with its slash lines as aligned key blocks instead of key ranges (``slash_tiles``), block-sparse
 top-100 (shared), FlexPrefill gamma 0.9 and 0.95 (per head: FlexPrefill never shares) and A-shape.
 ``--chunk 0`` runs the whole prompt as one row (the kernel benchmark's setting, with estimation).
 ``--kernel-sweep`` prints, instead of the table, launch variants and splits of the default
@@ -72,8 +73,18 @@ def structured_qkv(n, h, hkv, d, gen, dev="cuda"):
 
 
 def run(n, chunk, settings_list, gen, h=32, hkv=8, d=128, dev="cuda"):
-    scale = 1.0 / math.sqrt(d)
-    q, k, v = structured_qkv(n, h, hkv, d, gen, dev)
+    return run_layer(*structured_qkv(n, h, hkv, d, gen, dev), chunk, settings_list)
+
+
+def run_layer(q, k, v, chunk, settings_list, scale=None):
+    """One layer's q [n, H, D], k / v [n, Hkv, D] (bf16, CUDA): dense SDPA times, our kernel's
+    dense mode, and for each (name, settings): density of the computed pairs, estimation, kernel
+    and estimation + kernel time over the chunks. ``k`` and ``v`` are consumed (moved into a
+    paged cache and released)."""
+    n, h, d = q.shape
+    hkv = k.shape[1]
+    dev = q.device
+    scale = scale or 1.0 / math.sqrt(d)
     rec = {"n": n}
     rec.update(sdpa_times(q, k, v, h // hkv))
     key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
@@ -168,19 +179,20 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
                                     cfg, scale).index for r in rows]
     lines = [f"n={n // 1024}K, chunk {chunk // 1024}K: {len(rows)} sparse chunks (the first runs dense), "
              f"VS {cfg.vertical_size}/{cfg.slash_size} shared, {indices[0].num_heads} lists"]
-    nb = sum(ix.block_count.float().sum().item() for ix in indices)
+    nb = sum(ix.block_count.float().sum().item() + ix.range_count.float().sum().item() for ix in indices)
     nc = sum(ix.column_count.float().sum().item() for ix in indices)
-    lines.append(f"  list entries: {nb / nc:.2f} key blocks of 64 per column (blocks {nb:.0f}, columns {nc:.0f}; "
+    lines.append(f"  list entries: {nb / nc:.2f} key blocks or ranges of 64 per column (tiles {nb:.0f}, columns {nc:.0f}; "
                  f"column tiles of 64 = {nc / 64 / (nb + nc / 64):.1%} of the tiles)")
 
     def zero(ix, blocks):
         bc = torch.zeros_like(ix.block_count) if blocks else ix.block_count
         cc = ix.column_count if blocks else torch.zeros_like(ix.column_count)
-        return SparseIndex(ix.block_size, bc, ix.block_index, cc, ix.column_index)
+        rc = torch.zeros_like(ix.range_count) if blocks else ix.range_count
+        return SparseIndex(ix.block_size, bc, ix.block_index, cc, ix.column_index, rc, ix.range_start)
 
-    sets = {"all": indices, "blocks only": [zero(ix, False) for ix in indices],
+    sets = {"all": indices, "blocks and ranges only": [zero(ix, False) for ix in indices],
             "columns only": [zero(ix, True) for ix in indices]}
-    variants = [("all", {}), ("all", {"num_stages": 2}), ("all", {"num_stages": 4}), ("blocks only", {}),
+    variants = [("all", {}), ("all", {"num_stages": 2}), ("all", {"num_stages": 4}), ("blocks and ranges only", {}),
                 ("columns only", {})]
     ref = None
     for which, var in variants:
@@ -226,9 +238,7 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
         fn = lambda: vsi.vertical_slash_index(*lists, r.q_len, r.ctx_len, 64, **var)  # noqa: E731
         got = fn()
         base = got if base is None else base
-        same = all(torch.equal(a, b) for a, b in zip(
-            (got.block_count, got.block_index, got.column_count, got.column_index),
-            (base.block_count, base.block_index, base.column_count, base.column_index)))
+        same = all(torch.equal(a, b) for a, b in zip(got.tensors(), base.tensors()))
         lines.append(f"    {var or '[default]'}: {graph_ms(fn):.3f} ms (same lists: {same})")
         print(lines[-1], flush=True)
     # the grid's last wave: 16384 queries = 2048 programs (15.5 waves of 132), 16896 = 16 waves
@@ -269,6 +279,8 @@ def main():
     shared = {"kv_group_shared": True}  # the default
     settings_list = [("VS 1000/6096 per head", base),
                      ("VS 1000/6096 shared", base.model_copy(update=shared)),
+                     ("VS 1000/6096 shared, slash as blocks", base.model_copy(update={"slash_tiles": "blocks",
+                                                                                     **shared})),
                      ("BS top-100 shared", base.model_copy(update={"default_pattern": PatternName.BLOCK_SPARSE,
                                                                     **shared})),
                      ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),

@@ -121,7 +121,7 @@ def vs_index(h, n, nv, ns, device, gen):
     v, s = plant_vs(h, n, nv, ns, device, gen)
     sel = vertical_slash_to_selection(v, s, n, 0, 64)
     del v, s
-    return build_index(sel.block_mask, 64, n, 0, sel.columns, sel.column_keep)
+    return sel.to_index(64, n, 0)
 
 
 def bs_index(h, n, topk, device, gen):
@@ -289,7 +289,7 @@ def index_bench(n: int, gen) -> str:
     def torch_path():
         vert, slash = torch_scores()
         sel = vertical_slash_to_selection(keep_top(vert, nv), keep_top(slash, ns), n, 0, 64)
-        return build_index(sel.block_mask, 64, n, 0, sel.columns, sel.column_keep)
+        return sel.to_index(64, n, 0)
 
     def convert(vert, slash):
         return vsi.vertical_slash_index(*vsi.vs_topk(vert, slash, nv, ns, 1000, 6096), n, 0)

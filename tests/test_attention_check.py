@@ -58,6 +58,7 @@ def _brute_force(q, k, v, index, rows):
 def test_allowed_keys_is_the_index_mask():
     q, k, _ = _qkv()
     index = _mixed_index(q, k)
+    assert index.range_count[0].any() and index.block_count[1:].any()  # ranges and blocks both
     rows = torch.tensor([0, 1, 15, 16, 100, 257, 513, N - 1])
     assert torch.equal(ac.allowed_keys(index, rows, N), index_to_dense_mask(index, N, 0)[:, rows])
 

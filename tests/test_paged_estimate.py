@@ -152,9 +152,10 @@ def test_pattern_names_cover_the_enum():
 
 
 def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample_every=0):
-    """Rows whose estimated index is denser than max_density run the kernel's dense mode, flagged
-    on the device without a host sync (dense_row, the FlashAttention fallback, is only for rows
-    the budgets rule out); the others are computed sparse. Both match the float64 reference of
+    """With ``estimated_dense_rows="kernel"``, rows whose estimated index is denser than
+    max_density run the kernel's dense mode, flagged on the device without a host sync
+    (dense_row, the FlashAttention fallback, is then only for rows the budgets rule out); the
+    others are computed sparse. Both match the float64 reference of
     what they ran, and the stats name the fallback once the flags are read. With
     ``sample_every`` = 1 the forward is a timed sample whose pair counts and flags are read back
     later, still without a sync in the forward: the stats are exact once drained."""
@@ -167,7 +168,8 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     from vllm_sparse_backend.stats import STATS
     from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
 
-    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16})
+    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
+                                           "estimated_dense_rows": "kernel"})
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, dtype, 7, device)
     v = torch.randn_like(k)
@@ -219,6 +221,33 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
 @pytest.mark.parametrize("max_density,expect_dense", [(1.0, False), (0.1, True)])
 def test_density_fallback(max_density, expect_dense):
     check_density_fallback(max_density, expect_dense, "cpu", torch.float32, 1e-4)
+
+
+@cpu_only
+@pytest.mark.parametrize("max_density,to_flash", [(1.0, False), (0.1, True)])
+def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
+    """The default ``estimated_dense_rows="flash"``: the flags are read on the host and a row
+    whose estimated index is too dense goes to dense_row (FlashAttention in the backend), counted
+    as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.stats import STATS
+
+    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16})
+    assert settings.estimated_dense_rows == "flash"
+    q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
+    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
+    heads = [resolve_head(None, settings)] * (hkv * group)
+    rows = [SparseRow(0, 0, q_len, ctx)]
+    sent_dense, kernel_rows = [], []
+    STATS.flush_deferred()
+    before = STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0)
+    run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
+                          HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                          lambda *args, **kw: kernel_rows.append(args[4]), sent_dense.append)
+    assert sent_dense == (rows if to_flash else [])
+    assert kernel_rows == ([] if to_flash else [rows])
+    assert STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) - before == int(to_flash)
 
 
 @gpu

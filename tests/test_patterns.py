@@ -7,7 +7,7 @@ import torch
 
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.index import build_index, count_pairs, index_to_dense_mask, num_blocks, range_stops
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.patterns.a_shape import a_shape_selection
 from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
@@ -23,12 +23,13 @@ def _qk(q_len, ctx_len, h, hkv, d, gen):
 
 
 @pytest.mark.parametrize("q_len,ctx_len,b", [(300, 0, 64), (200, 150, 64), (129, 40, 32)])
-def test_vertical_slash_conversion_covers_lines_with_minimal_blocks(q_len, ctx_len, b, rng):
+@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
+def test_vertical_slash_conversion_covers_lines_with_minimal_tiles(q_len, ctx_len, b, slash_tiles, rng):
     h, kv_len = 3, ctx_len + q_len
     v_keep = torch.rand(h, kv_len, generator=rng) < 0.05
     s_keep = torch.rand(h, kv_len, generator=rng) < 0.03
-    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, b)
-    index = build_index(sel.block_mask, b, q_len, ctx_len, sel.columns, sel.column_keep)
+    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, b, slash_tiles)
+    index = sel.to_index(b, q_len, ctx_len)
     mask = index_to_dense_mask(index, q_len, ctx_len)
     qpos = torch.arange(q_len) + ctx_len
     kpos = torch.arange(kv_len)
@@ -36,14 +37,43 @@ def test_vertical_slash_conversion_covers_lines_with_minimal_blocks(q_len, ctx_l
     causal = diag >= 0
     want = (v_keep[:, None, :] | s_keep[:, diag.clamp(min=0)]) & causal[None]
     assert (mask | ~want).all(), "every kept vertical and slash point must be computed"
-    # Minimality: each listed key block holds at least one kept slash point of its query block.
+    # every computed pair is counted once: the listed tiles and columns do not overlap
+    assert count_pairs(index, q_len, ctx_len) == int(mask.sum())
+    # Minimality: each listed key block / range holds at least one kept slash point of its query
+    # block; ranges are at most b keys and strictly ascending.
+    stops = range_stops(index.range_start, b)
     for hh in range(h):
         for qb in range(index.num_query_blocks):
             rows = slice(qb * b, min(q_len, (qb + 1) * b))
-            for kb in index.block_index[hh, qb, : index.block_count[hh, qb]].tolist():
-                cols = slice(kb * b, min(kv_len, (kb + 1) * b))
+            spans = [(kb * b, (kb + 1) * b) for kb in index.block_index[hh, qb, : index.block_count[hh, qb]].tolist()]
+            n_r = int(index.range_count[hh, qb])
+            starts = index.range_start[hh, qb, :n_r].tolist()
+            assert starts == sorted(set(starts))
+            spans += list(zip(starts, stops[hh, qb, :n_r].tolist()))
+            for k0, k1 in spans:
+                assert 0 < k1 - k0 <= b
+                cols = slice(k0, min(kv_len, k1))
                 slash_pts = s_keep[hh][diag[rows, cols].clamp(min=0)] & causal[rows, cols]
-                assert slash_pts.any(), (hh, qb, kb)
+                assert slash_pts.any(), (hh, qb, k0)
+    if slash_tiles == "ranges":
+        assert not index.block_count.any()
+        assert index.range_count.any()
+
+
+def test_slash_ranges_cost_one_tile_per_scattered_diagonal():
+    # diagonals 200 keys apart cross two aligned blocks each in most query blocks, one range each
+    q_len, ctx_len, b = 1024, 3072, 64
+    s_keep = torch.zeros(1, ctx_len + q_len, dtype=torch.bool)
+    s_keep[0, 7:ctx_len:200] = True
+    n_diag = int(s_keep.sum())
+    v_keep = torch.zeros_like(s_keep)
+    tiles = {}
+    for mode in ("ranges", "blocks"):
+        sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, b, mode)
+        ix = sel.to_index(b, q_len, ctx_len)
+        tiles[mode] = ix.block_count[0, -1].item() + ix.range_count[0, -1].item()
+    assert tiles["ranges"] == n_diag  # the last query block sees every diagonal
+    assert tiles["blocks"] > 1.5 * n_diag
 
 
 def test_vertical_slash_keeps_sinks_and_local_diagonals_and_budgets(rng):
@@ -55,7 +85,7 @@ def test_vertical_slash_keeps_sinks_and_local_diagonals_and_budgets(rng):
     cols = [set(sel.columns[i][sel.column_keep[i]].tolist()) for i in range(h)]
     assert [len(c) for c in cols] == [40, 40, 50, 60]
     assert all(set(range(30)) <= c for c in cols)
-    index = build_index(sel.block_mask, 64, q_len, 0, sel.columns, sel.column_keep)
+    index = sel.to_index(64, q_len, 0)
     mask = index_to_dense_mask(index, q_len, 0)
     i = torch.arange(q_len)
     for dd in range(30):  # the 30 diagonals nearest the main one are always computed

@@ -209,12 +209,13 @@ def _served_index(q, k, family, knobs, share, settings, scale):
     (1000, 64, 1, dict(last_q=32)), (1000, 64, 3, dict(last_q=32)),
     (777, 32, 3, dict(last_q=64, keep_first_columns=0, keep_last_diagonals=1)),
 ])
-def test_vs_tile_counts_equal_the_estimators_index(n, b, share, settings):
+@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
+def test_vs_tile_counts_equal_the_estimators_index(n, b, share, settings, slash_tiles):
     """The bisection's tile counts (from ranks, no index built) are the kernel tiles of the index
     the backend's estimator builds at the same budgets, per head or per KV group."""
     h, hkv, scale = 6, 2, 0.18
     q, k, _ = _gqa(n, h, hkv)
-    s = SparseSettings(block_size=b, **settings)
+    s = SparseSettings(block_size=b, slash_tiles=slash_tiles, **settings)
     tables = S.TileTables(n, b)
     probs, qpos = last_queries_probs(q, k, kv_head_map(h, hkv), 0, s.last_q, scale)
     vert, sl = (sum_head_groups(x, share) for x in vertical_and_slash_sums(probs, qpos))
@@ -226,7 +227,7 @@ def test_vs_tile_counts_equal_the_estimators_index(n, b, share, settings):
         for ratio in S.VS_RATIOS:
             slash = max(1, round(ratio * knob))
             pred = S.vs_tiles(vr, sr, torch.full((units,), min(knob, n)), torch.full((units,), min(slash, n)),
-                              tables.causal, b)
+                              tables.causal, b, slash_tiles)
             index = _served_index(q, k, (PatternName.VERTICAL_SLASH, ratio), [knob] * units, share, s, scale)
             assert torch.equal(pred, ac.kernel_tiles_per_head(index)[::share]), (knob, ratio)
     for family, knobs, tiles in ((PatternName.A_SHAPE, tables.ashape_knobs, tables.ashape_tiles),

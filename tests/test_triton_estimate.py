@@ -198,7 +198,7 @@ def check_flex(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, *, fb=1
         _, dec = flex_prefill_selection(q, k, kvh, ctx_len, gammas, tau=0.0, **kw)
         tau = _split_tau(dec.jsd)
     sel, dec = flex_prefill_selection(q, k, kvh, ctx_len, gammas, tau=tau, **kw)
-    ref = build_index(sel.block_mask, 64, q_len, ctx_len, sel.columns, sel.column_keep)
+    ref = sel.to_index(64, q_len, ctx_len)
     q_dev, gammas_dev = q.to(device), gammas.to(device)
     with no_host_sync(device):
         got, qa = est.flex_prefill_index(q_dev, key_cache, table, ctx_len, gammas_dev, tau=tau,

@@ -20,6 +20,7 @@ import torch
 from triton_setup import CUDA, INTERPRET, kernel_module
 
 from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.patterns.vertical_slash import slash_ranges
 from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention
 
 sa = kernel_module("sparse_attention")
@@ -56,12 +57,23 @@ def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
     return key_cache, value_cache, table.to(device), ks, vs
 
 
-def random_index(h, q_len, ctx_len, density, n_cols, gen, device):
+def random_index(h, q_len, ctx_len, density, n_cols, gen, device, ranges=False):
+    """Random key blocks and columns; ``ranges``: odd heads list key ranges of random diagonals
+    (a share ``density / 8`` of them, touching ones merged) instead of blocks."""
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
     mask = torch.rand(h, nqb, nkb, generator=gen) < density
     cols = torch.randint(0, ctx_len + q_len, (h, n_cols), generator=gen)
     keep = torch.rand(h, n_cols, generator=gen) < 0.8
-    return build_index(mask, 64, q_len, ctx_len, cols, keep).to(device)
+    if not ranges:
+        return build_index(mask, 64, q_len, ctx_len, cols, keep).to(device)
+    slash_keep = torch.rand(h, ctx_len + q_len, generator=gen) < density / 8
+    slash_keep[:, :3] = True
+    r_count, r_start = slash_ranges(slash_keep, q_len, ctx_len, 64)
+    odd = torch.arange(h) % 2 == 1
+    mask &= ~odd[:, None, None]
+    r_count = torch.where(odd[:, None], r_count, 0)
+    r_start = torch.where(odd[:, None, None], r_start, -1)
+    return build_index(mask, 64, q_len, ctx_len, cols, keep, r_count, r_start).to(device)
 
 
 def full_index(h, q_len, ctx_len, device):
@@ -82,7 +94,7 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
              n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, whole=None,
-             **launch):
+             ranges=False, **launch):
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
@@ -101,7 +113,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     else:
         # share > 1: one list per `share` heads of a group (pack_rows(heads_per_list=share)); the
         # reference gets each list repeated for its heads
-        lists = [random_index(h // share, q_len, ctx, density, n_cols, gen, device) for q_len, ctx in shapes]
+        lists = [random_index(h // share, q_len, ctx, density, n_cols, gen, device, ranges) for q_len, ctx in shapes]
         indices = [ix.repeat_heads(share) for ix in lists]
         # pack=False: the launcher gets the per-row lists and picks the stacking itself
         bix = sa.pack_rows(rows, lists, device=device, heads_per_list=share) if pack else lists
@@ -214,6 +226,25 @@ def test_interp_whole_rows_run_every_causal_block(share):
 
 
 @cpu_only
+@pytest.mark.parametrize("group,d,block_n,share", [(2, 64, 64, 1), (2, 64, 128, 1), (4, 128, 64, 1), (4, 64, 64, 4),
+                                                   (4, 128, 64, 2)])
+def test_interp_key_ranges(group, d, block_n, share):
+    # lists with key ranges (odd lists) beside lists with blocks, columns around both; one or
+    # two ranges per key tile; per-head and KV-group-shared lists; a flagged row ignores them
+    run_case(SMALL, 2, group, d, 16, torch.float32, seed=51 + group + d + block_n, ranges=True, density=0.3,
+             share=share, block_n=block_n, check_lse=True)
+    run_case(SMALL, 1, group, d, 16, torch.float32, seed=52, ranges=True, share=share, whole=[False, True, False])
+
+
+@cpu_only
+def test_interp_merge_refuses_key_ranges():
+    gen = torch.Generator().manual_seed(0)
+    ix = random_index(4, 130, 100, 0.3, 8, gen, "cpu", ranges=True)
+    with pytest.raises(ValueError, match="without key ranges"):
+        sa.merge_group_heads(sa.pack_rows([(0, 0, 130, 100)], [ix]), 2)
+
+
+@cpu_only
 def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
@@ -257,6 +288,13 @@ def test_gpu_whole_rows_run_every_causal_block(share):
 
 
 @gpu
+@pytest.mark.parametrize("group,d,share", [(4, 128, 1), (4, 128, 4), (7, 64, 1), (8, 64, 4)])
+def test_gpu_key_ranges(group, d, share):
+    run_case(BIG, 2, group, d, 16, torch.bfloat16, seed=group + d + share, ranges=True, density=0.2, n_cols=300,
+             share=share, layout="HND")
+
+
+@gpu
 def test_gpu_merged_lse_softcap():
     run_case(BIG[1:2], 2, 4, 128, 16, torch.bfloat16, seed=1, merge=4, density=0.2, n_cols=300, softcap=30.0,
              check_lse=True)
@@ -277,9 +315,10 @@ def _padded_equal(a, b):
     return torch.equal(pad(a), pad(b))
 
 
-def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False, select="auto"):
+def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False, select="auto", slash_tiles="ranges",
+                   chunk=512):
     """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path,
-    by ``select``)."""
+    by ``select``). The GPU conversion must give the torch conversion's lists exactly."""
     from vllm_sparse_backend.patterns.common import keep_top
     from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
 
@@ -287,8 +326,9 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False,
     kv_len = ctx_len + q_len
     vert = torch.rand(h, kv_len, generator=gen)
     slash = torch.rand(h, kv_len, generator=gen) ** 4  # favour nothing in particular; distinct values
-    vert[:, :min(30, kv_len)] = float("inf")
-    slash[:, :min(30, kv_len)] = float("inf")
+    # forced entries (+inf) no more than the smallest budget: ties among them may break differently
+    vert[:, :min(30, kv_len, max(1, max_v // 2))] = float("inf")
+    slash[:, :min(30, kv_len, max(1, max_s // 2))] = float("inf")
     if uniform:
         v_count, s_count = torch.full((h,), max_v), torch.full((h,), max_s)
     else:
@@ -296,14 +336,16 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False,
         s_count = torch.randint(max(1, max_s // 2), max_s + 1, (h,), generator=gen)
     v_keep = keep_top(vert, v_count.clamp(max=kv_len))
     s_keep = keep_top(slash, s_count.clamp(max=kv_len))
-    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, 64)
-    ref = build_index(sel.block_mask, 64, q_len, ctx_len, sel.columns, sel.column_keep)
+    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, 64, slash_tiles)
+    ref = sel.to_index(64, q_len, ctx_len)
 
     counts = (max_v, max_s) if uniform else (v_count.to(device), s_count.to(device))
     v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), *counts, max_v, max_s, select=select)
-    got = vsi.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len)
+    got = vsi.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, slash_tiles=slash_tiles, chunk=chunk)
     assert torch.equal(got.block_count.cpu(), ref.block_count)
     assert _padded_equal(got.block_index, ref.block_index)
+    assert torch.equal(got.range_count.cpu(), ref.range_count)
+    assert _padded_equal(got.range_start, ref.range_start)
     assert torch.equal(got.column_count.cpu(), ref.column_count)
     assert _padded_equal(got.column_index, ref.column_index)
 
@@ -336,8 +378,15 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
 @cpu_only
 @pytest.mark.parametrize("h,q_len,ctx_len,max_v,max_s", [(3, 300, 0, 40, 50), (2, 130, 211, 64, 300),
                                                           (4, 70, 1000, 200, 150), (2, 200, 3000, 100, 40)])
-def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s):
-    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len, device="cpu")
+@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
+def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s, slash_tiles):
+    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len, device="cpu", slash_tiles=slash_tiles)
+
+
+@cpu_only
+def test_interp_vs_index_ranges_carry_segments_across_chunks():
+    # 16 diagonals per step: segments (and their anchors) continue from one step to the next
+    check_vs_index(2, 300, 700, 30, 200, seed=5, device="cpu", chunk=16)
 
 
 @cpu_only
@@ -385,8 +434,9 @@ def test_interp_last_q_scores_many_key_ranges(diagonals):
 
 
 @gpu
-def test_gpu_vs_index():
-    check_vs_index(8, 5000, 3000, 1000, 2000, seed=1, device="cuda")
+@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
+def test_gpu_vs_index(slash_tiles):
+    check_vs_index(8, 5000, 3000, 1000, 2000, seed=1, device="cuda", slash_tiles=slash_tiles)
 
 
 @gpu

@@ -330,7 +330,10 @@ def flex_prefill_index(q_row: torch.Tensor, key_cache: torch.Tensor, block_table
     v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, v_cnt, s_cnt, max_v, min(hi + 1, kv_len))
     # Key block 0 is always listed for these heads, so a column inside it is never listed.
     v_idx = torch.where(v_idx < b, -1, v_idx)
-    vs = vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, b, max_blocks=nkb, max_columns=max_v)
+    # aligned blocks, as in patterns/flex_prefill.py: block 0 is added on top, and the
+    # query-aware branch's block lists replace these per head
+    vs = vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, b, max_blocks=nkb, max_columns=max_v,
+                              slash_tiles="blocks")
 
     block_count, block_index = _assemble(qa_mask, query_aware, q_len, ctx_len, b, nkb, vs.block_count, vs.block_index)
     column_count = torch.where(query_aware[:, None], 0, vs.column_count)

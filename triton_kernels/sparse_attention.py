@@ -1,9 +1,11 @@
 """Triton forward kernel for sparse prefill attention over vLLM's paged KV cache.
 
-Consumes the hybrid block + column format of :mod:`vllm_sparse_backend.index` (MInference
-Alg. 5): for each query block of 64 queries and each query head, first the listed whole key
-blocks (unmasked, except the at most two that reach the query block's own positions), then the
-listed single key columns, gathered ``BLOCK_N`` at a time through the block table. Online
+Consumes the block + range + column format of :mod:`vllm_sparse_backend.index` (MInference
+Alg. 5 plus its point-range merge): for each query block of 64 queries and each query head,
+first the listed whole key blocks (unmasked, except the at most two that reach the query
+block's own positions), then the listed key ranges (64 consecutive keys from any position, cut
+where the next range starts: the slash lines), then the listed single key columns, gathered
+``BLOCK_N`` at a time through the block table. Online
 softmax in fp32 (exp2), bf16/fp16 (or fp32) inputs, optional tanh soft-capping and LSE output.
 Queries that select nothing get a zero output (LSE -inf), never NaN.
 
@@ -43,6 +45,8 @@ import triton
 import triton.language as tl
 
 from vllm_sparse_backend.index import SparseIndex
+
+BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
 
 # Columns of the per-query-block metadata table.
 META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = range(5)
@@ -84,6 +88,8 @@ class BatchedSparseIndex:
     block_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXB] (merged only)
     column_bits: torch.Tensor | None = None  # int32 [LH, TQB, MAXC] (merged only)
     dense: bool = False
+    range_count: torch.Tensor | None = None  # int32 [LH, TQB]
+    range_start: torch.Tensor | None = None  # int32 [LH, TQB, MAXR]
 
     @property
     def num_query_blocks(self) -> int:
@@ -133,6 +139,7 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
             raise ValueError("index does not match its row (block size or number of query blocks)")
     maxb = max(1, max(ix.block_index.shape[-1] for ix in indices))
     maxc = max(1, max(ix.column_index.shape[-1] for ix in indices))
+    maxr = max(1, max(ix.range_start.shape[-1] for ix in indices))
 
     def cat(ts):  # one row (the usual long prompt): its own lists, no copy
         ts = [t.to(device) for t in ts]
@@ -146,6 +153,8 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
         cat([ix.column_count.to(torch.int32) for ix in indices]),
         cat([_pad_last(ix.column_index.to(torch.int32), maxc) for ix in indices]),
         heads_per_list,
+        range_count=cat([ix.range_count.to(torch.int32) for ix in indices]),
+        range_start=cat([_pad_last(ix.range_start.to(torch.int32), maxr) for ix in indices]),
     )
 
 
@@ -157,6 +166,10 @@ def merge_group_heads(bix: BatchedSparseIndex, heads_per_program: int) -> Batche
     g = heads_per_program
     if bix.dense or g == 1:
         return bix
+    if bix.range_count is not None and bool((bix.range_count > 0).any()):
+        # ranges of different heads overlap in arbitrary ways; merged lists are a benchmark-side
+        # layout for block lists (build vertical-slash indices with slash_tiles="blocks")
+        raise ValueError("merge_group_heads takes indices without key ranges")
     h, tqb, maxb = bix.block_index.shape
     if h % g:
         raise ValueError(f"{h} heads not divisible by {g}")
@@ -192,7 +205,9 @@ def merge_group_heads(bix: BatchedSparseIndex, heads_per_program: int) -> Batche
     column_count = (column_index >= 0).sum(-1).to(torch.int32)
     return BatchedSparseIndex(bix.block_size, bix.meta, count.to(torch.int32), block_index.to(torch.int32).contiguous(),
                               column_count, column_index.to(torch.int32).contiguous(), g,
-                              block_bits.to(torch.int32).contiguous(), column_bits.to(torch.int32).contiguous())
+                              block_bits.to(torch.int32).contiguous(), column_bits.to(torch.int32).contiguous(),
+                              range_count=torch.zeros_like(count, dtype=torch.int32),
+                              range_start=torch.full((lh, tqb, 1), -1, dtype=torch.int32, device=dev))
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,14 +269,14 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
 # Lengths and list widths change from step to step: compile once for all of them (Triton would
 # otherwise specialise each int argument on divisibility by 16 and on == 1, and a new prompt
 # length could trigger a compile of several seconds in the middle of serving).
-@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc"])
+@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc", "maxr"])
 def _sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
-    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr,
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
     s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
     s_bt, s_lh, s_lse_h,
-    num_qb, num_lists, maxb, maxc,
+    num_qb, num_lists, maxb, maxc, maxr,
     qk_scale, softcap,
     GROUP: tl.constexpr,  # query heads per KV head
     GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
@@ -391,7 +406,26 @@ def _sparse_fwd_kernel(
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
                                      s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
 
-    # 3) single columns, BLOCK_N at a time
+    # 3) key ranges (slash lines), ascending: each covers BLOCK keys from its start, cut where the
+    # next one starts; KPT of them per key tile. Always masked (causal, the cut, the row's end).
+    if not DENSE:
+        n_rng = tl.load(rcnt_ptr + lrow)
+        if FALLBACK:
+            n_rng = tl.where(whole, 0, n_rng)
+        rlist = ridx_ptr + lrow * maxr
+        for t in range(0, (n_rng + KPT - 1) // KPT):
+            e = t * KPT + sub
+            e_ok = (e + zero_n) < n_rng
+            start = tl.load(rlist + e, mask=e < n_rng, other=0)
+            stop = tl.load(rlist + e + 1, mask=e + 1 < n_rng, other=BIG_KEY)
+            kpos = start + within
+            kv_ok = e_ok & (kpos < stop) & (kpos < kv_len)
+            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+            allow = (kpos[None, :] <= qpos[:, None]) & kv_ok[None, :]
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
+                                         s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
+
+    # 4) single columns, BLOCK_N at a time
     if not DENSE:
         n_col = tl.load(ccnt_ptr + lrow)
         if FALLBACK:
@@ -537,13 +571,17 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if tqb == 0:
         return (out, lse) if return_lse else out
     if bix.dense:
-        bcnt = bidx = ccnt = cidx = bb = cb = bix.meta
-        maxb = maxc = 1
+        bcnt = bidx = ccnt = cidx = bb = cb = rcnt = ridx = bix.meta
+        maxb = maxc = maxr = 1
     else:
         bcnt, bidx, ccnt, cidx = bix.block_count, bix.block_index, bix.column_count, bix.column_index
         bb = bix.block_bits if bix.merged else bcnt
         cb = bix.column_bits if bix.merged else bcnt
         maxb, maxc = bidx.shape[-1], cidx.shape[-1]
+        if bix.range_start is None:
+            rcnt, ridx, maxr = torch.zeros_like(bcnt), bcnt, 1
+        else:
+            rcnt, ridx, maxr = bix.range_count, bix.range_start, bix.range_start.shape[-1]
         if tuple(bcnt.shape) != (lists, tqb):
             raise ValueError(f"index has {tuple(bcnt.shape)} lists, expected {(lists, tqb)}")
     whole = bcnt  # placeholder: not read without FALLBACK
@@ -557,12 +595,12 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     grid = (lists * tqb,)
     _sparse_fwd_kernel[grid](
         q, key_cache, value_cache, out, lse, block_table, bix.meta,
-        bcnt, bidx, ccnt, cidx, bb, cb, whole,
+        bcnt, bidx, ccnt, cidx, bb, cb, whole, rcnt, ridx,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
         block_table.stride(0), tqb, t if return_lse else 0,
-        tqb, lists, maxb, maxc,
+        tqb, lists, maxb, maxc, maxr,
         float(scale), float(softcap) if softcap > 0 else 1.0,
         GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,

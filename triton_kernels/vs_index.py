@@ -94,11 +94,17 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
     return v_idx, v_cnt, s_idx, s_cnt
 
 
-@triton.jit(do_not_specialize=["q_len", "ctx_len", "nqb", "max_v", "max_s", "max_b", "max_c"])
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["q_len", "ctx_len", "nqb", "max_v", "max_s", "max_b", "max_c", "max_r"])
 def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
-                       bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr,
-                       q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
-                       BLOCK: tl.constexpr, CH: tl.constexpr, LOG_S: tl.constexpr):
+                       bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, rcnt_ptr, ridx_ptr,
+                       q_len, ctx_len, nqb, max_v, max_s, max_b, max_c, max_r,
+                       BLOCK: tl.constexpr, CH: tl.constexpr, LOG_S: tl.constexpr, LOG_R: tl.constexpr,
+                       RANGES: tl.constexpr):
     h = tl.program_id(0)
     qb = tl.program_id(1)
     p0 = ctx_len + qb * BLOCK
@@ -110,48 +116,97 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
     out_row = h.to(tl.int64) * nqb + qb
     b_out = bidx_ptr + out_row * max_b
     c_out = cidx_ptr + out_row * max_c
+    r_out = ridx_ptr + out_row * max_r
     lanes = tl.arange(0, CH)
 
-    # key blocks crossed by the kept diagonals, far diagonals first -> ascending key blocks
     count = ns * 0
-    for j in range(0, ns, CH):
-        i = j + lanes
-        ok = i < ns
-        d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
-        d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)  # the element before in this order
-        hit = d <= p1
-        lo_b = tl.maximum(p0 - d, 0) // BLOCK
-        hi_b = tl.where(hit, (p1 - d) // BLOCK, -1)
-        prev_hi = tl.where(d_prev <= p1, (p1 - d_prev) // BLOCK, -1)
-        first = tl.maximum(lo_b, prev_hi + 1)
-        c = tl.where(hit, tl.maximum(hi_b - first + 1, 0), 0)
-        pos = count + tl.cumsum(c, 0) - c
-        tl.store(b_out + pos, first, mask=(c >= 1) & (pos < max_b))
-        tl.store(b_out + pos + 1, first + 1, mask=(c >= 2) & (pos + 1 < max_b))
-        count += tl.sum(c, 0)
-    tl.store(bcnt_ptr + out_row, tl.minimum(count, max_b))
+    if RANGES:
+        # Key ranges of the kept diagonals, far diagonals first -> ascending keys. Diagonal d
+        # crosses keys [max(p0 - d, 0), p1 - d]; a range that overlaps or touches the previous
+        # one continues its segment, and a segment is cut into BLOCK-key ranges from its first
+        # key (the anchor; a running max over the chunk, carried across chunks). Each diagonal
+        # emits the (at most two) ranges of its segment it reaches first.
+        anchor_in = count - 1
+        for j in range(0, ns, CH):
+            i = j + lanes
+            ok = i < ns
+            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
+            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)
+            hit = d <= p1
+            s = tl.maximum(p0 - d, 0)
+            e = p1 - d
+            e_prev = tl.where(d_prev <= p1, p1 - d_prev, -2)
+            new = hit & (s > e_prev + 1)
+            anchor = tl.maximum(tl.associative_scan(tl.where(new, s, -1), 0, _max_combine), anchor_in)
+            t_lo = (s - anchor) // BLOCK
+            t_hi = (e - anchor) // BLOCK
+            prev_hi = tl.where(new, -1, (e_prev - anchor) // BLOCK)
+            first = tl.maximum(t_lo, prev_hi + 1)
+            c = tl.where(hit, tl.maximum(t_hi - first + 1, 0), 0)
+            pos = count + tl.cumsum(c, 0) - c
+            r0 = anchor + first * BLOCK
+            tl.store(r_out + pos, r0, mask=(c >= 1) & (pos < max_r))
+            tl.store(r_out + pos + 1, r0 + BLOCK, mask=(c >= 2) & (pos + 1 < max_r))
+            count += tl.sum(c, 0)
+            anchor_in = tl.max(anchor, 0)
+        count = tl.minimum(count, max_r)
+        tl.store(rcnt_ptr + out_row, count)
+        tl.store(bcnt_ptr + out_row, count * 0)
+        tl.debug_barrier()  # the columns below read this program's ranges back
+    else:
+        # key blocks crossed by the kept diagonals, far diagonals first -> ascending key blocks
+        for j in range(0, ns, CH):
+            i = j + lanes
+            ok = i < ns
+            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
+            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)  # the element before in this order
+            hit = d <= p1
+            lo_b = tl.maximum(p0 - d, 0) // BLOCK
+            hi_b = tl.where(hit, (p1 - d) // BLOCK, -1)
+            prev_hi = tl.where(d_prev <= p1, (p1 - d_prev) // BLOCK, -1)
+            first = tl.maximum(lo_b, prev_hi + 1)
+            c = tl.where(hit, tl.maximum(hi_b - first + 1, 0), 0)
+            pos = count + tl.cumsum(c, 0) - c
+            tl.store(b_out + pos, first, mask=(c >= 1) & (pos < max_b))
+            tl.store(b_out + pos + 1, first + 1, mask=(c >= 2) & (pos + 1 < max_b))
+            count += tl.sum(c, 0)
+        tl.store(bcnt_ptr + out_row, tl.minimum(count, max_b))
+        tl.store(rcnt_ptr + out_row, count * 0)
 
-    # verticals: causal and not inside a crossed block
+    # verticals: causal and not inside a crossed block / range
     ccount = nv * 0
     for j in range(0, nv, CH):
         i = j + lanes
         ok = i < nv
         col = tl.load(v_row + i, mask=ok, other=0)
         ok = ok & (col >= 0) & (col <= p1)
-        kb = col // BLOCK
-        lo_d = p0 - kb * BLOCK - BLOCK + 1  # diagonals crossing block kb inside this query block
-        hi_d = p1 - kb * BLOCK
         lo = tl.zeros([CH], dtype=tl.int32)
-        hi = tl.zeros([CH], dtype=tl.int32) + ns
-        for _ in tl.static_range(LOG_S):  # first kept diagonal >= lo_d
-            active = lo < hi
-            mid = (lo + hi) // 2
-            v = tl.load(s_row + mid, mask=active & ok, other=BIG_K)
-            right = v < lo_d
-            lo = tl.where(active & right, mid + 1, lo)
-            hi = tl.where(active & (v >= lo_d), mid, hi)
-        dfirst = tl.load(s_row + lo, mask=ok & (lo < ns), other=BIG_K)
-        keep = ok & (dfirst > hi_d)
+        if RANGES:
+            hi = tl.zeros([CH], dtype=tl.int32) + count
+            for _ in tl.static_range(LOG_R):  # first range starting after col
+                active = lo < hi
+                mid = (lo + hi) // 2
+                v = tl.load(r_out + mid, mask=active & ok, other=BIG_K)
+                right = v <= col
+                lo = tl.where(active & right, mid + 1, lo)
+                hi = tl.where(active & (v > col), mid, hi)
+            # the range before it starts at or before col; the next one starts after col
+            r_prev = tl.load(r_out + lo - 1, mask=ok & (lo >= 1), other=-BIG_K)
+            keep = ok & (col >= r_prev + BLOCK)
+        else:
+            kb = col // BLOCK
+            lo_d = p0 - kb * BLOCK - BLOCK + 1  # diagonals crossing block kb inside this query block
+            hi_d = p1 - kb * BLOCK
+            hi = tl.zeros([CH], dtype=tl.int32) + ns
+            for _ in tl.static_range(LOG_S):  # first kept diagonal >= lo_d
+                active = lo < hi
+                mid = (lo + hi) // 2
+                v = tl.load(s_row + mid, mask=active & ok, other=BIG_K)
+                right = v < lo_d
+                lo = tl.where(active & right, mid + 1, lo)
+                hi = tl.where(active & (v >= lo_d), mid, hi)
+            dfirst = tl.load(s_row + lo, mask=ok & (lo < ns), other=BIG_K)
+            keep = ok & (dfirst > hi_d)
         k = keep.to(tl.int32)
         pos = ccount + tl.cumsum(k, 0) - k
         tl.store(c_out + pos, col, mask=keep & (pos < max_c))
@@ -165,34 +220,52 @@ def max_blocks_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64)
     return max(1, min(num_blocks(ctx_len + q_len, block_size), 2 * max_s))
 
 
+def max_ranges_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64) -> int:
+    """Widest possible range list: a diagonal adds at most two ranges, and the ranges of a query
+    block number at most its segments (one per diagonal) plus one per ``block_size`` keys."""
+    return max(1, min(2 * max_s, max_s + num_blocks(ctx_len + q_len, block_size)))
+
+
 def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor, s_cnt: torch.Tensor,
                          q_len: int, ctx_len: int, block_size: int = 64, max_blocks: int | None = None,
-                         max_columns: int | None = None, chunk: int = 512) -> SparseIndex:
+                         max_columns: int | None = None, chunk: int = 512, slash_tiles: str = "ranges") -> SparseIndex:
     """Sorted vertical positions / diagonals (from :func:`vs_topk`) -> SparseIndex of one row.
 
-    Widths are fixed from host ints (``max_blocks`` defaults to :func:`max_blocks_bound`,
-    ``max_columns`` to ``v_idx.shape[1]``); lists longer than a width given smaller than that are
-    cut (their counts say so). No host synchronisation. ``chunk`` (a power of two): diagonals or
-    verticals a program handles per step (H200, 16K chunk at 112K, 6096 diagonals: 512 takes
-    0.078 ms, 128 0.097 ms; benchmarks/KERNEL_NOTES.md).
+    ``slash_tiles``: "ranges" (the diagonals as key ranges, ``patterns.vertical_slash.slash_ranges``)
+    or "blocks" (the aligned key blocks they cross). Widths are fixed from host ints
+    (``max_blocks`` defaults to :func:`max_blocks_bound` / :func:`max_ranges_bound` and bounds
+    whichever list the diagonals fill, ``max_columns`` to ``v_idx.shape[1]``); lists longer than
+    a width given smaller than that are cut (their counts say so). No host synchronisation.
+    ``chunk`` (a power of two): diagonals or verticals a program handles per step (H200, 16K
+    chunk at 112K, 6096 diagonals, blocks: 512 takes 0.078 ms, 128 0.097 ms;
+    benchmarks/KERNEL_NOTES.md).
     """
+    if slash_tiles not in ("ranges", "blocks"):
+        raise ValueError(f"slash_tiles must be 'ranges' or 'blocks', not {slash_tiles!r}")
+    ranges = slash_tiles == "ranges"
     h, max_v = v_idx.shape
     max_s = s_idx.shape[1]
     nqb = num_blocks(q_len, block_size)
     dev = v_idx.device
-    max_b = max_blocks or max_blocks_bound(q_len, ctx_len, max_s, block_size)
+    bound = max_ranges_bound if ranges else max_blocks_bound
+    width = max_blocks or bound(q_len, ctx_len, max_s, block_size)
+    max_b, max_r = (1, width) if ranges else (width, 1)
     max_c = max(1, max_columns if max_columns is not None else max_v)
     block_index = torch.full((h, nqb, max_b), -1, dtype=torch.int32, device=dev)
+    range_start = torch.full((h, nqb, max_r), -1, dtype=torch.int32, device=dev)
     column_index = torch.full((h, nqb, max_c), -1, dtype=torch.int32, device=dev)
     block_count = torch.empty(h, nqb, dtype=torch.int32, device=dev)
+    range_count = torch.empty(h, nqb, dtype=torch.int32, device=dev)
     column_count = torch.empty(h, nqb, dtype=torch.int32, device=dev)
     if h and nqb:
         _vs_convert_kernel[(h, nqb)](
             v_idx.contiguous(), v_cnt.to(torch.int32).contiguous(), s_idx.contiguous(),
             s_cnt.to(torch.int32).contiguous(), block_count, block_index, column_count, column_index,
-            q_len, ctx_len, nqb, max_v, max_s, max_b, max_c,
-            BLOCK=block_size, CH=chunk, LOG_S=max(1, int(max_s).bit_length()), num_warps=4)
-    return SparseIndex(block_size, block_count, block_index, column_count, column_index)
+            range_count, range_start,
+            q_len, ctx_len, nqb, max_v, max_s, max_b, max_c, max_r,
+            BLOCK=block_size, CH=chunk, LOG_S=max(1, int(max_s).bit_length()),
+            LOG_R=max(1, int(max_r).bit_length()), RANGES=ranges, num_warps=4)
+    return SparseIndex(block_size, block_count, block_index, column_count, column_index, range_count, range_start)
 
 
 # --------------------------------------------------------------------------------------------

@@ -56,6 +56,12 @@ class SparseSettings(BaseModel):
     slash_band: int = Field(1, ge=1, le=1024, description=(
         "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
         "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
+    # How the kernel computes a kept diagonal in a query block: "ranges" = its 64 keys as one
+    # key tile starting anywhere (touching diagonals merged, index.py), "blocks" = the (at most
+    # two) aligned key blocks it crosses. Real models keep scattered diagonals, each costing two
+    # blocks in "blocks" (benchmarks/KERNEL_NOTES.md, session 2026-11-24).
+    slash_tiles: Literal["ranges", "blocks"] = Field(
+        "ranges", description="Slash lines as unaligned 64-key ranges or as the aligned key blocks they cross.")
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
@@ -88,6 +94,13 @@ class SparseSettings(BaseModel):
     # rate (per-head lists / KV-group-shared lists, benchmarks/KERNEL_NOTES.md), so above ~0.4 a
     # sparse row gains little or loses. 1.0 = never fall back.
     max_density: float = Field(0.4, gt=0.0, le=1.0, description="Rows denser than this run dense (CUDA).")
+    # Rows whose estimated index is denser than max_density (decided on the GPU): "flash" reads
+    # the flags on the host (one sync per layer, the estimation has to finish anyway before the
+    # kernel) and runs those rows on FlashAttention; "kernel" runs them in the Triton kernel's
+    # dense mode with no host read (1.21x cuDNN's time at 128K on an H200). Under CUDA-graph
+    # capture "kernel" is used whatever this says.
+    estimated_dense_rows: Literal["flash", "kernel"] = Field(
+        "flash", description="Where rows whose estimated index is too dense run (CUDA): FlashAttention or the kernel.")
     # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
     # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on
     # K/V gathered out of the cache; slow, for debugging), or "auto" (triton where the kernel

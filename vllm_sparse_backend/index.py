@@ -1,11 +1,19 @@
 """The one sparse format every pattern produces and every kernel consumes.
 
 Per query block of a row (``block_size`` consecutive queries of the chunk) and per query
-head: a list of whole key blocks (aligned to ``block_size`` absolute key positions) plus a
-list of single key columns outside those blocks. This is MInference's hybrid block+column
+head: a list of whole key blocks (aligned to ``block_size`` absolute key positions), a list
+of key ranges (runs of up to ``block_size`` consecutive keys starting anywhere) and a list of
+single key columns outside both. Blocks and columns are MInference's hybrid block+column
 format (Alg. 4/5), with key blocks aligned to absolute positions so that a key block never
-straddles two KV-cache pages of a multiple size. Causality is applied on top by whoever
-computes attention: a listed key is used by a query only if its position is <= the query's.
+straddles two KV-cache pages of a multiple size. Ranges carry slash lines: a diagonal crosses
+a query block in ``block_size`` consecutive keys, which as aligned blocks costs two blocks
+unless it happens to be aligned, and as a range costs one key tile (MInference's point-range
+merge). Causality is applied on top by whoever computes attention: a listed key is used by a
+query only if its position is <= the query's.
+
+A range starting at key ``s`` covers keys ``s .. min(s + block_size, next start) - 1``: the
+starts are strictly ascending, and a range stops where the next one begins, so ranges never
+overlap (each key is counted once by the softmax).
 
 Geometry of a row: ``q_len`` queries at absolute positions ``ctx_len .. ctx_len+q_len-1``
 attend to keys ``0 .. ctx_len+q_len-1`` (context already in the cache plus the chunk).
@@ -22,8 +30,10 @@ import torch
 class SparseIndex:
     """Sparse selection for one row, all query heads.
 
-    block_index / column_index are ascending within each (head, query block) and padded
-    with -1 past their counts. Columns never fall inside a listed block.
+    block_index / range_start / column_index are ascending within each (head, query block)
+    and padded with -1 past their counts. Ranges never overlap a listed block; columns never
+    fall inside a listed block or range. Patterns without ranges may leave them out (no ranges:
+    width 0).
     """
 
     block_size: int
@@ -31,6 +41,25 @@ class SparseIndex:
     block_index: torch.Tensor  # int32 [H, NQB, MAXB] key-block ids (key position // block_size)
     column_count: torch.Tensor  # int32 [H, NQB]
     column_index: torch.Tensor  # int32 [H, NQB, MAXC] absolute key positions
+    range_count: torch.Tensor | None = None  # int32 [H, NQB]
+    range_start: torch.Tensor | None = None  # int32 [H, NQB, MAXR] first key of each range
+
+    def __post_init__(self):
+        if (self.range_count is None) != (self.range_start is None):
+            raise ValueError("range_count and range_start come together")
+        if self.range_count is None:
+            self.range_count = torch.zeros_like(self.block_count)
+            self.range_start = torch.zeros(*self.block_count.shape, 0, dtype=torch.int32,
+                                           device=self.block_count.device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The six list tensors in constructor order (after ``block_size``)."""
+        return (self.block_count, self.block_index, self.column_count, self.column_index, self.range_count,
+                self.range_start)
+
+    def map_lists(self, fn) -> "SparseIndex":
+        """The same index with ``fn`` applied to each list tensor (head / device selections)."""
+        return SparseIndex(self.block_size, *(fn(t) for t in self.tensors()))
 
     @property
     def num_heads(self) -> int:
@@ -44,14 +73,18 @@ class SparseIndex:
         """Each list used by ``n`` consecutive heads (a KV group's shared lists, per head)."""
         if n == 1:
             return self
-        return SparseIndex(self.block_size, *(t.repeat_interleave(n, dim=0) for t in (
-            self.block_count, self.block_index, self.column_count, self.column_index)))
+        return self.map_lists(lambda t: t.repeat_interleave(n, dim=0))
 
     def to(self, device: torch.device | str) -> "SparseIndex":
-        return SparseIndex(
-            self.block_size,
-            *(t.to(device) for t in (self.block_count, self.block_index, self.column_count, self.column_index)),
-        )
+        return self.map_lists(lambda t: t.to(device))
+
+
+def range_stops(range_start: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 [..., MAXR]: one past the last key of each range (``min(start + block_size, next
+    start)``); padding entries get their own (meaningless) value and must be masked by count."""
+    start = range_start.to(torch.int64)
+    nxt = torch.nn.functional.pad(start[..., 1:], (0, 1), value=-1)
+    return torch.where(nxt >= 0, torch.minimum(start + block_size, nxt), start + block_size)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -104,13 +137,17 @@ def build_index(
     ctx_len: int,
     column_candidates: torch.Tensor | None = None,
     column_keep: torch.Tensor | None = None,
+    range_count: torch.Tensor | None = None,
+    range_start: torch.Tensor | None = None,
 ) -> SparseIndex:
-    """Assemble a SparseIndex from a key-block mask and optional column candidates.
+    """Assemble a SparseIndex from a key-block mask, optional ranges and column candidates.
 
     block_mask: bool [H, NQB, NKB]; it is intersected with the causal block mask.
-    column_candidates: int64 [H, C] absolute key positions (any order), column_keep: bool [H, C]
-    (False marks padding). A column is listed for a query block when it is causally reachable
-    from that block and its key block is not already listed.
+    range_count / range_start: int32 [H, NQB] / [H, NQB, R] (format of :class:`SparseIndex`);
+    a head with ranges must list no block that overlaps them (the vertical-slash heads list
+    none). column_candidates: int64 [H, C] absolute key positions (any order), column_keep:
+    bool [H, C] (False marks padding). A column is listed for a query block when it is causally
+    reachable from that block and neither a listed key block nor a range covers it.
     """
     device = block_mask.device
     h, nqb, nkb = block_mask.shape
@@ -132,9 +169,22 @@ def build_index(
         _, q_last = query_block_bounds(q_len, ctx_len, block_size, device)
         keep = col_ok[:, None, :] & (cols[:, None, :] <= q_last[None, :, None])  # [H, NQB, C]
         covered = torch.gather(block_mask, 2, (cols // block_size).clamp(max=nkb - 1)[:, None, :].expand(h, nqb, -1))
+        if range_start is not None and range_start.shape[-1]:
+            covered = covered | in_ranges(range_start, cols[:, None, :].expand(h, nqb, -1), block_size)
         keep = keep & ~covered
         column_count, column_index = compact(cols[:, None, :].expand(h, nqb, -1), keep)
-    return SparseIndex(block_size, block_count, block_index, column_count, column_index)
+    return SparseIndex(block_size, block_count, block_index, column_count, column_index, range_count, range_start)
+
+
+def in_ranges(range_start: torch.Tensor, keys: torch.Tensor, block_size: int) -> torch.Tensor:
+    """bool [..., C]: whether each key lies inside one of the ranges of its list ([..., R])."""
+    start = range_start.to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    sorted_starts = torch.where(start >= 0, start, big).contiguous()
+    last = torch.searchsorted(sorted_starts, keys.contiguous(), right=True) - 1  # last start <= key
+    found = torch.gather(sorted_starts, -1, last.clamp(min=0))
+    # the next start is > key by construction, so the range's own width decides
+    return (last >= 0) & (keys < found + block_size)
 
 
 def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
@@ -146,12 +196,19 @@ def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.T
     kv_len = ctx_len + q_len
     h, nqb = index.block_count.shape
     device = index.block_count.device
-    mask = torch.zeros(h, nqb, num_blocks(kv_len, b) * b, dtype=torch.bool, device=device)
+    # one block of slack: a range may reach past the last key block (its keys there are masked)
+    mask = torch.zeros(h, nqb, num_blocks(kv_len, b) * b + b, dtype=torch.bool, device=device)
     for j in range(index.block_index.shape[-1]):
         kb = index.block_index[..., j].to(torch.int64)
         valid = kb >= 0
         pos = kb.clamp(min=0)[..., None] * b + torch.arange(b, device=device)
         mask.scatter_(2, pos, valid[..., None].expand(-1, -1, b) | torch.gather(mask, 2, pos))
+    stops = range_stops(index.range_start, b)
+    for j in range(index.range_start.shape[-1]):
+        s0 = index.range_start[..., j].to(torch.int64)
+        pos = s0.clamp(min=0)[..., None] + torch.arange(b, device=device)
+        valid = (s0 >= 0)[..., None] & (pos < stops[..., j, None])
+        mask.scatter_(2, pos, valid | torch.gather(mask, 2, pos))
     for j in range(index.column_index.shape[-1]):
         c = index.column_index[..., j].to(torch.int64)
         valid = c >= 0
@@ -178,19 +235,25 @@ def count_pairs_tensor(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Te
     q_first, q_last = query_block_bounds(q_len, ctx_len, b, device)
     qf, ql = q_first.view(1, -1, 1), q_last.view(1, -1, 1)
     h, nqb = index.block_count.shape
-    per_head = nqb * max(1, index.block_index.shape[-1], index.column_index.shape[-1])
+    per_head = nqb * max(1, index.block_index.shape[-1], index.column_index.shape[-1], index.range_start.shape[-1])
     step = max(1, (1 << 24) // per_head)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for h0 in range(0, h, step):
-        kb = index.block_index[h0:h0 + step].to(torch.int64)
-        s = kb * b  # first key of the block
-        e = torch.clamp(s + b, max=kv_len) - 1  # last key of the block
+
+    def run_pairs(s, e, listed):  # keys s..e (inclusive) of each listed run, for the rows qf..ql
         # rows p in [qf, ql]: p < s -> 0 keys; s <= p <= e -> p - s + 1; p > e -> e - s + 1
         lo, hi = torch.maximum(qf, s), torch.minimum(ql, e)
         n_ramp = (hi - lo + 1).clamp(min=0)
         ramp = n_ramp * (lo - s + 1) + n_ramp * (n_ramp - 1) // 2
         flat = (ql - torch.maximum(qf, e + 1) + 1).clamp(min=0) * (e - s + 1)
-        total += ((ramp + flat) * (kb >= 0)).sum()
+        return ((ramp + flat) * listed).sum()
+
+    for h0 in range(0, h, step):
+        kb = index.block_index[h0:h0 + step].to(torch.int64)
+        s = kb * b  # first key of the block
+        total += run_pairs(s, torch.clamp(s + b, max=kv_len) - 1, kb >= 0)
+        rs = index.range_start[h0:h0 + step]
+        stop = torch.clamp(range_stops(rs, b), max=kv_len)
+        total += run_pairs(rs.to(torch.int64), stop - 1, rs >= 0)
         c = index.column_index[h0:h0 + step].to(torch.int64)
         total += ((ql - torch.maximum(qf, c) + 1).clamp(min=0) * (c >= 0)).sum()
     return total
@@ -198,10 +261,11 @@ def count_pairs_tensor(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Te
 
 def index_density(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
     """Cheap upper bound of the share of causal (query, key) pairs the index computes: every
-    listed block counted full, every column for a whole query block. A 0-dim fp32 tensor on the
+    listed block and range counted full, every column for a whole query block. A 0-dim fp32 tensor on the
     index's device (no host sync)."""
     b = index.block_size
     causal = index.num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
     # listed / causal = (blocks * b + columns) * b / causal, in as few launches as possible (per layer)
-    listed = torch.add(index.column_count.sum(dtype=torch.float32), index.block_count.sum(dtype=torch.float32), alpha=b)
+    tiles = index.block_count.sum(dtype=torch.float32) + index.range_count.sum(dtype=torch.float32)
+    listed = torch.add(index.column_count.sum(dtype=torch.float32), tiles, alpha=b)
     return listed.mul_(b / max(causal, 1)).clamp_(max=1.0)

@@ -89,26 +89,24 @@ class PagedEstimate:
 
 
 def _select(ix: SparseIndex, ids: torch.Tensor) -> SparseIndex:
-    return SparseIndex(ix.block_size, ix.block_count[ids], ix.block_index[ids], ix.column_count[ids],
-                       ix.column_index[ids])
+    return ix.map_lists(lambda t: t[ids])
 
 
 def _merge(parts: list[tuple[torch.Tensor, SparseIndex]], num_heads: int) -> SparseIndex:
     """Scatter the groups' indices into one of the widest widths (heads in layer order)."""
     first = parts[0][1]
     dev, b, nqb = first.block_count.device, first.block_size, first.num_query_blocks
-    maxb = max(ix.block_index.shape[-1] for _, ix in parts)
-    maxc = max(ix.column_index.shape[-1] for _, ix in parts)
-    bc = torch.zeros(num_heads, nqb, dtype=torch.int32, device=dev)
-    cc = torch.zeros_like(bc)
-    bi = torch.full((num_heads, nqb, maxb), -1, dtype=torch.int32, device=dev)
-    ci = torch.full((num_heads, nqb, maxc), -1, dtype=torch.int32, device=dev)
-    for ids, ix in parts:
-        bc[ids] = ix.block_count
-        cc[ids] = ix.column_count
-        bi[ids, :, : ix.block_index.shape[-1]] = ix.block_index
-        ci[ids, :, : ix.column_index.shape[-1]] = ix.column_index
-    return SparseIndex(b, bc, bi, cc, ci)
+    merged = []
+    for count, lists in ((0, 1), (2, 3), (4, 5)):  # (count, list) pairs of SparseIndex.tensors()
+        width = max(ix.tensors()[lists].shape[-1] for _, ix in parts)
+        c = torch.zeros(num_heads, nqb, dtype=torch.int32, device=dev)
+        li = torch.full((num_heads, nqb, width), -1, dtype=torch.int32, device=dev)
+        for ids, ix in parts:
+            t = ix.tensors()
+            c[ids] = t[count]
+            li[ids, :, : t[lists].shape[-1]] = t[lists]
+        merged += [c, li]
+    return SparseIndex(b, *merged)
 
 
 def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings: SparseSettings,
@@ -146,7 +144,8 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
         v_idx, v_cnt, b_idx, _ = vs_topk(vertical, bands, budget("vertical_size"), band_count(budget("slash_size"), band),
                                          max_v, band_count(max_s, band))
         s_idx, s_cnt = _band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
-    return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size)
+    return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size,
+                                slash_tiles=settings.slash_tiles)
 
 
 def _band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:

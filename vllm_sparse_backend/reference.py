@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .index import SparseIndex
+from .index import SparseIndex, range_stops
 
 # Upper bound on gathered key elements per step (query blocks are processed in groups).
 _GATHER_BUDGET = 1 << 24
@@ -31,13 +31,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _selected_positions(index: SparseIndex, qb0: int, qb1: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Key positions [G, H, K] and validity [G, H, K] for query blocks qb0..qb1-1."""
     b = index.block_size
+    within = torch.arange(b, device=index.block_index.device)
     blocks = index.block_index[:, qb0:qb1].transpose(0, 1).to(torch.int64)  # [G, H, MAXB]
-    pos_b = blocks[..., None].clamp(min=0) * b + torch.arange(b, device=blocks.device)
+    pos_b = blocks[..., None].clamp(min=0) * b + within
     ok_b = (blocks[..., None] >= 0) & (pos_b < kv_len)
+    starts = index.range_start[:, qb0:qb1].transpose(0, 1)  # [G, H, MAXR]
+    pos_r = starts.to(torch.int64)[..., None].clamp(min=0) + within
+    ok_r = (starts[..., None] >= 0) & (pos_r < range_stops(starts, b)[..., None]) & (pos_r < kv_len)
     cols = index.column_index[:, qb0:qb1].transpose(0, 1).to(torch.int64)  # [G, H, MAXC]
     g, h = blocks.shape[:2]
-    ok = torch.cat([ok_b.reshape(g, h, -1), cols >= 0], dim=-1)
-    pos = torch.cat([pos_b.reshape(g, h, -1), cols], dim=-1).clamp(0, kv_len - 1)  # safe to gather
+    ok = torch.cat([ok_b.reshape(g, h, -1), ok_r.reshape(g, h, -1), cols >= 0], dim=-1)
+    pos = torch.cat([pos_b.reshape(g, h, -1), pos_r.reshape(g, h, -1), cols], dim=-1).clamp(0, kv_len - 1)
     return pos, ok
 
 
@@ -70,7 +74,7 @@ def sparse_attention(
     # Flattened [Hkv * kv_len, D] views so one gather serves all heads: row = kv_head * kv_len + pos.
     k_flat = k.transpose(0, 1).reshape(hkv * kv_len, d)
     v_flat = v.transpose(0, 1).reshape(hkv * kv_len, dv)
-    width = index.block_index.shape[-1] * b + index.column_index.shape[-1]
+    width = (index.block_index.shape[-1] + index.range_start.shape[-1]) * b + index.column_index.shape[-1]
     group = max(1, _GATHER_BUDGET // max(1, h * width * max(d, dv)))
     nqb = index.num_query_blocks
     computed = 0

@@ -43,11 +43,11 @@ from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerCh
                                          selection_stats)
 from .evaluation.variants import Variant
 from .head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
-from .index import causal_block_mask, num_blocks
+from .index import causal_block_mask, num_blocks, range_stops
 from .patterns import estimate_index
 from .patterns.a_shape import a_shape_selection
 from .patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from .patterns.vertical_slash import slash_block_mask
+from .patterns.vertical_slash import slash_block_mask, slash_ranges
 from .plan import budget_density, kv_group_share, vs_budgets
 from .reference import kv_head_map
 
@@ -151,15 +151,31 @@ def _ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def vs_tiles(v_rank: torch.Tensor, s_rank: torch.Tensor, v_count: torch.Tensor, s_count: torch.Tensor,
-             causal: torch.Tensor, block_size: int) -> torch.Tensor:
+             causal: torch.Tensor, block_size: int, slash_tiles: str = "ranges") -> torch.Tensor:
     """Kernel tiles per row of a vertical-slash selection (int64 [X]) of a pure prefill: the top
-    ``v_count`` columns and ``s_count`` diagonals by rank ([X, n] each). Blocks: the key blocks
-    the kept diagonals cross (causal); columns: per query block, the kept columns of the causal
-    key blocks not already listed, 64 to a tile — what :func:`..index.build_index` lists."""
+    ``v_count`` columns and ``s_count`` diagonals by rank ([X, n] each). Slash lines: the key
+    ranges of the kept diagonals (``slash_tiles="ranges"``, :func:`slash_ranges`) or the key blocks
+    they cross (causal); columns: per query block, the kept causal columns that no range or
+    listed block covers, 64 to a tile — what :func:`..index.build_index` lists."""
     x, n = v_rank.shape
     b = block_size
     v_keep = v_rank < v_count[:, None]
     s_keep = s_rank < s_count[:, None]
+    if slash_tiles == "ranges":
+        r_count, r_start = slash_ranges(s_keep, n, 0, b)  # [X, NQB], [X, NQB, R]
+        nqb = r_count.shape[1]
+        # keys the ranges cover: +1 at each start, -1 at each stop (ranges never overlap)
+        ok = r_start >= 0
+        edge = torch.zeros(x, nqb, n + 1, dtype=torch.int8, device=v_rank.device)
+        one = torch.ones_like(r_start, dtype=torch.int8)
+        edge.scatter_add_(2, torch.where(ok, r_start.to(torch.int64), n), one)
+        edge.scatter_add_(2, torch.where(ok, range_stops(r_start, b).clamp(max=n), n), -one)
+        covered = edge[..., :n].cumsum(-1, dtype=torch.int8) > 0
+        q_last = torch.clamp(torch.arange(nqb, device=v_rank.device) * b + b, max=n) - 1
+        reach = torch.arange(n, device=v_rank.device)[None, :] <= q_last[:, None]  # [NQB, n]
+        cols = (v_keep[:, None, :] & ~covered & reach[None]).sum(-1)  # [X, NQB]
+        col_tiles = (cols + COLUMNS_PER_TILE - 1) // COLUMNS_PER_TILE
+        return r_count.to(torch.int64).sum(-1) + col_tiles.sum(-1)
     mask = slash_block_mask(s_keep, n, 0, b) & causal[None]  # [X, NQB, NKB]
     nkb = mask.shape[-1]
     per_block = torch.nn.functional.pad(v_keep.to(torch.int32), (0, nkb * b - n)).view(x, nkb, b).sum(-1)  # [X, NKB]
@@ -210,7 +226,8 @@ def tune_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, ratios: Seq
         mid = (lo + hi) // 2
         v_count = mid.clamp(min=v_floor, max=n)
         s_count = torch.round(ratio * mid).long().clamp(min=max(1, s_floor), max=n)
-        ok = (vs_tiles(v_rank, s_rank, v_count, s_count, causal, settings.block_size) <= target) & active
+        ok = (vs_tiles(v_rank, s_rank, v_count, s_count, causal, settings.block_size, settings.slash_tiles)
+              <= target) & active
         best = torch.where(ok, mid, best)
         lo = torch.where(ok, mid + 1, lo)
         hi = torch.where(active & ~ok, mid - 1, hi)

@@ -72,10 +72,13 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
       arithmetic) go to ``dense_row`` without being estimated;
     * rows whose estimated index covers more than ``max_density`` of their causal pairs are
-      flagged on the GPU and the kernel runs them in its dense mode (every causal key): no host
-      read decides it, so the layer never waits for the GPU. They stay counted as sparse rows
-      (they ran on the sparse path) and are also counted under ``dense_reasons`` when the flags
-      are next read (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
+      flagged on the GPU. With ``estimated_dense_rows="flash"`` (the default) the flags are read
+      on the host (one sync per layer) and those rows go to ``dense_row``, counted as dense rows
+      like the budget fallback's. With ``"kernel"`` (and always under CUDA-graph capture) the
+      kernel runs them in its dense mode (every causal key): no host read decides it, so the
+      layer never waits for the GPU; they stay counted as sparse rows (they ran on the sparse
+      path) and are also counted under ``dense_reasons`` when the flags are next read
+      (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
 
     Nothing here waits for the GPU, also with ``settings.stats_file`` set: every row's counts are
     then read back later like a sampled forward's and the file catches up as they arrive
@@ -107,7 +110,19 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         dens = [index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]
         dens = dens[0].view(1) if len(dens) == 1 else torch.stack(dens)
         whole = dens > settings.max_density
-        STATS.defer_dense_rows(DENSE_MODE_REASON, whole)
+        if settings.estimated_dense_rows == "flash" and not _capturing(query):
+            timing.lap("estimate")
+            flags = whole.tolist()  # the one host read of the layer
+            for row, flagged in zip(rows, flags):
+                if flagged:
+                    dense_row(row)
+                    STATS.record_dense_reason(DENSE_MODE_REASON, tokens=row.q_len)
+            estimates = [e for e, flagged in zip(estimates, flags) if not flagged]
+            rows = [r for r, flagged in zip(rows, flags) if not flagged]
+            whole = None
+            timing.mark()  # the dense rows are not ours to time
+        else:
+            STATS.defer_dense_rows(DENSE_MODE_REASON, whole)
     timing.lap("estimate")
     if exact_stats:
         STATS.flush_deferred(wait=False)
@@ -125,6 +140,10 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     timing.done()
     if settings.stats_file:  # without waiting: the counts still on the device follow (STATS.refresh)
         STATS.dump(settings.stats_file, wait=False)
+
+
+def _capturing(query: torch.Tensor) -> bool:
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _defer_measured(row: SparseRow, num_heads: int, est, flag: torch.Tensor | None, patterns: dict) -> None:

@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..head_configs import HeadConfigFile, layer_heads, load_head_config
-from ..index import SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks
+from ..index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
+                     range_stops)
 from ..patterns import estimate_index
 from ..plan import budget_density, kv_group_share
 from ..reference import causal_pairs, kv_head_map
@@ -86,6 +87,16 @@ def allowed_keys(index: SparseIndex, rows: torch.Tensor, kv_len: int, ctx_len: i
     mask_b = torch.zeros(h, t, nkb + 1, dtype=torch.bool, device=device)
     mask_b.scatter_(2, torch.where(blocks >= 0, blocks, nkb), True)
     mask = mask_b[..., :nkb].repeat_interleave(b, dim=-1)[..., :kv_len]
+    starts = index.range_start[:, qb].to(torch.int64)  # [H, T, MAXR], -1 padded
+    if starts.shape[-1]:
+        # ranges never overlap: +1 at each start, -1 at each stop, and the running sum is 0 / 1
+        ok = starts >= 0
+        edge = torch.zeros(h, t, kv_len + 1, dtype=torch.int8, device=device)
+        one = torch.ones_like(starts, dtype=torch.int8)
+        edge.scatter_add_(2, torch.where(ok, starts.clamp(max=kv_len), kv_len), one)
+        stops = torch.where(ok, range_stops(starts, b).clamp(max=kv_len), kv_len)
+        edge.scatter_add_(2, stops, -one)
+        mask = mask | (edge[..., :kv_len].cumsum(-1, dtype=torch.int8) > 0)
     cols = index.column_index[:, qb].to(torch.int64)  # [H, T, MAXC]
     if cols.shape[-1]:
         mask_c = torch.zeros(h, t, kv_len + 1, dtype=torch.bool, device=device)
@@ -182,9 +193,10 @@ COLUMNS_PER_TILE = 64  # single key columns the sparse kernel gathers into one k
 
 def kernel_tiles_per_head(index: SparseIndex) -> torch.Tensor:
     """Key tiles the sparse kernel processes per query head (int64 [H], on the index's device):
-    one per listed key block and query block, plus the query block's columns 64 to a tile."""
+    one per listed key block or key range and query block, plus the query block's columns 64 to
+    a tile."""
     cols = (index.column_count.to(torch.int64) + COLUMNS_PER_TILE - 1) // COLUMNS_PER_TILE
-    return index.block_count.to(torch.int64).sum(1) + cols.sum(1)
+    return index.block_count.to(torch.int64).sum(1) + index.range_count.to(torch.int64).sum(1) + cols.sum(1)
 
 
 def kernel_tiles(index: SparseIndex) -> int:

@@ -46,6 +46,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
     share = kv_group_share(heads, k.shape[1], settings)  # 1, or the GQA group (one selection per KV head)
     block_mask = torch.zeros(num_heads, num_blocks(q_len, b), num_blocks(kv_len, b), dtype=torch.bool, device=device)
     column_parts: list[tuple[torch.Tensor, PatternSelection]] = []
+    range_parts: list[tuple[torch.Tensor, PatternSelection]] = []
     counts: Counter = Counter()
 
     groups: dict[PatternName, list[int]] = {}
@@ -70,7 +71,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
                 per_head("slash_size").clamp(min=s_floor),
                 last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
                 keep_last_diagonals=settings.keep_last_diagonals, block_size=b, scale=scale, share=share,
-                slash_band=settings.slash_band)
+                slash_band=settings.slash_band, slash_tiles=settings.slash_tiles)
         elif pattern is PatternName.BLOCK_SPARSE:
             sel = block_sparse_selection(q[:, ids], k, kvh[ids], ctx_len, per_head("topk_blocks"), block_size=b,
                                          share=share)
@@ -89,6 +90,8 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
         block_mask[ids] = sel.block_mask
         if sel.columns.shape[-1]:
             column_parts.append((ids, sel))
+        if sel.range_start is not None:
+            range_parts.append((ids, sel))
 
     columns = column_keep = None
     if column_parts:
@@ -99,5 +102,13 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
             c = sel.columns.shape[-1]
             columns[ids, :c] = sel.columns
             column_keep[ids, :c] = sel.column_keep
-    index = build_index(block_mask, b, q_len, ctx_len, columns, column_keep)
+    range_count = range_start = None
+    if range_parts:
+        width = max(sel.range_start.shape[-1] for _, sel in range_parts)
+        range_count = torch.zeros(num_heads, num_blocks(q_len, b), dtype=torch.int32, device=device)
+        range_start = torch.full((num_heads, num_blocks(q_len, b), width), -1, dtype=torch.int32, device=device)
+        for ids, sel in range_parts:
+            range_count[ids] = sel.range_count
+            range_start[ids, :, : sel.range_start.shape[-1]] = sel.range_start
+    index = build_index(block_mask, b, q_len, ctx_len, columns, column_keep, range_count, range_start)
     return Estimate(index, counts)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..index import num_blocks
+from ..index import SparseIndex, build_index, num_blocks
 
 
 @dataclass
@@ -14,12 +14,15 @@ class PatternSelection:
     """What an estimator selects for a subset of heads, before assembly into a SparseIndex.
 
     block_mask: bool [h, NQB, NKB]; columns: int64 [h, C] absolute key positions with
-    column_keep: bool [h, C] (False = padding). C may be 0.
+    column_keep: bool [h, C] (False = padding). C may be 0. range_count / range_start: key
+    ranges per query block (``SparseIndex``'s format), or None.
     """
 
     block_mask: torch.Tensor
     columns: torch.Tensor
     column_keep: torch.Tensor
+    range_count: torch.Tensor | None = None
+    range_start: torch.Tensor | None = None
 
     @staticmethod
     def blocks_only(block_mask: torch.Tensor) -> "PatternSelection":
@@ -27,12 +30,17 @@ class PatternSelection:
         empty = torch.zeros(h, 0, dtype=torch.int64, device=block_mask.device)
         return PatternSelection(block_mask, empty, empty.bool())
 
+    def to_index(self, block_size: int, q_len: int, ctx_len: int) -> SparseIndex:
+        """This selection alone as a SparseIndex (``index.build_index``)."""
+        return build_index(self.block_mask, block_size, q_len, ctx_len, self.columns, self.column_keep,
+                           self.range_count, self.range_start)
+
     def repeat_heads(self, n: int) -> "PatternSelection":
         """Each selection used by ``n`` consecutive heads (a KV group's shared selection)."""
         if n == 1:
             return self
-        return PatternSelection(*(t.repeat_interleave(n, dim=0) for t in (self.block_mask, self.columns,
-                                                                          self.column_keep)))
+        return PatternSelection(*(None if t is None else t.repeat_interleave(n, dim=0) for t in (
+            self.block_mask, self.columns, self.column_keep, self.range_count, self.range_start)))
 
 
 def sum_head_groups(x: torch.Tensor, n: int) -> torch.Tensor:

@@ -107,7 +107,9 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     v_keep = keep_top(vertical, kv_cnt)
     s_keep = keep_top(slash, ks_cnt)
     s_keep[:, 0] = True  # the main diagonal: every query sees itself
-    vs = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size)
+    # aligned blocks (not ranges): the first key block is always listed on top, and the
+    # query-aware branch is a block mask that this one is switched against per head
+    vs = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size, slash_tiles="blocks")
     vs.block_mask[:, :, 0] = True  # the first key block (attention sinks)
 
     qa = query_aware[:, None, None]

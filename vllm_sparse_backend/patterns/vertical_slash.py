@@ -3,9 +3,13 @@
 Estimation: softmax of the last ``last_q`` queries against all keys; column sums give the
 vertical scores, diagonal sums the slash scores; the first ``keep_first_columns`` columns and the
 ``keep_last_diagonals`` diagonals nearest the main one are always kept; top-k per head.
-Conversion: a slash line crosses each query block in a ``block_size``-long key range, so it is
-covered by (at most two) aligned key blocks; verticals become single columns unless such a block
-already covers them. Everything is batched over heads.
+Conversion: a slash line crosses each query block in a ``block_size``-long key range. By
+default (``slash_tiles="ranges"``) the ranges of the kept diagonals are merged where they touch
+into segments, and each segment is cut into key ranges of ``block_size`` from its first key
+(:func:`slash_ranges`): a scattered diagonal costs one key tile per query block. With
+``slash_tiles="blocks"`` each diagonal is covered by the (at most two) aligned key blocks it
+crosses. Verticals become single columns unless such a range or block already covers them.
+Everything is batched over heads.
 """
 
 from __future__ import annotations
@@ -35,14 +39,66 @@ def slash_block_mask(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_s
     return ((hits > 0) & (hi >= lo).reshape(1, -1)).view(h, nqb, nkb)
 
 
+def slash_ranges(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size: int,
+                 query_blocks_per_step: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key ranges of the kept diagonals (bool [h, kv_len]) in each query block:
+    (range_count int32 [h, NQB], range_start int32 [h, NQB, R]) in :class:`SparseIndex`'s format.
+
+    In a query block spanning positions [P0, P1], diagonal d crosses keys [max(P0 - d, 0),
+    P1 - d]. Taken by ascending key (descending d), ranges that overlap or touch the previous
+    one continue its segment; a segment is cut into ranges of ``block_size`` keys from its first
+    key, so each diagonal adds at most two ranges and a segment of L keys costs ceil(L / B). The
+    last range of a segment may reach past the segment (real keys, computed for free) but stops
+    where the next segment starts. Same arithmetic as ``triton_kernels.vs_index``'s conversion.
+    """
+    h, kv_len = slash_keep.shape
+    device = slash_keep.device
+    b = block_size
+    n_kept = slash_keep.sum(-1)
+    width = max(1, int(n_kept.max())) if h else 1
+    d_all = torch.arange(kv_len, device=device).expand(h, kv_len)
+    # kept diagonals, descending (largest d = leftmost keys first), -1 padding at the end
+    d = torch.where(slash_keep, d_all, -1).sort(-1, descending=True).values[:, :width]  # [h, S]
+    q_first, q_last = query_block_bounds(q_len, ctx_len, b, device)
+    counts, starts = [], []
+    for qb0 in range(0, q_first.numel(), query_blocks_per_step):
+        p0 = q_first[qb0:qb0 + query_blocks_per_step].view(1, -1, 1)
+        p1 = q_last[qb0:qb0 + query_blocks_per_step].view(1, -1, 1)
+        dd = d[:, None, :]
+        hit = (dd >= 0) & (dd <= p1)
+        s = (p0 - dd).clamp(min=0)
+        e = torch.where(hit, p1 - dd, -2)
+        e_prev = torch.nn.functional.pad(e[..., :-1], (1, 0), value=-2)
+        new = hit & (s > e_prev + 1)
+        anchor = torch.where(new, s, -1).cummax(-1).values
+        t_lo = torch.div(s - anchor, b, rounding_mode="floor")
+        t_hi = torch.div(e - anchor, b, rounding_mode="floor")
+        prev_hi = torch.where(new, -1, torch.div(e_prev - anchor, b, rounding_mode="floor"))
+        first = torch.maximum(t_lo, prev_hi + 1)
+        c = torch.where(hit, (t_hi - first + 1).clamp(min=0), 0)  # 0, 1 or 2 new ranges
+        cand = torch.stack([anchor + first * b, anchor + (first + 1) * b], -1)  # [h, G, S, 2]
+        keep = torch.stack([c >= 1, c >= 2], -1)
+        cnt, st = compact(cand.flatten(-2), keep.flatten(-2))
+        counts.append(cnt)
+        starts.append(st)
+    r = max(1, max(st.shape[-1] for st in starts))
+    starts = [torch.nn.functional.pad(st, (0, r - st.shape[-1]), value=-1) for st in starts]
+    return torch.cat(counts, 1), torch.cat(starts, 1)
+
+
 def vertical_slash_to_selection(vertical_keep: torch.Tensor, slash_keep: torch.Tensor, q_len: int, ctx_len: int,
-                                block_size: int) -> PatternSelection:
-    """Kept columns and diagonals (bool [h, kv_len] each) -> blocks + column candidates."""
+                                block_size: int, slash_tiles: str = "ranges") -> PatternSelection:
+    """Kept columns and diagonals (bool [h, kv_len] each) -> ranges (or blocks) + column candidates."""
     kv_len = vertical_keep.shape[-1]
     positions = torch.arange(kv_len, device=vertical_keep.device).expand_as(vertical_keep)
     count, cols = compact(positions, vertical_keep)
     cols = cols.to(torch.int64)
-    return PatternSelection(slash_block_mask(slash_keep, q_len, ctx_len, block_size), cols, cols >= 0)
+    if slash_tiles == "blocks":
+        return PatternSelection(slash_block_mask(slash_keep, q_len, ctx_len, block_size), cols, cols >= 0)
+    h = slash_keep.shape[0]
+    no_blocks = torch.zeros(h, num_blocks(q_len, block_size), num_blocks(kv_len, block_size), dtype=torch.bool,
+                            device=slash_keep.device)
+    return PatternSelection(no_blocks, cols, cols >= 0, *slash_ranges(slash_keep, q_len, ctx_len, block_size))
 
 
 def band_shift(ctx_len: int, band: int) -> int:
@@ -75,7 +131,8 @@ def band_count(slash_size: torch.Tensor | int, band: int) -> torch.Tensor | int:
 def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
-                             scale: float, share: int = 1, slash_band: int = 1) -> PatternSelection:
+                             scale: float, share: int = 1, slash_band: int = 1,
+                             slash_tiles: str = "ranges") -> PatternSelection:
     """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head.
     ``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from their
     column and diagonal sums added up (budgets: the group's first head's). ``slash_band`` > 1:
@@ -96,4 +153,4 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
                                           kv_len, ctx_len, slash_band)
     else:
         s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
-    return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size).repeat_heads(share)
+    return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size, slash_tiles).repeat_heads(share)
