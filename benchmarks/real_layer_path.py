@@ -16,7 +16,7 @@ diagonals (scattered, not side by side), and so what a slash line costs.
 
     python benchmarks/real_layer_path.py --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
         --text /tmp/austen.txt --lengths 65536 131072 --yarn 4 --layers 2 14 27 \\
-        --variants vs 'vs-blocks=slash_tiles=blocks' 'vs-small=vertical_size=250,slash_size=1000'
+        --variants vs 'vs-ranges=slash_tiles=ranges' 'vs-small=vertical_size=250,slash_size=1000'
 
 Writes ``<out>.json`` and ``<out>.txt``; asserts nothing.
 """
@@ -43,8 +43,8 @@ from vllm_sparse_backend.evaluation import inputs  # noqa: E402
 from vllm_sparse_backend.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
 
 REPO = _HERE.parent
-DEFAULT_VARIANTS = ["vs", "vs-blocks=slash_tiles=blocks", "vs-small=vertical_size=250,slash_size=1000",
-                    "vs-small-blocks=vertical_size=250,slash_size=1000,slash_tiles=blocks"]
+DEFAULT_VARIANTS = ["vs", "vs-ranges=slash_tiles=ranges", "vs-small=vertical_size=250,slash_size=1000",
+                    "vs-small-ranges=vertical_size=250,slash_size=1000,slash_tiles=ranges"]
 
 
 def timing_helpers():

@@ -30,10 +30,11 @@ def _qkv(seed=0):
 
 
 def _mixed_index(q, k):
-    """Vertical-slash, A-shape, block-sparse and FlexPrefill heads with small budgets."""
+    """Vertical-slash (slash lines as key ranges), A-shape, block-sparse and FlexPrefill heads with
+    small budgets."""
     s = SparseSettings(block_size=16, flex_block_size=16, vertical_size=8, slash_size=6, last_q=16,
                        keep_first_columns=2, keep_last_diagonals=2, sink_tokens=16, local_window=48,
-                       topk_blocks=4, min_budget=16, gamma=0.7)
+                       topk_blocks=4, min_budget=16, gamma=0.7, slash_tiles="ranges")
     heads = [resolve_head(None, s.model_copy(update={"default_pattern": PatternName(p)}))
              for p in ("vertical_slash", "a_shape", "block_sparse", "flex_prefill")]
     return estimate_index(q, k, 0, heads, s, SCALE).index

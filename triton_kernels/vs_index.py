@@ -228,7 +228,7 @@ def max_ranges_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64)
 
 def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor, s_cnt: torch.Tensor,
                          q_len: int, ctx_len: int, block_size: int = 64, max_blocks: int | None = None,
-                         max_columns: int | None = None, chunk: int = 512, slash_tiles: str = "ranges") -> SparseIndex:
+                         max_columns: int | None = None, chunk: int = 512, slash_tiles: str = "blocks") -> SparseIndex:
     """Sorted vertical positions / diagonals (from :func:`vs_topk`) -> SparseIndex of one row.
 
     ``slash_tiles``: "ranges" (the diagonals as key ranges, ``patterns.vertical_slash.slash_ranges``)

@@ -56,12 +56,14 @@ class SparseSettings(BaseModel):
     slash_band: int = Field(1, ge=1, le=1024, description=(
         "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
         "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
-    # How the kernel computes a kept diagonal in a query block: "ranges" = its 64 keys as one
-    # key tile starting anywhere (touching diagonals merged, index.py), "blocks" = the (at most
-    # two) aligned key blocks it crosses. Real models keep scattered diagonals, each costing two
-    # blocks in "blocks" (benchmarks/KERNEL_NOTES.md, session 2026-11-24).
-    slash_tiles: Literal["ranges", "blocks"] = Field(
-        "ranges", description="Slash lines as unaligned 64-key ranges or as the aligned key blocks they cross.")
+    # How the kernel computes a kept diagonal in a query block: "blocks" = the (at most two)
+    # aligned key blocks it crosses, "ranges" = its 64 keys as one key tile starting anywhere
+    # (touching diagonals merged, index.py). Ranges compute 7-20% fewer pairs on Qwen2.5-Coder-
+    # 1.5B's real layers, but the kernel's range tiles (masked, unaligned, no prefetch) run
+    # 1.2-1.4x slower than the block tiles they replace: blocks stay the default until the range
+    # loop pays (benchmarks/KERNEL_NOTES.md, session 2026-11-24 part 2).
+    slash_tiles: Literal["blocks", "ranges"] = Field(
+        "blocks", description="Slash lines as the aligned key blocks they cross, or as unaligned 64-key ranges.")
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")

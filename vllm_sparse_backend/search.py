@@ -151,7 +151,7 @@ def _ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def vs_tiles(v_rank: torch.Tensor, s_rank: torch.Tensor, v_count: torch.Tensor, s_count: torch.Tensor,
-             causal: torch.Tensor, block_size: int, slash_tiles: str = "ranges") -> torch.Tensor:
+             causal: torch.Tensor, block_size: int, slash_tiles: str = "blocks") -> torch.Tensor:
     """Kernel tiles per row of a vertical-slash selection (int64 [X]) of a pure prefill: the top
     ``v_count`` columns and ``s_count`` diagonals by rank ([X, n] each). Slash lines: the key
     ranges of the kept diagonals (``slash_tiles="ranges"``, :func:`slash_ranges`) or the key blocks

@@ -4,11 +4,11 @@ Estimation: softmax of the last ``last_q`` queries against all keys; column sums
 vertical scores, diagonal sums the slash scores; the first ``keep_first_columns`` columns and the
 ``keep_last_diagonals`` diagonals nearest the main one are always kept; top-k per head.
 Conversion: a slash line crosses each query block in a ``block_size``-long key range. By
-default (``slash_tiles="ranges"``) the ranges of the kept diagonals are merged where they touch
-into segments, and each segment is cut into key ranges of ``block_size`` from its first key
-(:func:`slash_ranges`): a scattered diagonal costs one key tile per query block. With
-``slash_tiles="blocks"`` each diagonal is covered by the (at most two) aligned key blocks it
-crosses. Verticals become single columns unless such a range or block already covers them.
+default (``slash_tiles="blocks"``) each diagonal is covered by the (at most two) aligned key
+blocks it crosses. With ``slash_tiles="ranges"`` the ranges of the kept diagonals are merged
+where they touch into segments, and each segment is cut into key ranges of ``block_size`` from
+its first key (:func:`slash_ranges`): a scattered diagonal costs one key tile per query block.
+Verticals become single columns unless such a range or block already covers them.
 Everything is batched over heads.
 """
 
@@ -87,7 +87,7 @@ def slash_ranges(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size:
 
 
 def vertical_slash_to_selection(vertical_keep: torch.Tensor, slash_keep: torch.Tensor, q_len: int, ctx_len: int,
-                                block_size: int, slash_tiles: str = "ranges") -> PatternSelection:
+                                block_size: int, slash_tiles: str = "blocks") -> PatternSelection:
     """Kept columns and diagonals (bool [h, kv_len] each) -> ranges (or blocks) + column candidates."""
     kv_len = vertical_keep.shape[-1]
     positions = torch.arange(kv_len, device=vertical_keep.device).expand_as(vertical_keep)
@@ -132,7 +132,7 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
                              scale: float, share: int = 1, slash_band: int = 1,
-                             slash_tiles: str = "ranges") -> PatternSelection:
+                             slash_tiles: str = "blocks") -> PatternSelection:
     """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head.
     ``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from their
     column and diagonal sums added up (budgets: the group's first head's). ``slash_band`` > 1:
