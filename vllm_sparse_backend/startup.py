@@ -55,7 +55,9 @@ def check_at_registration() -> None:
         raise SystemExit(EXIT_STATUS) from None
     if multiprocessing.parent_process() is None:
         # The launching process is the one where vLLM checks the environment against its own
-        # list of variables (EngineArgs.create_engine_config -> validate_environ).
-        logger.info("sparse-prefill: %d VLLM_SPARSE_* variable(s) checked and valid; vLLM will still call "
+        # list of variables (EngineArgs.create_engine_config -> validate_environ). A warning,
+        # like the plugin's other start-up lines: vLLM's CLI sets up its logging only after
+        # parsing the arguments, and until then Python prints warnings alone, not info lines.
+        logger.warning("sparse-prefill: %d VLLM_SPARSE_* variable(s) checked and valid; vLLM will still call "
                     "each an 'Unknown vLLM environment variable' (it has no way for a plugin to declare its "
                     "variables)", len(ours))
