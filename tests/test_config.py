@@ -6,7 +6,7 @@ import pytest
 
 from vllm_sparse_backend.config import ConfigError, PatternName, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
-                                              load_head_config, resolve_head, save_head_config)
+                                              load_head_config, parse_head_config, resolve_head, save_head_config)
 
 
 def test_defaults_follow_the_papers():
@@ -158,3 +158,72 @@ def test_shipped_head_config_loads_by_name():
     assert (cfg.model, cfg.num_layers, cfg.num_heads) == ("SmolLM2-135M-Instruct", 30, 9)
     assert cfg.produced_by.startswith("vllm-sparse search-patterns")
     assert all(h.score is not None for layer in cfg.layers for h in layer.heads)
+
+
+def _model_dir(tmp_path, layers=2, heads=3, kv_heads=None):
+    d = tmp_path / f"model-{layers}-{heads}-{kv_heads}"
+    d.mkdir()
+    cfg = {"num_hidden_layers": layers, "num_attention_heads": heads}
+    if kv_heads is not None:
+        cfg["num_key_value_heads"] = kv_heads
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_head_config_checked_against_the_model_shape(tmp_path):
+    from vllm_sparse_backend.head_configs import check_fits_model, read_model_shape
+
+    cfg = HeadConfigFile.model_validate({**_head_file(), "num_kv_heads": 3})
+    check_fits_model(cfg, read_model_shape(_model_dir(tmp_path)), "toy.json")  # no KV heads: one per query head
+    with pytest.raises(ConfigError) as e:
+        check_fits_model(cfg, read_model_shape(_model_dir(tmp_path, layers=3, heads=6, kv_heads=2)), "toy.json")
+    lines = str(e.value).splitlines()[1:]
+    assert lines[0].startswith("toy.json: field 'num_layers': 2, but ") and "has 3 layers" in lines[0]
+    assert lines[1].startswith("toy.json: field 'num_heads': 3, but ") and "has 6 query heads" in lines[1]
+    assert lines[2].startswith("toy.json: field 'num_kv_heads': 3, but ") and "has 2 KV heads" in lines[2]
+    with pytest.raises(ConfigError, match="not a Hugging Face model folder"):
+        read_model_shape(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match=r"config\.json: field 'num_hidden_layers': expected a positive integer"):
+        read_model_shape(tmp_path)
+    with pytest.raises(ConfigError, match="num_heads=3 is not a multiple of num_kv_heads=2"):
+        parse_head_config({**_head_file(), "num_kv_heads": 2}, "odd.json")
+
+
+def test_per_kv_group_file_on_another_gqa_layout_is_refused(tmp_path):
+    """A file searched per KV group (4 heads, 2 groups of 2, uniform within each) on a model
+    whose 4 query heads share one KV head: the file's groups split the model's group."""
+    from vllm_sparse_backend.head_configs import check_fits_model, read_model_shape
+
+    data = _head_file(num_heads=4)
+    for layer in data["layers"]:
+        layer["heads"] = [{"pattern": "vertical_slash", "vertical_size": 100, "slash_size": 800, "score": 0.1}] * 2 + \
+            [{"pattern": "a_shape", "sink_tokens": 64, "local_window": 512, "score": 0.2}] * 2
+    data["settings"] = {"selection": "per_kv_group"}
+    cfg = HeadConfigFile.model_validate(data)
+    check_fits_model(cfg, read_model_shape(_model_dir(tmp_path, heads=4, kv_heads=2)), "g.json")
+    with pytest.raises(ConfigError, match=r"g\.json: layer 0, heads 0\.\.3: field 'settings.selection' says "
+                                          r"per_kv_group"):
+        check_fits_model(cfg, read_model_shape(_model_dir(tmp_path, heads=4, kv_heads=1)), "g.json")
+
+
+def test_cli_check_head_config_against_a_model_and_settings_check_the_file(tmp_path, capsys, monkeypatch):
+    from vllm_sparse_backend.cli import main
+
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(_head_file()))
+    assert main(["check-head-config", str(path), "--model", str(_model_dir(tmp_path))]) == 0
+    assert "fits" in capsys.readouterr().out
+    # 31 layers for a 30-layer model, 12 heads for 9: refused, naming the file and the field
+    assert main(["check-head-config", str(path), "--model", str(_model_dir(tmp_path, layers=30, heads=9))]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: field 'num_layers': 2, but" in err and f"{path}: field 'num_heads': 3, but" in err
+    for k in [k for k in __import__("os").environ if k.startswith("VLLM_SPARSE_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("VLLM_SPARSE_HEAD_CONFIG", str(tmp_path / "missing.json"))
+    assert main(["settings"]) == 2
+    assert "missing.json: cannot read head config" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_SPARSE_HEAD_CONFIG", str(path))
+    assert main(["settings"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["head_config"] == str(path) and "OK (toy, 2 layers x 3 heads)" in out.err

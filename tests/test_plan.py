@@ -127,3 +127,80 @@ def test_torch_estimator_with_shares_equals_explicit_budgets():
     for x, y in ((a.block_count, b.block_count), (a.block_index, b.block_index),
                  (a.column_count, b.column_count), (a.column_index, b.column_index)):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("head,settings_kw,covers", [
+    ({"pattern": "dense"}, {}, True),
+    ({"pattern": "vertical_slash", "vertical_size": 500, "slash_size": 10}, {}, True),  # every column
+    ({"pattern": "vertical_slash", "vertical_size": 10, "slash_size": 500}, {}, True),  # every diagonal
+    ({"pattern": "vertical_slash", "vertical_size": 10, "slash_size": 10}, {"slash_share": 1.0}, True),
+    ({"pattern": "vertical_slash", "vertical_size": 499, "slash_size": 499}, {}, False),
+    ({"pattern": "a_shape", "sink_tokens": 100, "local_window": 400}, {}, True),
+    ({"pattern": "a_shape", "sink_tokens": 100, "local_window": 399}, {}, False),
+    ({"pattern": "block_sparse", "topk_blocks": 8}, {}, True),  # 500 keys = 8 blocks of 64
+    ({"pattern": "block_sparse", "topk_blocks": 7}, {}, False),
+    ({"pattern": "flex_prefill"}, {"min_budget": 500}, True),
+    ({"pattern": "flex_prefill"}, {"min_budget": 499}, False),
+])
+def test_budgets_cover_every_key_only_where_every_key_is_selected(head, settings_kw, covers):
+    """A 300-token chunk after 200 cached tokens (500 keys): where the budgets say every key,
+    the estimator on random Q/K selects every causal pair; one key less and they do not say so."""
+    import torch
+
+    from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
+    from vllm_sparse_backend.index import count_pairs
+    from vllm_sparse_backend.patterns import estimate_index
+    from vllm_sparse_backend.plan import budgets_cover_every_key
+    from vllm_sparse_backend.reference import causal_pairs
+
+    s = SparseSettings(last_q=32, **settings_kw)
+    heads = [resolve_head(HeadPattern(**head), s)] * 2
+    assert budgets_cover_every_key(heads, 300, 200, s) is covers
+    if covers:
+        gen = torch.Generator().manual_seed(3)
+        q, k = torch.randn(300, 2, 64, generator=gen), torch.randn(500, 1, 64, generator=gen)
+        est = estimate_index(q, k, 200, heads, s, 0.125)
+        assert count_pairs(est.index, 300, 200) == causal_pairs(300, 200, 2)
+    # one head short of its keys is enough to say no
+    short = resolve_head(HeadPattern(pattern="a_shape", sink_tokens=10, local_window=10), s)
+    assert not budgets_cover_every_key(heads + [short], 300, 200, s)
+
+
+def test_rows_whose_selection_is_every_key_are_counted_dense(monkeypatch):
+    """The sparse path computes both rows; the one whose index selected every causal key (the
+    default budgets on a short prompt) counts as a dense row, the other as a sparse row."""
+    import prometheus_client
+    import torch
+    from prometheus_client import CollectorRegistry
+
+    from vllm_sparse_backend import sparse_prefill
+    from vllm_sparse_backend.head_configs import resolve_head
+    from vllm_sparse_backend.metrics import PrometheusMetrics
+    from vllm_sparse_backend.stats import SparseStats
+
+    registry = CollectorRegistry()
+    stats = SparseStats()
+    stats._prom = PrometheusMetrics(prometheus_client, registry=registry)
+    monkeypatch.setattr(sparse_prefill, "STATS", stats)
+    gen = torch.Generator().manual_seed(0)
+    q_lens = [600, 2000]
+    query = torch.randn(sum(q_lens), 2, 64, generator=gen)
+    keys = [torch.randn(n, 1, 64, generator=gen) for n in q_lens]
+    rows = [SparseRow(0, 0, 600, 0), SparseRow(1, 600, 2000, 0)]
+    output = torch.empty_like(query)
+    # row 0: 1000 + 6096 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
+    settings = SparseSettings(vertical_size=30, slash_size=30)
+    heads = [resolve_head(None, SparseSettings())] * 2
+    sparse_prefill.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
+                                   settings, 0.125)
+    sparse_prefill.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
+                                   [resolve_head(None, settings)] * 2, settings, 0.125)
+    d = stats.as_dict()
+    assert d["dense_reasons"] == {sparse_prefill.EVERY_KEY_REASON: 1}
+    assert (d["sparse_rows"], d["sparse_query_tokens"], d["dense_query_tokens"]) == (1, 2000, 600)
+    assert 0 < d["computed_pairs"] < d["causal_pairs"] == 2 * 2000 * 2001 // 2
+    assert registry.get_sample_value("sparse_prefill_query_tokens_total", {"route": "dense"}) == 600
+    assert registry.get_sample_value("sparse_prefill_query_tokens_total", {"route": "sparse"}) == 2000
+    assert registry.get_sample_value("sparse_prefill_dense_fallbacks_total",
+                                     {"reason": "sparse_selection_covers_every_key"}) == 1
+    assert registry.get_sample_value("sparse_prefill_density_count") == 1

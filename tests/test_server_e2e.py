@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from tiny_llama import make_tiny_llama  # noqa: E402
 from vllm_sparse_backend.demo import ServerError, start_server, wait_ready  # noqa: E402
+from vllm_sparse_backend.sparse_prefill import EVERY_KEY_REASON  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -128,9 +129,11 @@ def test_density_one_matches_dense(dense_server, full_server):
     for p in prompts:
         _assert_same_generation(_complete(dense_server, p), _complete(full_server, p))
     st = _stats(full_server)
-    # every prompt, in each of the 2 layers, went through the sparse path and computed everything
-    assert st["sparse_query_tokens"] == 2 * sum(map(len, prompts))
-    assert st["computed_pairs"] == st["causal_pairs"] > 0
+    # every prompt, in each of the 2 layers, went through the sparse path, which selected every
+    # key: counted as dense rows (nothing was skipped), under the reason only that path records
+    assert st["dense_reasons"] == {EVERY_KEY_REASON: 2 * len(prompts)}
+    assert st["dense_query_tokens"] == 2 * sum(map(len, prompts))
+    assert st["sparse_rows"] == st["sparse_query_tokens"] == st["causal_pairs"] == 0
     assert not dense_server.stats_path.exists()
 
 
@@ -144,7 +147,8 @@ def test_mixed_batch_short_and_long_rows(dense_server, full_server):
     for d, s in zip(dense, sparse):
         _assert_same_generation(d, s)
     after = _stats(full_server)
-    assert after["sparse_query_tokens"] - before["sparse_query_tokens"] == 2 * (2500 + 1200)
+    # the two long rows took the sparse path (selecting every key) in both layers
+    assert after["dense_reasons"][EVERY_KEY_REASON] - before["dense_reasons"].get(EVERY_KEY_REASON, 0) == 2 * 2
 
 
 def test_sparse_patterns_from_head_config_skip_attention(mixed_server):
@@ -184,3 +188,25 @@ def test_malformed_head_config_stops_start_up_naming_file_and_field(model_dir, t
         handle.stop()
     log = (tmp_path / "server.log").read_text(errors="replace")
     assert "broken-heads.json: layer 1, head 2, field 'slash_size'" in log
+
+
+def test_head_config_for_another_model_stops_start_up_before_the_kv_cache(model_dir, tmp_path):
+    """A well-formed file with 3 layers and 6 heads for the 2-layer, 4-head model: the worker
+    refuses it when it builds the attention layers, naming the file and the field, before the
+    weights load and the KV cache is sized."""
+    cfg = _mixed_head_config()
+    cfg["num_layers"], cfg["num_heads"] = 3, 6
+    cfg["layers"] = [{"heads": [{"pattern": "a_shape"}] * 6}] * 3
+    path = tmp_path / "other-model.json"
+    path.write_text(json.dumps(cfg))
+    handle = start_server(model_dir, COMMON_ARGS + ["--attention-backend", "sparse-prefill"],
+                          {"VLLM_SPARSE_HEAD_CONFIG": str(path)}, tmp_path / "server.log")
+    try:
+        with pytest.raises(ServerError):
+            wait_ready(handle, timeout=400)
+    finally:
+        handle.stop()
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert f"{path}: field 'num_layers': 3, but model {model_dir.resolve()} has 2 layers" in log
+    assert f"{path}: field 'num_heads': 6, but model {model_dir.resolve()} has 4 query heads" in log
+    assert "KV cache size" not in log

@@ -34,7 +34,12 @@ if not (Path(__file__).resolve().parent / "triton_kernels").is_dir():
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; runs in every vLLM process. Cheap and idempotent."""
+    """vLLM general-plugin entry point; runs in every vLLM process. Cheap and idempotent.
+
+    Also checks the ``VLLM_SPARSE_*`` settings and the head-config file they name, so that a
+    bad value stops ``vllm serve`` before the model loads (:mod:`vllm_sparse_backend.startup`)."""
     from ._compat import register_backends
+    from .startup import check_at_registration
 
     register_backends()
+    check_at_registration()

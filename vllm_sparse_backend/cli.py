@@ -1,8 +1,10 @@
 """`vllm-sparse` command: tools around the backend (the backend itself runs inside vLLM).
 
   vllm-sparse import-minference IN.json OUT.json --model NAME   convert MInference's per-head file
-  vllm-sparse check-head-config FILE.json                       validate a head-config file
-  vllm-sparse settings                                           print the effective settings
+  vllm-sparse check-head-config FILE.json [--model DIR]         validate a head-config file (and
+                                                                 that it fits the model in DIR)
+  vllm-sparse settings                                           validate and print the effective
+                                                                 settings (and their head-config file)
   vllm-sparse search-patterns --model DIR --out FILE.json        kernel-aware per-head search
       [--length 16384] [--density 0.3] [--samples 2] [--device auto] [--text FILE]
   vllm-sparse demo [...]                                         passkey demo through vllm serve
@@ -15,7 +17,8 @@ import json
 import sys
 
 from .config import ConfigError, load_settings
-from .head_configs import import_minference, load_head_config, save_head_config
+from .head_configs import check_fits_model, import_minference, load_head_config, read_model_shape, save_head_config
+from .startup import check_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True, help="model name recorded in the file")
     p = sub.add_parser("check-head-config", help="validate a head-config file")
     p.add_argument("path")
-    sub.add_parser("settings", help="print the settings VLLM_SPARSE_* / VLLM_SPARSE_CONFIG give")
+    p.add_argument("--model", help="Hugging Face model folder: the file must fit its config.json "
+                   "(num_hidden_layers, num_attention_heads, num_key_value_heads)")
+    sub.add_parser("settings", help="validate and print the settings VLLM_SPARSE_* / VLLM_SPARSE_CONFIG give "
+                   "(and the head-config file they name)")
     p = sub.add_parser("search-patterns", help="kernel-aware per-head pattern search (MInference Alg. 1)",
                        description="Kernel-aware pattern search at the serving length: per layer and KV "
                        "group (or head), the candidate family with the lowest output error against dense "
@@ -84,9 +90,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.output}: {cfg.num_layers} layers x {cfg.num_heads} heads")
         elif args.cmd == "check-head-config":
             cfg = load_head_config(args.path)
-            print(f"{args.path}: OK ({cfg.model}, {cfg.num_layers} layers x {cfg.num_heads} heads)")
+            fits = ""
+            if args.model:
+                check_fits_model(cfg, read_model_shape(args.model), args.path)
+                fits = f"; fits {args.model}"
+            print(f"{args.path}: OK ({cfg.model}, {cfg.num_layers} layers x {cfg.num_heads} heads{fits})")
         elif args.cmd == "settings":
-            print(json.dumps(load_settings().model_dump(mode="json"), indent=1))
+            settings, head_config = check_settings()
+            print(json.dumps(settings.model_dump(mode="json"), indent=1))
+            if head_config is not None:  # stderr: stdout stays one JSON document
+                print(f"head_config {settings.head_config}: OK ({head_config.model}, {head_config.num_layers} "
+                      f"layers x {head_config.num_heads} heads)", file=sys.stderr)
         elif args.cmd == "search-patterns":
             return _search_patterns(args)
         elif args.cmd == "demo":

@@ -4,7 +4,7 @@ Schema (JSON, validated with pydantic; see head_configs/README.md)::
 
     {
       "format": "vllm-sparse-head-config", "version": 1,
-      "model": "SmolLM2-135M-Instruct", "num_layers": 30, "num_heads": 9,
+      "model": "SmolLM2-135M-Instruct", "num_layers": 30, "num_heads": 9, "num_kv_heads": 3,
       "produced_by": "how the file was made (tool, settings, data)",
       "layers": [ {"heads": [ {"pattern": "vertical_slash", "vertical_size": 1000,
                                "slash_size": 6096, "score": 0.93}, ... one per query head ]},
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,12 +64,17 @@ class HeadConfigFile(BaseModel):
     model: str
     num_layers: int = Field(ge=1)
     num_heads: int = Field(ge=1)
+    # Optional (files written before it existed lack it): the model's KV heads, so that a file
+    # whose per-KV-group patterns were made for another GQA layout is caught at start-up.
+    num_kv_heads: int | None = Field(None, ge=1)
     produced_by: str = ""
     settings: dict[str, Any] = Field(default_factory=dict, description="Settings used when producing the file.")
     layers: list[LayerHeads]
 
     @model_validator(mode="after")
     def _check_shape(self) -> "HeadConfigFile":
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if len(self.layers) != self.num_layers:
             raise ValueError(f"'layers' has {len(self.layers)} entries but num_layers is {self.num_layers}")
         for i, layer in enumerate(self.layers):
@@ -112,6 +118,100 @@ def _read_json(path: str | Path) -> Any:
 def load_head_config(path: str | Path) -> HeadConfigFile:
     """Read and validate a head-config file (plain JSON; nothing is ever unpickled)."""
     return parse_head_config(_read_json(path), str(path))
+
+
+def resolve_head_config(spec: str) -> HeadConfigFile:
+    """The file ``VLLM_SPARSE_HEAD_CONFIG`` names: a path, or the name of a file shipped in
+    head_configs/ (without .json). A missing or malformed file raises ConfigError naming it."""
+    path = Path(spec)
+    if not path.exists() and not spec.endswith(".json"):
+        try:
+            shipped = resources.files("vllm_sparse_backend.shipped_head_configs") / f"{spec}.json"
+        except ModuleNotFoundError:  # a source checkout on sys.path: the folder is not mapped
+            shipped = Path(__file__).resolve().parent.parent / "head_configs" / f"{spec}.json"
+        if shipped.is_file():
+            with resources.as_file(shipped) as p:
+                return load_head_config(p)
+    return load_head_config(path)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a head-config file must fit: the model's attention layers and heads (all ranks)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    source: str = "the model"  # where the numbers come from, for messages
+
+
+def model_shape_from_hf_config(config: dict, source: str) -> ModelShape:
+    """The shape from a Hugging Face ``config.json`` (its ``text_config`` for multimodal
+    models): ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (absent =
+    one KV head per query head, as transformers reads it)."""
+    text = config.get("text_config") or config
+    values = {}
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        v = text.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{source}: field '{key}': expected a positive integer, got {v!r}")
+        values[key] = v
+    kv = text.get("num_key_value_heads") or values["num_attention_heads"]
+    if not isinstance(kv, int) or kv < 1 or values["num_attention_heads"] % kv:
+        raise ConfigError(f"{source}: field 'num_key_value_heads': {kv!r} does not divide "
+                          f"num_attention_heads={values['num_attention_heads']}")
+    return ModelShape(values["num_hidden_layers"], values["num_attention_heads"], kv, source)
+
+
+def read_model_shape(model_dir: str | Path) -> ModelShape:
+    """:func:`model_shape_from_hf_config` of ``model_dir/config.json``."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: not a Hugging Face model folder (no config.json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the model config: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object (a Hugging Face model config)")
+    return model_shape_from_hf_config(data, str(path))
+
+
+def check_fits_model(cfg: HeadConfigFile, shape: ModelShape, source: str) -> None:
+    """Raise ConfigError (one line per mismatch, each naming ``source`` and the field) unless
+    the file has the model's layer and query-head counts and, where it says so, its KV-group
+    layout: ``num_kv_heads`` if the file records it, and uniform KV groups where the file says
+    it was searched per KV group (one selection shared by a group's heads; on another GQA
+    layout its groups would split and the sharing would silently turn off)."""
+    problems = []
+    if cfg.num_layers != shape.num_layers:
+        problems.append(f"field 'num_layers': {cfg.num_layers}, but {shape.source} has {shape.num_layers} "
+                        "layers (num_hidden_layers)")
+    if cfg.num_heads != shape.num_heads:
+        problems.append(f"field 'num_heads': {cfg.num_heads}, but {shape.source} has {shape.num_heads} "
+                        "query heads per layer (num_attention_heads)")
+    if cfg.num_kv_heads is not None and cfg.num_kv_heads != shape.num_kv_heads:
+        problems.append(f"field 'num_kv_heads': {cfg.num_kv_heads}, but {shape.source} has {shape.num_kv_heads} "
+                        "KV heads per layer (num_key_value_heads)")
+    if not problems and cfg.settings.get("selection") == "per_kv_group":
+        group = shape.num_heads // shape.num_kv_heads
+        for i, layer in enumerate(cfg.layers):
+            for g in range(shape.num_kv_heads):
+                heads = layer.heads[g * group:(g + 1) * group]
+                if any(_without_score(h) != _without_score(heads[0]) for h in heads):
+                    problems.append(
+                        f"layer {i}, heads {g * group}..{(g + 1) * group - 1}: field 'settings.selection' says "
+                        f"per_kv_group, but {shape.source}'s KV group {g} ({group} query heads per KV head) mixes "
+                        "patterns or budgets (a file made for another GQA layout?)")
+                    break
+            if len(problems) >= 3:
+                break
+    if problems:
+        raise ConfigError("head config does not fit the model\n" + "\n".join(f"{source}: {p}" for p in problems))
+
+
+def _without_score(h: HeadPattern) -> HeadPattern:
+    return h.model_copy(update={"score": None})
 
 
 def save_head_config(cfg: HeadConfigFile, path: str | Path) -> None:

@@ -40,8 +40,8 @@ SECONDS_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "query_tokens": ("counter", ("route",),
                      "Prefill query tokens x attention layers, by route: sparse = computed by the sparse "
-                     "path; dense = sent to the dense kernel in steps that had a sparse row, including "
-                     "rows that fell back"),
+                     "path and skipping keys; dense = sent to the dense kernel in steps that had a sparse row, "
+                     "including rows that fell back, and rows whose sparse selection covered every key"),
     "rows": ("counter", (), "(request row, attention layer) pairs computed sparse"),
     "causal_pairs": ("counter", (),
                      "(query, key) pairs x heads that dense causal attention would compute for the measured "
@@ -53,7 +53,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                       "Time of the sparse path's stages per layer forward (stage = estimate or kernel), "
                       "sampled 1 of timing_sample_every forwards"),
     "head_patterns": ("counter", ("pattern",), "Heads x sparse rows per chosen pattern"),
-    "dense_fallbacks": ("counter", ("reason",), "Long rows that ran dense instead of sparse, by reason"),
+    "dense_fallbacks": ("counter", ("reason",),
+                        "Long rows that ran dense instead of sparse, by reason (sparse_selection_covers_every_key: "
+                        "the sparse path selected every causal key, i.e. computed dense attention)"),
 }
 
 _SLUG = re.compile(r"[^a-z0-9_/]+")

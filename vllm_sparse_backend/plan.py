@@ -90,6 +90,31 @@ def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len:
     return total / sum(counts.values())
 
 
+def budgets_cover_every_key(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
+                            settings: SparseSettings) -> bool:
+    """True when every head's budgets alone select every key of the row, whatever the scores:
+    the sparse path then computes dense attention (and is counted as dense). Per head: dense;
+    vertical or slash budget (:func:`vs_budgets`) at least the row's keys (every column, or
+    every diagonal); sink + window at least the keys (A-shape); top-k blocks at least the
+    row's key blocks (block-sparse); FlexPrefill's minimum budget at least the keys (both its
+    vertical-slash lines and its query-aware blocks then keep everything). Sufficient, not
+    necessary: an estimate can still select every key of a row whose budgets are smaller
+    (scattered diagonals cost whole key blocks), which only measuring the index tells."""
+    kv_len = ctx_len + q_len
+    key_blocks = -(-kv_len // settings.block_size)
+    for h in (heads if isinstance(heads, Counter) else Counter(heads)):
+        if h.pattern is PatternName.VERTICAL_SLASH:
+            covered = max(vs_budgets(h.vertical_size, h.slash_size, kv_len, settings)) >= kv_len
+        else:
+            covered = {PatternName.DENSE: True,
+                       PatternName.A_SHAPE: h.sink_tokens + h.local_window >= kv_len,
+                       PatternName.BLOCK_SPARSE: h.topk_blocks >= key_blocks,
+                       PatternName.FLEX_PREFILL: settings.min_budget >= kv_len}[h.pattern]
+        if not covered:
+            return False
+    return True
+
+
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
               allow_context: bool = True, worth_estimating: Callable[[int, int], bool] | None = None) -> StepPlan:
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.

@@ -561,7 +561,7 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
            "per group)" if share > 1 else "per query head (serve with kv_group_shared=false)")
     cfg = HeadConfigFile(
         format=FORMAT_NAME, version=1, model=model_name, num_layers=len(layer_patterns),
-        num_heads=cap.num_heads,
+        num_heads=cap.num_heads, num_kv_heads=cap.num_kv_heads,
         produced_by=(f"vllm-sparse search-patterns: {len(samples)} calibration prompt(s) of {n} tokens from "
                      f"{source}; candidates tuned to {density:.0%} of the causal key tiles, {how}; score = "
                      f"relative output error vs dense on {int(rows_t.numel())} sampled query rows "

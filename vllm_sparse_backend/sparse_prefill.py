@@ -21,7 +21,7 @@ from .head_configs import ResolvedHead
 from .index import count_pairs, count_pairs_tensor, index_density
 from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
-from .plan import SparseRow
+from .plan import SparseRow, budgets_cover_every_key
 from .reference import causal_pairs, sparse_attention
 from .stats import STATS
 
@@ -45,10 +45,21 @@ def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[Sparse
         timing.lap("estimate")
         sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
         timing.lap("kernel")
-        _record(row, num_heads, count_pairs(est.index, row.q_len, row.ctx_len), est.head_patterns)
+        computed = count_pairs(est.index, row.q_len, row.ctx_len)
+        if computed >= causal_pairs(row.q_len, row.ctx_len, num_heads):
+            STATS.record_dense_reason(EVERY_KEY_REASON, tokens=row.q_len)  # nothing was skipped
+        else:
+            _record(row, num_heads, computed, est.head_patterns)
     timing.done()
     if settings.stats_file:
         STATS.dump(settings.stats_file)
+
+
+# Rows whose selection was every causal key: dense attention computed by the sparse path (e.g.
+# the default vertical-slash budgets on prompts of a few thousand tokens). Counted as dense rows,
+# so that the sparse counters and the density say what was skipped. On CPU every row is measured;
+# on CUDA the rows whose budgets alone cover every key (:func:`budgets_cover_every_key`).
+EVERY_KEY_REASON = "sparse selection covers every key"
 
 
 def _record(row: SparseRow, num_heads: int, computed: int | None, head_patterns) -> None:
@@ -79,8 +90,12 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
       layer never waits for the GPU; they stay counted as sparse rows (they ran on the sparse
       path) and are also counted under ``dense_reasons`` when the flags are next read
       (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
+    * rows whose budgets alone cover every key (:func:`budgets_cover_every_key`; only reach here
+      with ``max_density`` 1) run the sparse path but are counted as dense rows
+      (:data:`EVERY_KEY_REASON`).
 
-    Nothing here waits for the GPU, also with ``settings.stats_file`` set: every row's counts are
+    Apart from the flag read of ``estimated_dense_rows="flash"``, nothing here waits for the GPU,
+    also with ``settings.stats_file`` set: every row's counts are
     then read back later like a sampled forward's and the file catches up as they arrive
     (:meth:`SparseStats.refresh`). On the forwards the stage timer samples
     (``timing_sample_every``) the computed pairs, the flags and FlexPrefill's per-head decisions are counted on the device and read back
@@ -100,6 +115,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
             else:
                 sparse_enough.append(row)
         rows = sparse_enough
+    covered = {r.row for r in rows if budgets_cover_every_key(groups.head_counts, r.q_len, r.ctx_len, settings)}
     estimates = []
     timing.mark()  # the budget fallback's dense rows above are not ours to time
     for row in rows:
@@ -128,6 +144,9 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         STATS.flush_deferred(wait=False)
     for i, (row, est) in enumerate(zip(rows, estimates)):
         patterns = dict(est.head_patterns)
+        if row.row in covered:  # computes every key: counted as dense (max_density=1 lets it here)
+            STATS.record_dense_reason(EVERY_KEY_REASON, tokens=row.q_len)
+            continue
         if not exact_stats:
             _record(row, num_heads, None, patterns)
             continue

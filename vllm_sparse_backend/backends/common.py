@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from importlib import resources
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, SparseSettings, load_settings
-from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads, load_head_config
+from ..head_configs import (HeadConfigFile, ModelShape, ResolvedHead, check_fits_model, layer_heads,
+                            model_shape_from_hf_config, resolve_head_config)
 from ..plan import SparseRow, plan_step
 from ..stats import STATS
 
@@ -54,18 +53,30 @@ def settings() -> SparseSettings:
 @functools.lru_cache(maxsize=8)
 def _head_config(spec: str) -> HeadConfigFile:
     """A path, or the name of a file shipped in head_configs/ (without .json)."""
-    path = Path(spec)
-    if not path.exists() and not spec.endswith(".json"):
-        shipped = resources.files("vllm_sparse_backend.shipped_head_configs") / f"{spec}.json"
-        if shipped.is_file():
-            with resources.as_file(shipped) as p:
-                return load_head_config(p)
-    return load_head_config(path)
+    return resolve_head_config(spec)
 
 
 def head_config() -> HeadConfigFile | None:
     spec = settings().head_config
     return _head_config(spec) if spec else None
+
+
+@functools.lru_cache(maxsize=8)
+def _check_fit(spec: str, shape: ModelShape) -> None:
+    check_fits_model(_head_config(spec), shape, spec)
+
+
+def check_head_config_fits(vllm_config) -> None:
+    """Called where the worker first sees the model (its attention layers being built, before
+    the weights load): the settings are read and validated in this process, and the head-config
+    file must have the model's layer and head counts and KV-group layout (ConfigError naming
+    the file and field). Once per process and model."""
+    cfg = settings()
+    model_config = getattr(vllm_config, "model_config", None)
+    if not cfg.head_config or model_config is None:
+        return
+    hf = model_config.hf_text_config
+    _check_fit(cfg.head_config, model_shape_from_hf_config(hf.to_dict(), f"model {model_config.model}"))
 
 
 _logged: set[str] = set()

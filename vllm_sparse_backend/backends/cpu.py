@@ -14,10 +14,10 @@ from __future__ import annotations
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from .._compat import sparse_backend_selected
+from .._compat import current_vllm_config, sparse_backend_selected
 from ..sparse_prefill import run_sparse_rows
-from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, log_once, prepare_group,
-                     settings)
+from .common import (SparsePrefillMetadata, build_sparse_metadata, check_head_config_fits, count_dense_tokens,
+                     log_once, prepare_group, settings)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -36,7 +36,9 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
                          "decode stays dense", cfg.decode_mode)
             if self.sparse_enabled:
-                log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s)",
+                log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); vLLM's "
+                         "'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU platform "
+                         "always picks CPU_ATTN, which this plugin replaces with the CPU twin",
                          cfg.min_sparse_query_len, cfg.default_pattern.value)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -51,6 +53,13 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
     sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Layers are built before the weights load: the earliest point the worker knows the model.
+        vllm_config = current_vllm_config()
+        if vllm_config is not None and sparse_backend_selected(vllm_config):
+            check_head_config_fits(vllm_config)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

@@ -39,8 +39,9 @@ from ..plan import SparseRow, budget_density, kv_group_share
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
-from .common import (SparsePrefillMetadata, build_sparse_metadata, count_dense_tokens, group_head_counts, log_once,
-                     logger, prepare_group, resolve_layer_heads, settings, unsupported_reason)
+from .common import (SparsePrefillMetadata, build_sparse_metadata, check_head_config_fits, count_dense_tokens,
+                     group_head_counts, log_once, logger, prepare_group, resolve_layer_heads, settings,
+                     unsupported_reason)
 
 # Set when the profiling-run scratch claim failed in this process: sparse rows would then use
 # memory the KV cache was sized without, so every group runs dense.
@@ -133,6 +134,9 @@ class SparsePrefillImpl(FlashAttentionImpl):
         super().__init__(*args, **kwargs)
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
         self._vllm_config = current_vllm_config()
+        # Layers are built before the weights load: the earliest point the worker knows the model.
+        if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
+            check_head_config_fits(self._vllm_config)
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
         """Profiling run (no metadata): run the sparse path once on the largest row a step can
