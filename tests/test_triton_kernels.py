@@ -56,6 +56,20 @@ def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
     return key_cache, value_cache, table.to(device), ks, vs
 
 
+def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
+    """An fp8 copy of a K|V cache in vLLM's layout (one [pages, Hkv, page, 2D] tensor, NHD or HND
+    physical) as vLLM's fp8 cache holds it: stored = value / scale; NaN slots stay NaN."""
+    n, page, hkv, d = key_cache.shape
+    if layout == "HND":
+        kv = torch.empty((n, hkv, page, 2 * d), dtype=fp8, device=key_cache.device)
+    else:
+        kv = torch.empty((n, page, hkv, 2 * d), dtype=fp8, device=key_cache.device).transpose(1, 2)
+    k8, v8 = kv.transpose(1, 2).split(d, -1)
+    k8.copy_((key_cache.float() / k_scale).to(fp8))
+    v8.copy_((value_cache.float() / v_scale).to(fp8))
+    return k8, v8
+
+
 def random_index(h, q_len, ctx_len, density, n_cols, gen, device):
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
     mask = torch.rand(h, nqb, nkb, generator=gen) < density
@@ -82,11 +96,25 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
              n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, whole=None,
-             **launch):
+             fp8=None, **launch):
+    """``fp8`` = (fp8 dtype, k_scale, v_scale): the cache holds K / k_scale and V / v_scale in
+    fp8 (vLLM's fp8 KV cache), the scales reach the kernel as given (numbers or device tensors),
+    and the reference attends over the dequantised K/V."""
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
     key_cache, value_cache, table, ks, vs = make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device)
+    if fp8 is not None:
+        fp8_dtype, k_scale, v_scale = fp8
+        key_cache, value_cache = quantize_cache(key_cache, value_cache, fp8_dtype, float(k_scale), float(v_scale),
+                                                layout)
+        launch.update(k_scale=k_scale, v_scale=v_scale)
+
+        def dequant(k, v):
+            return k.double() * float(k_scale), v.double() * float(v_scale)
+
+        ks, vs = zip(*[dequant(*gather_paged_kv(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
+        ks, vs = [k.cpu() for k in ks], [v.cpu() for v in vs]
     rows, tok = [], GAP
     for i, (q_len, ctx) in enumerate(shapes):
         rows.append((i, tok, q_len, ctx))
@@ -121,6 +149,8 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     for (bt_row, t0, q_len, ctx), ix in zip(rows, indices):
         in_rows[t0:t0 + q_len] = True
         k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
+        if fp8 is not None:
+            k, v = dequant(k, v)
         assert torch.equal(k.cpu(), ks[bt_row]) and torch.equal(v.cpu(), vs[bt_row])
         qr = q[t0:t0 + q_len]
         ref, _ = sparse_attention(qr.double(), k.double(), v.double(), ix, ctx, scale, softcap=softcap)
@@ -218,6 +248,58 @@ def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
 
+# fp8 KV cache (vLLM's --kv-cache-dtype fp8): stored = value / scale with one scale per layer for
+# K and one for V; scales that are not powers of two, so that a scale applied twice or not at all
+# (or k's where v's belongs) shows. Reference: float64 attention over the dequantised K/V.
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALES = (0.043, 0.021)
+
+
+def _dev_scales(device=DEV):
+    return tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in SCALES)
+
+
+@cpu_only
+@pytest.mark.parametrize("mode,share,merge,layout", [("sparse", 1, 1, "NHD"), ("sparse", 4, 1, "HND"),
+                                                     ("sparse", 1, 2, "NHD"), ("dense", 1, 4, "HND")])
+def test_interp_fp8_kv_cache(mode, share, merge, layout):
+    # per-head lists, group-shared lists (4 heads stacked), merged heads, the dense mode; scales
+    # as device tensors (what vLLM's layer holds)
+    run_case(SMALL, 1, 4, 64, 16, torch.float32, seed=61 + share + merge, mode=mode, share=share, merge=merge,
+             layout=layout, fp8=(E4M3, *_dev_scales()))
+
+
+@cpu_only
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_interp_fp8_kv_cache_fp16_query(fp8):
+    # tiles widened to the query's fp16 (both fp8 formats convert exactly); scales as numbers
+    run_case(SMALL, 1, 4, 64, 16, torch.float16, seed=67, fp8=(fp8, *SCALES))
+
+
+@cpu_only
+def test_interp_fp8_kv_cache_lse_softcap_whole_rows():
+    # the k scale is inside the soft-capped scores and the LSE; flagged rows run every causal key
+    run_case([(130, 0), (70, 200)], 2, 2, 128, 16, torch.float32, seed=71, softcap=5.0, check_lse=True,
+             whole=[False, True], fp8=(E4M3, *_dev_scales()))
+
+
+@cpu_only
+def test_interp_fp8_kv_cache_without_scales_reads_stored_values():
+    # no scales given: the stored values are the values (scale 1)
+    run_case(SMALL[:2], 1, 2, 64, 16, torch.float32, seed=73, fp8=(E4M3, 1.0, 1.0))
+
+
+def test_fp8_query_is_refused():
+    q = torch.zeros(64, 2, 64).to(E4M3)
+    cache = torch.zeros(2, 16, 1, 64)
+    with pytest.raises(ValueError, match="query dtype"):
+        sa.sparse_prefill_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 0, 64, 0)], None,
+                                    0.125, torch.empty(64, 2, 64))
+    with pytest.raises(ValueError, match="one KV scale per layer"):
+        sa.sparse_prefill_attention(q.float(), cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 0, 64, 0)],
+                                    None, 0.125, torch.empty(64, 2, 64), k_scale=torch.ones(2))
+
+
 # ------------------------------------------------------------------------------------------
 # GPU, realistic sizes
 # ------------------------------------------------------------------------------------------
@@ -260,6 +342,16 @@ def test_gpu_whole_rows_run_every_causal_block(share):
 def test_gpu_merged_lse_softcap():
     run_case(BIG[1:2], 2, 4, 128, 16, torch.bfloat16, seed=1, merge=4, density=0.2, n_cols=300, softcap=30.0,
              check_lse=True)
+
+
+@gpu
+@pytest.mark.parametrize("group,share,d,mode", [(4, 4, 128, "sparse"), (4, 1, 128, "sparse"), (7, 1, 64, "sparse"),
+                                                (4, 1, 128, "dense")])
+def test_gpu_fp8_kv_cache(group, share, d, mode):
+    run_case(BIG, 2, group, d, 16, torch.bfloat16, seed=group + share + d, mode=mode, share=share, density=0.2,
+             n_cols=300, merge=4 if mode == "dense" else 1, fp8=(E4M3, *_dev_scales("cuda")))
+    run_case(BIG[1:], 2, group, d, 32, torch.float16, seed=group + d + 1, mode=mode, share=share, density=0.2,
+             n_cols=300, layout="HND", fp8=(E4M3, *SCALES), check_lse=True, softcap=30.0 if mode == "sparse" else 0.0)
 
 
 # ------------------------------------------------------------------------------------------
