@@ -476,6 +476,53 @@ def test_interp_last_q_scores_many_key_ranges(diagonals):
                  group_sum=True, split=64)
 
 
+def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagonals, group_sum, k_scale):
+    """last_q_scores on an fp8 cache with its k scale: the float64 sums over the dequantised keys
+    within ``tol``, and the scores the same kernels give on a cache holding the dequantised keys
+    in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
+    of into the keys)."""
+    from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.reference import kv_head_map
+
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = ctx_len + q_len
+    key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
+    k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
+    deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
+    k = gather_paged_kv(k8, k8, table[0], kv_len)[0].double() * float(k_scale)
+    q = torch.randn(q_len, h, d, generator=gen).to(dtype)
+    scale = 1.0 / math.sqrt(d)
+    n = min(64, q_len)
+    probs, qpos = last_queries_probs(q.double(), k, kv_head_map(h, hkv), ctx_len, n, scale)
+    ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
+    if group_sum:
+        ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
+    q_last = q[q_len - n:].to(device)
+    got = vsi.last_q_scores(q_last, k8, table[0], kv_len, scale, split=128, diagonals=diagonals,
+                            group_sum=group_sum, k_scale=k_scale)
+    same = vsi.last_q_scores(q_last, deq, table[0], kv_len, scale, split=128, diagonals=diagonals,
+                             group_sum=group_sum)
+    for g, r, o in zip(got, (ref_v, ref_s), same):
+        assert ((g.cpu().double() - r).norm() / r.norm()).item() < tol
+        torch.testing.assert_close(g, o, rtol=1e-5, atol=1e-6)
+
+
+@cpu_only
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+@pytest.mark.parametrize("group_sum", [False, True])
+def test_interp_last_q_scores_fp8_cache(diagonals, group_sum):
+    check_last_q_fp8(8, 2, 64, 100, 230, torch.float32, 12, "cpu", 1e-4, diagonals, group_sum,
+                     torch.tensor([SCALES[0]]))
+
+
+@gpu
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_gpu_last_q_scores_fp8_cache(diagonals):
+    # k scale 2^-4: the dequantised keys are exact in bf16, so both caches give the same scores
+    check_last_q_fp8(32, 8, 128, 3000, 2500, torch.bfloat16, 13, "cuda", 2e-2, diagonals, True,
+                     torch.tensor([0.0625], device="cuda"))
+
+
 @gpu
 def test_gpu_vs_index():
     check_vs_index(8, 5000, 3000, 1000, 2000, seed=1, device="cuda")
