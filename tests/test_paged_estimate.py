@@ -365,6 +365,28 @@ def test_worst_case_row_takes_the_whole_query():
     assert torch.isfinite(out).all()  # all of the row's outputs written
 
 
+@cpu_only
+def test_worst_case_row_of_an_fp8_layer():
+    # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    heads = [resolve_head(None, SETTINGS)] * 4
+    q = torch.randn(150, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    seen = []
+
+    def kernel(*args, **kwargs):
+        seen.append((args[1].dtype, kwargs.get("k_scale"), kwargs.get("v_scale")))
+        return sparse_prefill_attention(*args, **kwargs)
+
+    row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0, kernel,
+                             kv_dtype=torch.float8_e4m3fn)
+    assert (row.q_len, row.ctx_len) == (150, 350) and torch.isfinite(out).all()
+    (dtype, k_scale, v_scale), = seen
+    assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])

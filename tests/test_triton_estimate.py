@@ -307,7 +307,8 @@ def test_interp_pooled_keys_fp8_cache(block):
     for i, (q_len, ctx) in enumerate(SHAPES):
         _, _, key_cache, table = make_row(q_len, ctx, 2, 1, 64, 16, torch.float32, i, "cpu")
         k8 = fp8_cache(key_cache, 0.043)
-        k = k8[table[:num_blocks(q_len + ctx, 16)].long()].reshape(-1, 2, 64)[:q_len + ctx].double() * 0.043
+        pages = table[:num_blocks(q_len + ctx, 16)].long()
+        k = k8.view(torch.uint8)[pages].view(k8.dtype).reshape(-1, 2, 64)[:q_len + ctx].double() * 0.043
         with no_host_sync("cpu"):
             got = est.pooled_keys(k8, table, ctx + q_len, block, torch.tensor([0.043]))
         torch.testing.assert_close(got.double(), block_means(k, block).double(), rtol=1e-5, atol=1e-6)

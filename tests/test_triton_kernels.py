@@ -70,6 +70,13 @@ def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
     return k8, v8
 
 
+def gather_fp8(key_cache, value_cache, table_row, kv_len):
+    """gather_paged_kv of fp8 caches through byte views (indexing fp8 tensors is missing from
+    some torch builds)."""
+    k, v = gather_paged_kv(key_cache.view(torch.uint8), value_cache.view(torch.uint8), table_row, kv_len)
+    return k.view(key_cache.dtype), v.view(value_cache.dtype)
+
+
 def random_index(h, q_len, ctx_len, density, n_cols, gen, device):
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
     mask = torch.rand(h, nqb, nkb, generator=gen) < density
@@ -113,7 +120,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         def dequant(k, v):
             return k.double() * float(k_scale), v.double() * float(v_scale)
 
-        ks, vs = zip(*[dequant(*gather_paged_kv(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
+        ks, vs = zip(*[dequant(*gather_fp8(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
         ks, vs = [k.cpu() for k in ks], [v.cpu() for v in vs]
     rows, tok = [], GAP
     for i, (q_len, ctx) in enumerate(shapes):
@@ -148,9 +155,10 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     in_rows = torch.zeros(t, dtype=torch.bool)
     for (bt_row, t0, q_len, ctx), ix in zip(rows, indices):
         in_rows[t0:t0 + q_len] = True
-        k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
         if fp8 is not None:
-            k, v = dequant(k, v)
+            k, v = dequant(*gather_fp8(key_cache, value_cache, table[bt_row], ctx + q_len))
+        else:
+            k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
         assert torch.equal(k.cpu(), ks[bt_row]) and torch.equal(v.cpu(), vs[bt_row])
         qr = q[t0:t0 + q_len]
         ref, _ = sparse_attention(qr.double(), k.double(), v.double(), ix, ctx, scale, softcap=softcap)
@@ -489,7 +497,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
     k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
     deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
-    k = gather_paged_kv(k8, k8, table[0], kv_len)[0].double() * float(k_scale)
+    k = gather_fp8(k8, k8, table[0], kv_len)[0].double() * float(k_scale)
     q = torch.randn(q_len, h, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
     n = min(64, q_len)
