@@ -3,6 +3,7 @@ calls FlashAttention, so the glue (paged-cache views, estimation, the torch refe
 Triton kernel as batched kernel, stats) runs here against the float64 reference."""
 
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -181,6 +182,5 @@ def test_fp8_e4m3_declared_where_flash_attention_runs_it(monkeypatch):
     for dtype, reason in (("fp8", None), ("fp8_e4m3", None), ("auto", None), ("fp8_e5m2", "KV cache dtype fp8_e5m2")):
         impl.kv_cache_dtype = dtype
         assert common.unsupported_reason(impl) == reason
-    cpu_like = object.__new__(object.__class__("CPUImpl", (), {}))  # the CPU twin lists no fp8 cache
-    cpu_like.kv_cache_dtype = "fp8"
+    cpu_like = types.SimpleNamespace(kv_cache_dtype="fp8")  # an impl listing no fp8 cache (the CPU twin)
     assert common.unsupported_reason(cpu_like) == "KV cache dtype fp8"
