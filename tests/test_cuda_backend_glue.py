@@ -3,6 +3,7 @@ calls FlashAttention, so the glue (paged-cache views, estimation, the torch refe
 Triton kernel as batched kernel, stats) runs here against the float64 reference."""
 
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def _step(dtype, gen):
 def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
-    impl.num_kv_heads = hkv  # FlashAttentionImpl.__init__ sets it
+    impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
     impl.sparse_heads = [resolve_head(None, settings)] * h
     return impl
 
@@ -98,3 +99,88 @@ def test_sparse_branch_with_the_triton_kernel(sparse_env, monkeypatch):
     impl = _check("triton", torch.float16, sparse_env, 1e-2)
     assert impl._use_triton is True
     assert impl._head_groups.share == 4  # kv_group_shared (default): one list per KV head, 4 heads stacked
+
+
+# fp8 KV cache: vLLM allocates it as bytes (FlashAttention views it as e4m3), stores K / k_scale
+# and V / v_scale, and FlashAttention 3 has the layer quantize the query too (query / q_scale).
+E4M3 = torch.float8_e4m3fn
+K_SCALE, V_SCALE, Q_SCALE = 0.043, 0.021, 0.05
+
+
+class _Fp8Layer:
+    """What the impl reads from vLLM's attention layer: the per-layer scales (0-dim fp32 buffers)."""
+
+    def __init__(self):
+        self._q_scale, self._k_scale, self._v_scale = (torch.tensor(s) for s in (Q_SCALE, K_SCALE, V_SCALE))
+
+
+def _check_fp8(kernel, model_dtype, quantized_query, sparse_env, tol):
+    # budgets small enough (and one always-kept column and diagonal) that the selection depends
+    # on the scores (about half of the causal pairs): estimation must see the scaled keys too
+    settings = sparse_env(VLLM_SPARSE_KERNEL=kernel, VLLM_SPARSE_VERTICAL_SIZE="8", VLLM_SPARSE_SLASH_SIZE="2",
+                          VLLM_SPARSE_KEEP_FIRST_COLUMNS="1", VLLM_SPARSE_KEEP_LAST_DIAGONALS="1",
+                          VLLM_SPARSE_LAST_Q="32")
+    gen = torch.Generator().manual_seed(4)
+    query, kv_cache, md, (h, hkv, d) = _step(torch.float32, gen)
+    kv = kv_cache.permute(0, 2, 1, 3)  # physical [pages, page, Hkv, 2D]
+    kv8 = torch.cat([kv[..., :d] / K_SCALE, kv[..., d:] / V_SCALE], -1).to(E4M3)
+    kv_bytes = kv8.view(torch.uint8).permute(0, 2, 1, 3)  # the logical view vLLM hands the impl
+    if quantized_query:
+        query = (query / Q_SCALE).to(E4M3)
+        q_ref = query.double() * Q_SCALE
+    else:
+        query = query.to(model_dtype)
+        q_ref = query.double()
+    output = torch.full((query.shape[0], h, d), float("nan"), dtype=model_dtype)
+    impl = _impl(settings, h, d, hkv)
+    impl.kv_cache_dtype = "fp8"
+    assert common.unsupported_reason(impl) is None  # an fp8 layer goes sparse
+    impl.forward(_Fp8Layer(), query, None, None, kv_bytes, md, output)
+    k_deq, v_deq = kv8[..., :d].double() * K_SCALE, kv8[..., d:].double() * V_SCALE
+    for r in md.sparse_rows:
+        k, v = gather_paged_kv(k_deq, v_deq, md.block_table[r.row], r.ctx_len + r.q_len)
+        q = q_ref[r.tok_start:r.tok_start + r.q_len]
+        idx = estimate_index(q.float(), k.float(), r.ctx_len, impl.sparse_heads, settings, d ** -0.5).index
+        ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
+        got = output[r.tok_start:r.tok_start + r.q_len].double()
+        assert ((got - ref).norm() / ref.norm()) < tol
+    assert torch.isnan(output[sum(r.q_len for r in md.sparse_rows):]).all(), "padding tokens untouched"
+    return impl
+
+
+@pytest.mark.parametrize("quantized_query", [False, True])
+def test_fp8_layer_sparse_branch_with_the_torch_reference(sparse_env, quantized_query):
+    _check_fp8("torch", torch.float32, quantized_query, sparse_env, 1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="needs triton's interpreter (CPU); run by make test with the kernel site")
+@pytest.mark.parametrize("quantized_query", [False, True])
+def test_fp8_layer_sparse_branch_with_the_triton_kernel(sparse_env, monkeypatch, quantized_query):
+    # the scales reach estimation and kernel as the layer's device tensors (q_scale folded into
+    # k_scale where the layer quantized the query); a scale lost anywhere breaks the comparison
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    impl = _check_fp8("triton", torch.float16, quantized_query, sparse_env, 1e-2)
+    assert impl._use_triton is True
+
+
+def test_fp8_e4m3_declared_where_flash_attention_runs_it(monkeypatch):
+    """The backend accepts fp8 / fp8_e4m3 exactly where FlashAttention (decode and the dense rows)
+    accepts them, never e5m2 (FlashAttention has no e5m2 path); every layer with an e4m3 cache is
+    a sparse candidate, an e5m2 one would run dense with the reason logged."""
+    from vllm.v1.attention.backends import flash_attn
+
+    backend = cuda_backend.SparsePrefillBackend
+    for fa_runs_fp8 in (True, False):
+        for probe in ("flash_attn_supports_kv_cache_dtype", "flash_attn_supports_fp8"):  # 0.32+ / 0.26
+            monkeypatch.setattr(flash_attn, probe, lambda *a, _v=fa_runs_fp8, **k: _v, raising=False)
+        assert backend.supports_kv_cache_dtype("fp8") is fa_runs_fp8
+        assert backend.supports_kv_cache_dtype("fp8_e4m3") is fa_runs_fp8
+        assert backend.supports_kv_cache_dtype("fp8_e5m2") is False
+        assert backend.supports_kv_cache_dtype("bfloat16") and backend.supports_kv_cache_dtype("auto")
+    impl = object.__new__(cuda_backend.SparsePrefillImpl)
+    for dtype, reason in (("fp8", None), ("fp8_e4m3", None), ("auto", None), ("fp8_e5m2", "KV cache dtype fp8_e5m2")):
+        impl.kv_cache_dtype = dtype
+        assert common.unsupported_reason(impl) == reason
+    cpu_like = types.SimpleNamespace(kv_cache_dtype="fp8")  # an impl listing no fp8 cache (the CPU twin)
+    assert common.unsupported_reason(cpu_like) == "KV cache dtype fp8"

@@ -124,6 +124,59 @@ def test_interp_budgets_growing_with_the_row(settings, patterns):
     check(patterns, 200, 333, 2, 64, 16, torch.float32, 4, "cpu", grown)
 
 
+def check_fp8(patterns, q_len, ctx_len, hkv, d, dtype, seed, device, settings, k_scale, deq_dtype, reference=True):
+    """Estimation on an fp8 cache with the layer's k scale selects what it selects on a cache of
+    the dequantised keys in ``deq_dtype`` (same kernels, K widened and scaled in registers instead
+    of stored scaled), and, with ``reference``, what the torch estimator selects on the
+    dequantised keys. fp32 dequantised keys are exact up to one rounding of fp8 x scale; for bf16
+    / fp16 the scale is a power of two, so they are exact and every score is the same number."""
+    from test_triton_estimate import fp8_cache
+
+    group = len(patterns) // hkv
+    q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, 16, torch.float32, seed, device, structure=1.5)
+    k8 = fp8_cache(key_cache, k_scale)
+    deq = (k8.float() * k_scale).to(deq_dtype)
+    k_deq = (k / k_scale).to(torch.float8_e4m3fn).float() * k_scale
+    heads = _heads(patterns, settings, seed)
+    if settings.kv_group_shared:
+        heads = [heads[i - i % group] for i in range(len(heads))]
+    scale = 1.0 / math.sqrt(d)
+    share = kv_group_share(heads, hkv, settings)
+    groups = HeadGroups.from_heads(heads, device, share)
+    q_dev = q.to(dtype).to(device)
+    k_scale_dev = torch.tensor([k_scale], device=device)
+    with no_host_sync(device):
+        got = estimate_index_paged(q_dev, k8, table, ctx_len, groups, settings, scale, k_scale=k_scale_dev)
+    same = estimate_index_paged(q_dev, deq, table, ctx_len, groups, settings, scale)
+    assert_same_index(got.index, same.index)
+    if "flex_prefill" in patterns:
+        assert int(got.query_aware_heads) == int(same.query_aware_heads)
+    if reference:
+        ref = estimate_index(q_dev.float().cpu(), k_deq, ctx_len, heads, settings, scale)
+        assert_same_index(got.index.repeat_heads(share), ref.index)
+
+
+@cpu_only
+@pytest.mark.parametrize("settings,patterns,hkv", [(SETTINGS, MIXED, 2), (SHARED, ["vertical_slash"] * 8, 2),
+                                                   (SHARED, ["block_sparse"] * 4 + ["a_shape"] * 4, 2)])
+def test_interp_fp8_cache_selects_what_the_dequantised_cache_selects(settings, patterns, hkv):
+    # every estimator (last-q scores, pooled keys, FlexPrefill's branches), per head and shared
+    check_fp8(patterns, 200, 333, hkv, 64, torch.float32, 11, "cpu", settings, 0.043, torch.float32)
+
+
+@cpu_only
+def test_interp_fp8_cache_fp16_queries():
+    check_fp8(MIXED, 130, 100, 1, 128, torch.float16, 12, "cpu", SETTINGS, 0.0625, torch.float16, reference=False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("patterns,settings", [(["vertical_slash"] * 32, SHARED), (MIXED * 4, SETTINGS)])
+def test_gpu_fp8_cache_selects_what_the_dequantised_cache_selects(patterns, settings):
+    check_fp8(patterns, 4000, 6000, 8, 128, torch.bfloat16, 13, "cuda", settings, 0.0625, torch.bfloat16,
+              reference=False)
+
+
 @cpu_only
 def test_head_count_mismatch_is_an_error():
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -339,6 +392,28 @@ def test_worst_case_row_takes_the_whole_query():
                              sparse_prefill_attention)
     assert (row.q_len, row.ctx_len) == (150, 350)
     assert torch.isfinite(out).all()  # all of the row's outputs written
+
+
+@cpu_only
+def test_worst_case_row_of_an_fp8_layer():
+    # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+
+    heads = [resolve_head(None, SETTINGS)] * 4
+    q = torch.randn(150, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    seen = []
+
+    def kernel(*args, **kwargs):
+        seen.append((args[1].dtype, kwargs.get("k_scale"), kwargs.get("v_scale")))
+        return sparse_prefill_attention(*args, **kwargs)
+
+    row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0, kernel,
+                             kv_dtype=torch.float8_e4m3fn)
+    assert (row.q_len, row.ctx_len) == (150, 350) and torch.isfinite(out).all()
+    (dtype, k_scale, v_scale), = seen
+    assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
 
 
 @pytest.mark.gpu

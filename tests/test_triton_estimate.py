@@ -291,6 +291,29 @@ def test_interp_a_shape(q_len, ctx_len):
                   + num_blocks(400, 64) + 2)
 
 
+def fp8_cache(key_cache: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """An fp8 (e4m3) copy of a paged K view as vLLM's fp8 cache holds it (stored = K / k_scale),
+    with the same K|V interleaving strides; NaN slots stay NaN."""
+    n, page, hkv, d = key_cache.shape
+    kv = torch.empty(n, page, hkv, 2 * d, dtype=torch.float8_e4m3fn, device=key_cache.device)
+    kv[..., :d] = (key_cache.float() / k_scale).to(torch.float8_e4m3fn)
+    return kv[..., :d]
+
+
+@cpu_only
+@pytest.mark.parametrize("block", [64, 128])
+def test_interp_pooled_keys_fp8_cache(block):
+    # means of the dequantised keys, the scale applied on the device (a one-element tensor)
+    for i, (q_len, ctx) in enumerate(SHAPES):
+        _, _, key_cache, table = make_row(q_len, ctx, 2, 1, 64, 16, torch.float32, i, "cpu")
+        k8 = fp8_cache(key_cache, 0.043)
+        pages = table[:num_blocks(q_len + ctx, 16)].long()
+        k = k8.view(torch.uint8)[pages].view(k8.dtype).reshape(-1, 2, 64)[:q_len + ctx].double() * 0.043
+        with no_host_sync("cpu"):
+            got = est.pooled_keys(k8, table, ctx + q_len, block, torch.tensor([0.043]))
+        torch.testing.assert_close(got.double(), block_means(k, block).double(), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU, realistic sizes
 # ------------------------------------------------------------------------------------------

@@ -57,6 +57,27 @@ def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
     return key_cache, value_cache, table.to(device), ks, vs
 
 
+def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
+    """An fp8 copy of a K|V cache in vLLM's layout (one [pages, Hkv, page, 2D] tensor, NHD or HND
+    physical) as vLLM's fp8 cache holds it: stored = value / scale; NaN slots stay NaN."""
+    n, page, hkv, d = key_cache.shape
+    if layout == "HND":
+        kv = torch.empty((n, hkv, page, 2 * d), dtype=fp8, device=key_cache.device)
+    else:
+        kv = torch.empty((n, page, hkv, 2 * d), dtype=fp8, device=key_cache.device).transpose(1, 2)
+    k8, v8 = kv.transpose(1, 2).split(d, -1)
+    k8.copy_((key_cache.float() / k_scale).to(fp8))
+    v8.copy_((value_cache.float() / v_scale).to(fp8))
+    return k8, v8
+
+
+def gather_fp8(key_cache, value_cache, table_row, kv_len):
+    """gather_paged_kv of fp8 caches through byte views (indexing fp8 tensors is missing from
+    some torch builds)."""
+    k, v = gather_paged_kv(key_cache.view(torch.uint8), value_cache.view(torch.uint8), table_row, kv_len)
+    return k.view(key_cache.dtype), v.view(value_cache.dtype)
+
+
 def random_index(h, q_len, ctx_len, density, n_cols, gen, device, ranges=False):
     """Random key blocks and columns; ``ranges``: odd heads list key ranges of random diagonals
     (a share ``density / 8`` of them, touching ones merged) instead of blocks."""
@@ -94,11 +115,25 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
              n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, whole=None,
-             ranges=False, **launch):
+             ranges=False, fp8=None, **launch):
+    """``fp8`` = (fp8 dtype, k_scale, v_scale): the cache holds K / k_scale and V / v_scale in
+    fp8 (vLLM's fp8 KV cache), the scales reach the kernel as given (numbers or device tensors),
+    and the reference attends over the dequantised K/V."""
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
     key_cache, value_cache, table, ks, vs = make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device)
+    if fp8 is not None:
+        fp8_dtype, k_scale, v_scale = fp8
+        key_cache, value_cache = quantize_cache(key_cache, value_cache, fp8_dtype, float(k_scale), float(v_scale),
+                                                layout)
+        launch.update(k_scale=k_scale, v_scale=v_scale)
+
+        def dequant(k, v):
+            return k.double() * float(k_scale), v.double() * float(v_scale)
+
+        ks, vs = zip(*[dequant(*gather_fp8(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
+        ks, vs = [k.cpu() for k in ks], [v.cpu() for v in vs]
     rows, tok = [], GAP
     for i, (q_len, ctx) in enumerate(shapes):
         rows.append((i, tok, q_len, ctx))
@@ -132,7 +167,10 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     in_rows = torch.zeros(t, dtype=torch.bool)
     for (bt_row, t0, q_len, ctx), ix in zip(rows, indices):
         in_rows[t0:t0 + q_len] = True
-        k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
+        if fp8 is not None:
+            k, v = dequant(*gather_fp8(key_cache, value_cache, table[bt_row], ctx + q_len))
+        else:
+            k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
         assert torch.equal(k.cpu(), ks[bt_row]) and torch.equal(v.cpu(), vs[bt_row])
         qr = q[t0:t0 + q_len]
         ref, _ = sparse_attention(qr.double(), k.double(), v.double(), ix, ctx, scale, softcap=softcap)
@@ -249,6 +287,58 @@ def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
 
+# fp8 KV cache (vLLM's --kv-cache-dtype fp8): stored = value / scale with one scale per layer for
+# K and one for V; scales that are not powers of two, so that a scale applied twice or not at all
+# (or k's where v's belongs) shows. Reference: float64 attention over the dequantised K/V.
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALES = (0.043, 0.021)
+
+
+def _dev_scales(device=DEV):
+    return tuple(torch.tensor([s], dtype=torch.float32, device=device) for s in SCALES)
+
+
+@cpu_only
+@pytest.mark.parametrize("mode,share,merge,layout", [("sparse", 1, 1, "NHD"), ("sparse", 4, 1, "HND"),
+                                                     ("sparse", 1, 2, "NHD"), ("dense", 1, 4, "HND")])
+def test_interp_fp8_kv_cache(mode, share, merge, layout):
+    # per-head lists, group-shared lists (4 heads stacked), merged heads, the dense mode; scales
+    # as device tensors (what vLLM's layer holds)
+    run_case(SMALL, 1, 4, 64, 16, torch.float32, seed=61 + share + merge, mode=mode, share=share, merge=merge,
+             layout=layout, fp8=(E4M3, *_dev_scales()))
+
+
+@cpu_only
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_interp_fp8_kv_cache_fp16_query(fp8):
+    # tiles widened to the query's fp16 (both fp8 formats convert exactly); scales as numbers
+    run_case(SMALL, 1, 4, 64, 16, torch.float16, seed=67, fp8=(fp8, *SCALES))
+
+
+@cpu_only
+def test_interp_fp8_kv_cache_lse_softcap_whole_rows():
+    # the k scale is inside the soft-capped scores and the LSE; flagged rows run every causal key
+    run_case([(130, 0), (70, 200)], 2, 2, 128, 16, torch.float32, seed=71, softcap=5.0, check_lse=True,
+             whole=[False, True], fp8=(E4M3, *_dev_scales()))
+
+
+@cpu_only
+def test_interp_fp8_kv_cache_without_scales_reads_stored_values():
+    # no scales given: the stored values are the values (scale 1)
+    run_case(SMALL[:2], 1, 2, 64, 16, torch.float32, seed=73, fp8=(E4M3, 1.0, 1.0))
+
+
+def test_fp8_query_is_refused():
+    q = torch.zeros(64, 2, 64).to(E4M3)
+    cache = torch.zeros(2, 16, 1, 64)
+    with pytest.raises(ValueError, match="query dtype"):
+        sa.sparse_prefill_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 0, 64, 0)], None,
+                                    0.125, torch.empty(64, 2, 64))
+    with pytest.raises(ValueError, match="one KV scale per layer"):
+        sa.sparse_prefill_attention(q.float(), cache, cache, torch.zeros(1, 4, dtype=torch.int32), [(0, 0, 64, 0)],
+                                    None, 0.125, torch.empty(64, 2, 64), k_scale=torch.ones(2))
+
+
 # ------------------------------------------------------------------------------------------
 # GPU, realistic sizes
 # ------------------------------------------------------------------------------------------
@@ -298,6 +388,16 @@ def test_gpu_key_ranges(group, d, share):
 def test_gpu_merged_lse_softcap():
     run_case(BIG[1:2], 2, 4, 128, 16, torch.bfloat16, seed=1, merge=4, density=0.2, n_cols=300, softcap=30.0,
              check_lse=True)
+
+
+@gpu
+@pytest.mark.parametrize("group,share,d,mode", [(4, 4, 128, "sparse"), (4, 1, 128, "sparse"), (7, 1, 64, "sparse"),
+                                                (4, 1, 128, "dense")])
+def test_gpu_fp8_kv_cache(group, share, d, mode):
+    run_case(BIG, 2, group, d, 16, torch.bfloat16, seed=group + share + d, mode=mode, share=share, density=0.2,
+             n_cols=300, merge=4 if mode == "dense" else 1, fp8=(E4M3, *_dev_scales("cuda")))
+    run_case(BIG[1:], 2, group, d, 32, torch.float16, seed=group + d + 1, mode=mode, share=share, density=0.2,
+             n_cols=300, layout="HND", fp8=(E4M3, *SCALES), check_lse=True, softcap=30.0 if mode == "sparse" else 0.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -431,6 +531,53 @@ def test_interp_last_q_scores_many_key_ranges(diagonals):
     # ranges lie wholly below the first query (the unmasked loops), the last ones straddle it
     check_last_q(8, 2, 64, 100, 2140, 16, torch.float32, seed=8, device="cpu", tol=1e-4, diagonals=diagonals,
                  group_sum=True, split=64)
+
+
+def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagonals, group_sum, k_scale):
+    """last_q_scores on an fp8 cache with its k scale: the float64 sums over the dequantised keys
+    within ``tol``, and the scores the same kernels give on a cache holding the dequantised keys
+    in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
+    of into the keys)."""
+    from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.reference import kv_head_map
+
+    gen = torch.Generator().manual_seed(seed)
+    kv_len = ctx_len + q_len
+    key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
+    k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
+    deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
+    k = gather_fp8(k8, k8, table[0], kv_len)[0].double() * float(k_scale)
+    q = torch.randn(q_len, h, d, generator=gen).to(dtype)
+    scale = 1.0 / math.sqrt(d)
+    n = min(64, q_len)
+    probs, qpos = last_queries_probs(q.double(), k, kv_head_map(h, hkv), ctx_len, n, scale)
+    ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
+    if group_sum:
+        ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
+    q_last = q[q_len - n:].to(device)
+    got = vsi.last_q_scores(q_last, k8, table[0], kv_len, scale, split=128, diagonals=diagonals,
+                            group_sum=group_sum, k_scale=k_scale)
+    same = vsi.last_q_scores(q_last, deq, table[0], kv_len, scale, split=128, diagonals=diagonals,
+                             group_sum=group_sum)
+    for g, r, o in zip(got, (ref_v, ref_s), same):
+        assert ((g.cpu().double() - r).norm() / r.norm()).item() < tol
+        torch.testing.assert_close(g, o, rtol=1e-5, atol=1e-6)
+
+
+@cpu_only
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+@pytest.mark.parametrize("group_sum", [False, True])
+def test_interp_last_q_scores_fp8_cache(diagonals, group_sum):
+    check_last_q_fp8(8, 2, 64, 100, 230, torch.float32, 12, "cpu", 1e-4, diagonals, group_sum,
+                     torch.tensor([SCALES[0]]))
+
+
+@gpu
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_gpu_last_q_scores_fp8_cache(diagonals):
+    # k scale 2^-4: the dequantised keys are exact in bf16, so both caches give the same scores
+    check_last_q_fp8(32, 8, 128, 3000, 2500, torch.bfloat16, 13, "cuda", 2e-2, diagonals, True,
+                     torch.tensor([0.0625], device="cuda"))
 
 
 @gpu

@@ -1,7 +1,8 @@
 """GPU index estimation for the block-sparse, FlexPrefill and A-shape heads of one row.
 
 K is read from vLLM's paged cache (``key_cache [num_pages, page_size, Hkv, D]`` view, any strides
-with a unit stride over D, plus the row's block-table row). Nothing here synchronises with the
+with a unit stride over D, plus the row's block-table row), of the queries' dtype or fp8 with the
+layer's ``k_scale`` (the kernels widen fp8 tiles on load and apply the scale once). Nothing here synchronises with the
 host: no ``.item()`` / ``.tolist()``, no data-dependent shapes. Every output width is a host int
 (the number of causal key blocks, or a cap the caller passes), lists are ``-1`` padded and carry
 counts, and data-dependent branches (FlexPrefill's per-head decision) compute both sides and
@@ -53,6 +54,7 @@ from vllm_sparse_backend.index import SparseIndex, causal_block_mask, diagonal_b
 from vllm_sparse_backend.patterns.common import block_means, cumulative_budget, sum_head_groups
 from vllm_sparse_backend.patterns.flex_prefill import rescale_block_mask, sqrt_js_divergence
 
+from .kv_quant import scale_operand
 from .vs_index import last_q_scores, vertical_slash_index, vs_topk
 
 # Default cap on FlexPrefill vertical columns per head (the column lists are [H, NQB, cap]).
@@ -64,8 +66,9 @@ DEFAULT_MAX_COLUMNS = 4096
 # --------------------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["kv_len"])
-def _pool_kernel(k_ptr, bt_ptr, out_ptr, s_kp, s_kt, s_kh, s_oh, s_ob, kv_len,
-                 PAGE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _pool_kernel(k_ptr, bt_ptr, out_ptr, k_scale_ptr, s_kp, s_kt, s_kh, s_oh, s_ob, kv_len,
+                 PAGE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 K_SCALED: tl.constexpr):
     kvh = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -79,23 +82,30 @@ def _pool_kernel(k_ptr, bt_ptr, out_ptr, s_kp, s_kt, s_kh, s_oh, s_ob, kv_len,
         x = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
         acc += tl.sum(x.to(tl.float32), 0)
     n = tl.minimum(kv_len - kb * BLOCK, BLOCK)  # the last block may be short
-    tl.store(out_ptr + kvh * s_oh + kb * s_ob + offs_d, acc / n.to(tl.float32))
+    mean = acc / n.to(tl.float32)
+    if K_SCALED:  # a quantized cache: dequantised K = stored * k_scale
+        mean = mean * tl.load(k_scale_ptr)
+    tl.store(out_ptr + kvh * s_oh + kb * s_ob + offs_d, mean)
 
 
 def pooled_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
-                block_size: int) -> torch.Tensor:
+                block_size: int, k_scale=None) -> torch.Tensor:
     """Mean of each aligned key block of the row: fp32 [Hkv, ceil(kv_len / block_size), D].
 
-    Same values as ``patterns.common.block_means(k, block_size)`` up to summation order."""
+    Same values as ``patterns.common.block_means(k, block_size)`` up to summation order.
+    ``k_scale`` (None, a number or a one-element fp32 device tensor): the cache holds
+    K / k_scale (vLLM's fp8 cache); the means are of the dequantised keys."""
     page, hkv, d = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
     if key_cache.stride(3) != 1:
         raise ValueError("pooled_keys needs a unit stride over the head dim")
     nkb = num_blocks(kv_len, block_size)
     out = torch.empty(hkv, nkb, d, dtype=torch.float32, device=key_cache.device)
+    ks = scale_operand(k_scale, key_cache.device)
     if nkb:
-        _pool_kernel[(hkv, nkb)](key_cache, block_table_row, out, key_cache.stride(0), key_cache.stride(1),
-                                 key_cache.stride(2), out.stride(0), out.stride(1), kv_len,
-                                 PAGE=page, BLOCK=block_size, SUB=min(block_size, 32), HEAD_DIM=d, num_warps=4)
+        _pool_kernel[(hkv, nkb)](key_cache, block_table_row, out, out if ks is None else ks, key_cache.stride(0),
+                                 key_cache.stride(1), key_cache.stride(2), out.stride(0), out.stride(1), kv_len,
+                                 PAGE=page, BLOCK=block_size, SUB=min(block_size, 32), HEAD_DIM=d,
+                                 K_SCALED=ks is not None, num_warps=4)
     return out
 
 
@@ -261,19 +271,22 @@ def _query_aware_mask(q_row, kp, ctx_len, gamma, fb, min_blocks, max_blocks, blo
 
 
 def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
-                          n: int, scale: float, group_sum: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          n: int, scale: float, group_sum: bool = False,
+                          k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash sums [H, kv_len] fp32 of the last ``n`` queries of the row (any n);
     [Hkv, kv_len] summed over each KV group's heads with ``group_sum``.
 
     ``last_q_scores`` takes at most 64 queries ending at kv_len; queries are independent rows of
     the softmax, so the last n are split into chunks of 64 ending at kv_len, kv_len - 64, ... and
-    each chunk only sees keys below its own end (causality), its sums padded with zeros."""
+    each chunk only sees keys below its own end (causality), its sums padded with zeros.
+    ``k_scale``: as :func:`vs_index.last_q_scores` (an fp8 cache's per-layer scale)."""
     q_len = q_row.shape[0]
     vert = slash = None
     for end in range(q_len, q_len - n, -64):  # host ints only
         start = max(end - 64, q_len - n)
         kv_end = kv_len - (q_len - end)
-        v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale, group_sum=group_sum)
+        v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale, group_sum=group_sum,
+                             k_scale=k_scale)
         if vert is None:
             vert, slash = v, s
         else:
@@ -285,14 +298,14 @@ def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_ta
 def flex_prefill_index(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, ctx_len: int,
                        gamma: torch.Tensor, *, tau: float, flex_block_size: int, min_budget: int,
                        max_budget: int | None, block_size: int, scale: float,
-                       max_columns: int | None = None) -> tuple[SparseIndex, torch.Tensor]:
+                       max_columns: int | None = None, k_scale=None) -> tuple[SparseIndex, torch.Tensor]:
     """FlexPrefill heads (``patterns/flex_prefill.py``) on the device -> (index, query_aware bool [H]).
 
     q_row: [q_len, H, D]; key_cache: [pages, page, Hkv, D] view; block_table_row: int32 row;
     gamma: float [H]. ``max_columns`` (host int) caps the vertical columns per head of the
     vertical-slash branch, keeping the best-scoring ones; default ``min(budget cap, max(
     min_budget, 4096))``. Both branches are computed for every head; the decision picks per head
-    on the device.
+    on the device. ``k_scale``: the per-layer scale of an fp8 cache (None: K as stored).
     """
     q_len, h, _ = q_row.shape
     hkv = key_cache.shape[2]
@@ -305,9 +318,9 @@ def flex_prefill_index(q_row: torch.Tensor, key_cache: torch.Tensor, block_table
 
     # Representative queries: the last fb of the chunk.
     n = min(fb, q_len)
-    vertical, slash = representative_scores(q_row, key_cache, block_table_row, kv_len, n, scale)
+    vertical, slash = representative_scores(q_row, key_cache, block_table_row, kv_len, n, scale, k_scale=k_scale)
     true_blocks = torch.nn.functional.pad(vertical, (0, nkb_f * fb - kv_len)).view(h, nkb_f, fb).sum(-1) / n
-    kp = pooled_keys(key_cache, block_table_row, kv_len, fb)[kvh]  # [H, NKBf, D]: small, gather is fine
+    kp = pooled_keys(key_cache, block_table_row, kv_len, fb, k_scale)[kvh]  # [H, NKBf, D]: small, gather is fine
     q_hat = q_row[q_len - n:].float().mean(0)
     est = torch.einsum("hd,hkd->hk", q_hat, kp) * scale
     est = est.masked_fill(torch.arange(nkb_f, device=dev)[None, :] * fb > kv_len - 1, float("-inf"))

@@ -7,6 +7,8 @@ block's own positions), then the listed key ranges (64 consecutive keys from any
 where the next range starts: the slash lines), then the listed single key columns, gathered
 ``BLOCK_N`` at a time through the block table. Online
 softmax in fp32 (exp2), bf16/fp16 (or fp32) inputs, optional tanh soft-capping and LSE output.
+K/V caches hold the query's dtype or fp8 (vLLM's fp8 KV cache: tiles widened to the query's
+dtype on load, the per-layer k / v scales applied to the scores' scale and to the output).
 Queries that select nothing get a zero output (LSE -inf), never NaN.
 
 A varlen batch of rows is described by :class:`BatchedSparseIndex` (:func:`pack_rows`): the rows'
@@ -47,6 +49,7 @@ import triton.language as tl
 from vllm_sparse_backend.index import SparseIndex
 
 BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
+from .kv_quant import check_kv_dtypes, scale_operand
 
 # Columns of the per-query-block metadata table.
 META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = range(5)
@@ -248,6 +251,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
     else:
         kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd)
+    # an fp8 cache is widened to the query's dtype here (its scales are in qk_scale and the
+    # output); for a cache of the query's dtype these are no-ops
+    kt = kt.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, kt)
     if SOFTCAP:
         # softcap * tanh(s * scale / softcap), tanh through exp2; then to the log2 domain
@@ -272,7 +279,8 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
 @triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc", "maxr"])
 def _sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
-    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr,
+    v_scale_ptr,
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
     s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
     s_bt, s_lh, s_lse_h,
@@ -283,6 +291,7 @@ def _sparse_fwd_kernel(
     PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr,
+    KV_SCALED: tl.constexpr,  # dequantised K/V = stored * k_scale / v_scale (fp32 scalars on the device)
 ):
     BLOCK_M: tl.constexpr = GH * BLOCK
     KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
@@ -335,6 +344,8 @@ def _sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if KV_SCALED:  # k_scale folds into the scores' scale, v_scale into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
 
     # key blocks kb < kb_full end at or before the first query: no causal mask needed
     kb_full = (qpos0 + 1) // BLOCK
@@ -445,6 +456,8 @@ def _sparse_fwd_kernel(
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_SCALED:
+        o = o * tl.load(v_scale_ptr)
     tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
@@ -503,7 +516,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
                              *, heads_per_program: int | None = None, num_warps: int | None = None,
                              num_stages: int | None = None, block_n: int | None = None,
                              kv_major: bool | None = None, prefetch: bool | None = None,
-                             whole_rows: torch.Tensor | None = None):
+                             whole_rows: torch.Tensor | None = None, k_scale=None, v_scale=None):
     """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
 
     q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
@@ -521,7 +534,16 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     ``whole_rows`` (optional, bool/int tensor [num rows] on the device, needs ``rows``): rows
     flagged there ignore their lists and attend to every causal key (the dense mode, decided on
     the GPU: the density fallback without a host sync).
+    ``k_scale`` / ``v_scale`` (None, a number, or a one-element fp32 tensor on the device, read
+    by the kernel: vLLM's per-layer ``_k_scale`` / ``_v_scale``): the caches hold K / scale and
+    V / scale, e.g. fp8 (float8_e4m3fn or e5m2) caches, whose tiles the kernel widens to the
+    query's dtype. None or 1.0: the stored values are used as they are.
     """
+    check_kv_dtypes(q, key_cache, value_cache)
+    ks, vs = scale_operand(k_scale, q.device), scale_operand(v_scale, q.device)
+    if (ks is None) != (vs is None):  # the kernel reads both or neither
+        one = torch.ones(1, dtype=torch.float32, device=q.device)
+        ks, vs = (one, vs) if ks is None else (ks, one)
     t, h, d = q.shape
     page, hkv, dk = key_cache.shape[1:]
     if dk != d or value_cache.shape[-1] != d:
@@ -596,6 +618,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     _sparse_fwd_kernel[grid](
         q, key_cache, value_cache, out, lse, block_table, bix.meta,
         bcnt, bidx, ccnt, cidx, bb, cb, whole, rcnt, ridx,
+        bcnt if ks is None else ks, bcnt if vs is None else vs,  # placeholders: not read unless KV_SCALED
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
@@ -604,7 +627,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         float(scale), float(softcap) if softcap > 0 else 1.0,
         GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
-        FALLBACK=fallback,
+        FALLBACK=fallback, KV_SCALED=ks is not None,
         num_warps=warps, num_stages=stages,
     )
     return (out, lse) if return_lse else out

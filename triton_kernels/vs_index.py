@@ -28,6 +28,8 @@ import triton.language as tl
 
 from vllm_sparse_backend.index import SparseIndex, num_blocks
 
+from .kv_quant import check_kv_dtypes, scale_operand
+
 _BIG = 2**30
 BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
 
@@ -336,10 +338,10 @@ def _head_rows(q_ptr, stats_ptr, s_qt, s_qh, head, rq, q_ok, offs_d, BLOCK_Q: tl
 
 
 @triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "split", "skew_w"])
-def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
+def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr, k_scale_ptr,
                      s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, split, skew_w,
                      GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SCALED: tl.constexpr):
     # Pass 2 of the skew mode. One program per (STACK heads of a KV group, key range), the heads
     # as separate BLOCK_Q-row products over each K tile (not one stacked STACK * BLOCK_Q-row
     # product as in pass 1): their probabilities add up in registers of one layout (the diagonal
@@ -357,6 +359,8 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     out_row = kvh if GROUP_SUM else h0.to(tl.int64)
+    if K_SCALED:  # a quantized cache: dequantised K = stored * k_scale
+        scale = scale * tl.load(k_scale_ptr)
     qa, ma, la = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0, rq, q_ok, offs_d, BLOCK_Q)
     if STACK >= 2:
         qb, mb, lb = _head_rows(q_ptr, stats_ptr, s_qt, s_qh, h0 + 1, rq, q_ok, offs_d, BLOCK_Q)
@@ -377,7 +381,7 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
         for j in range(lo, hi, BLOCK_N):
             kpos = j + offs_n
             k_ok = kpos < k_end
-            kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, phase == 1)
+            kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, phase == 1).to(qa.dtype)
             allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
             p = _head_probs(qa, kt, ma, la, allow, scale, phase == 1)
             if STACK >= 2:
@@ -390,11 +394,11 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr,
 
 
 @triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"])  # one compile for all rows
-def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
+def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, k_scale_ptr,
                 s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                SECOND: tl.constexpr, DIAG: tl.constexpr):
+                SECOND: tl.constexpr, DIAG: tl.constexpr, K_SCALED: tl.constexpr):
     # Pass 1 of every mode (each key range's row max and sum) and pass 2 of the gather and atomic
     # modes. One program per (STACK consecutive query heads of one KV group, key range). The
     # heads' queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so
@@ -413,6 +417,8 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
     q = tl.load(q_ptr + rq[:, None].to(tl.int64) * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=q_ok[:, None], other=0.0)
     offs_n = tl.arange(0, BLOCK_N)
+    if K_SCALED:  # a quantized cache: dequantised K = stored * k_scale
+        scale = scale * tl.load(k_scale_ptr)
     if GROUP_SUM:
         out_row = kvh
     else:
@@ -430,11 +436,12 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr,
         j_mid = _unmasked_end(j_mid, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
         for j in range(sp * split, j_mid, BLOCK_N):
             kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
+            kt = kt.to(q.dtype)  # an fp8 cache widened to the query's dtype (a no-op otherwise)
             m, l = _online_row_stats(m, l, tl.dot(q, kt).to(tl.float32) * scale)
     for j in range(j_mid, k_end, BLOCK_N):
         kpos = j + offs_n
         k_ok = kpos < k_end
-        kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, True)
+        kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, True).to(q.dtype)
         s = tl.dot(q, kt).to(tl.float32) * scale
         allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
         s = tl.where(allow, s, float("-inf"))
@@ -539,7 +546,7 @@ SKEW_SLAB_BYTES = 3 << 29  # 1.5 GiB
 def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
                   scale: float, split: int | None = None, diagonals: str = "auto", group_sum: bool = False,
                   stack: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_n: int = 64, k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores (fp32) of the row's last queries: [H, kv_len], or [Hkv, kv_len]
     summed over each KV group's query heads with ``group_sum``.
 
@@ -554,6 +561,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     sums the tile's diagonals in registers (``tl.gather``) and adds them atomically; ``atomic``
     adds every element atomically; ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`,
     else gather. ``num_warps``, ``num_stages`` and ``block_n`` (skew only) set pass 2's launch.
+    ``k_scale`` (None, a number or a one-element fp32 device tensor, read on the device): the
+    cache holds K / k_scale, e.g. vLLM's fp8 cache (tiles widened to the query's dtype on load).
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -570,6 +579,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     if block_n != 64 and diagonals != "skew":
         raise ValueError("only the skew mode takes key tiles other than 64 wide")
     dev = q_last.device
+    check_kv_dtypes(q_last, key_cache)
+    ks = scale_operand(k_scale, dev)
     split = split or lastq_split(kv_len, h // st)
     n_split = (kv_len + split - 1) // split
     part = torch.empty(h, n_split, 2, 64, dtype=torch.float32, device=dev)
@@ -580,25 +591,28 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     skew = diagonals == "skew"
     vert = (torch.empty if skew and one_writer else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
     slash = (torch.empty if skew else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
-    common = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, HEAD_DIM=d)
+    common = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, HEAD_DIM=d,
+                  K_SCALED=ks is not None)
+    ks = stats if ks is None else ks  # a placeholder, not read unless K_SCALED
     geometry = (q_last.stride(0), q_last.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 kv_len, kv_len - n, n, float(scale))
     # pass 1: 8 warps for 4 stacked heads (M = 256), else 4 (H200, 128K: 8 warps 0.24 vs 0.38 ms)
-    _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, *geometry,
+    _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks, *geometry,
                                    n_split, split, SECOND=False, DIAG=0, BLOCK_N=64, **common,
                                    num_warps=max(4, 2 * st), num_stages=2)
     _merge_row_stats[(h,)](part, stats, n_split, BLOCK_Q=64, BLOCK_S=32, num_warps=4)
     if skew:
         # 4 warps and 2 stages (H200, 128K: 8 warps 1.2x slower, 3 stages 1.2x, 32-key tiles 1.15x)
         slabs = torch.empty(n_prog * 64 * (kv_len + 63), dtype=torch.float32, device=dev)
-        _lastq_skew_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, stats, vert, slabs, *geometry, split,
-                                            kv_len + 63, BLOCK_N=block_n, **common, num_warps=num_warps or 4,
+        _lastq_skew_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, stats, vert, slabs, ks, *geometry,
+                                            split, kv_len + 63, BLOCK_N=block_n, **common, num_warps=num_warps or 4,
                                             num_stages=num_stages or 2)
         _skew_colsum[(n_out, triton.cdiv(kv_len + 63, 512))](slabs, slash, kv_len + 63, kv_len, kv_len - n, n,
                                                               SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=512,
                                                               num_warps=4)
     else:
-        _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, *geometry,
-                                       n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=64, **common,
+        _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks,
+                                       *geometry, n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=64,
+                                       **common,
                                        num_warps=num_warps or max(4, 2 * st), num_stages=num_stages or 3)
     return vert, slash

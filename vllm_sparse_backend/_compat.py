@@ -55,6 +55,16 @@ def current_vllm_config():
     return cfg if getattr(cfg, "model_config", None) is not None else None
 
 
+def layer_kv_scales(layer):
+    """(q_scale, k_scale, v_scale) of an attention layer with a quantized (fp8) KV cache: fp32
+    tensors on the layer's device, one value each (dequantised = stored * scale). vLLM keeps them
+    as the layer's private buffers ``_q_scale`` / ``_k_scale`` / ``_v_scale`` (0.26-0.33; loaded
+    from the checkpoint or 1.0), the only place the plugin reads them. ``q_scale`` matters only
+    where the layer quantized the query itself (FlashAttention 3 with an fp8 cache:
+    ``impl.supports_quant_query_input``)."""
+    return layer._q_scale, layer._k_scale, layer._v_scale
+
+
 def seq_lens_host(cm) -> list[int]:
     """Per-request sequence lengths (context + chunk) on the host without a device sync where
     vLLM provides them (`seq_lens_cpu_upper_bound`, exact for prefill rows)."""

@@ -110,7 +110,7 @@ def _merge(parts: list[tuple[torch.Tensor, SparseIndex]], num_heads: int) -> Spa
 
 
 def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings: SparseSettings,
-                    scale: float, share: int) -> SparseIndex:
+                    scale: float, share: int, k_scale=None) -> SparseIndex:
     from vllm_sparse_backend.triton_kernels.estimate import representative_scores
     from vllm_sparse_backend.triton_kernels.vs_index import vertical_slash_index, vs_topk
 
@@ -118,7 +118,7 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
     kv_len = ctx_len + q_len
     # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
     vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale,
-                                            group_sum=share > 1)
+                                            group_sum=share > 1, k_scale=k_scale)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
@@ -161,9 +161,11 @@ def _band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> 
 
 
 def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, ctx_len: int,
-                         groups: HeadGroups, settings: SparseSettings, scale: float) -> PagedEstimate:
+                         groups: HeadGroups, settings: SparseSettings, scale: float, k_scale=None) -> PagedEstimate:
     """q_row: [q_len, H, D] the row's queries (any token stride); key_cache: [pages, page, Hkv, D]
-    view of the layer's cache (the chunk's keys already written); block_table_row: int32 [pages]."""
+    view of the layer's cache (the chunk's keys already written); block_table_row: int32 [pages].
+    ``k_scale``: an fp8 cache's per-layer scale (a one-element fp32 device tensor or a number;
+    dequantised K = stored * k_scale), None for a cache of the queries' dtype."""
     from vllm_sparse_backend.triton_kernels import estimate as est
 
     q_len, num_heads, _ = q_row.shape
@@ -190,9 +192,9 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
             ix = est.a_shape_index(g.params["sink_tokens"], g.params["local_window"], q_len, ctx_len, b,
                                    max_blocks=width)
         elif g.pattern is PatternName.VERTICAL_SLASH:
-            ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale, share)
+            ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale, share, k_scale)
         elif g.pattern is PatternName.BLOCK_SPARSE:
-            pooled = est.pooled_keys(key_cache, block_table_row, kv_len, b)
+            pooled = est.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
             topk = torch.full((num_lists,), 1, dtype=torch.int64, device=dev)
             topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
             ix = est.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=int(g.max_params["topk_blocks"]),
@@ -207,7 +209,7 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
             ix, qa = est.flex_prefill_index(
                 q_row, key_cache, block_table_row, ctx_len, gamma, tau=settings.tau,
                 flex_block_size=settings.flex_block_size, min_budget=settings.min_budget,
-                max_budget=settings.max_budget, block_size=b, scale=scale)
+                max_budget=settings.max_budget, block_size=b, scale=scale, k_scale=k_scale)
             if not g.all_heads:
                 ix, qa = _select(ix, g.ids), qa[g.ids]
             query_aware = qa.sum()

@@ -73,11 +73,14 @@ PagedKernel = Callable[..., object]
 def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow],
                           key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                           groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
-                          kernel: PagedKernel, dense_row: Callable[[SparseRow], None] | None = None) -> None:
+                          kernel: PagedKernel, dense_row: Callable[[SparseRow], None] | None = None,
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Estimate every row on the paged cache, then one kernel launch for all rows.
 
-    key_cache / value_cache: [pages, page, Hkv, D] views; block_table: int32 [num_reqs, max_pages]
-    (rows index it by ``row.row``). ``dense_row`` (the dense kernel for one row) enables the
+    key_cache / value_cache: [pages, page, Hkv, D] views, of the query's dtype or fp8 with the
+    layer's ``k_scale`` / ``v_scale`` (one-element fp32 device tensors: dequantised value =
+    stored * scale; both the estimation and the kernel apply them on the device); block_table:
+    int32 [num_reqs, max_pages] (rows index it by ``row.row``). ``dense_row`` (the dense kernel for one row) enables the
     density fallback (``settings.max_density`` < 1):
 
     * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
@@ -120,7 +123,8 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     timing.mark()  # the budget fallback's dense rows above are not ours to time
     for row in rows:
         q = query[row.tok_start:row.tok_start + row.q_len]
-        estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale))
+        estimates.append(estimate_index_paged(q, key_cache, block_table[row.row], row.ctx_len, groups, settings, scale,
+                                              k_scale))
     whole = None
     if fallback and rows:
         dens = [index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]
@@ -153,8 +157,9 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         _defer_measured(row, num_heads, est, None if whole is None else whole[i], patterns)
     if rows:
         timing.mark()
+        scales = {} if k_scale is None and v_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         kernel(query, key_cache, value_cache, block_table, rows, [e.index for e in estimates], scale, output, softcap,
-               whole_rows=whole)
+               whole_rows=whole, **scales)
         timing.lap("kernel")
     timing.done()
     if settings.stats_file:  # without waiting: the counts still on the device follow (STATS.refresh)
@@ -194,7 +199,7 @@ DENSE_MODE_REASON = "estimated density above max_density"
 
 def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,
                        groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
-                       kernel: PagedKernel, page_size: int = 16) -> SparseRow:
+                       kernel: PagedKernel, page_size: int = 16, kv_dtype: torch.dtype | None = None) -> SparseRow:
     """Run the GPU path once on the largest row a step can hold, so that its transient scratch
     (score buffers, index lists, the kernel's packed metadata) is seen by whoever measures peak
     memory: vLLM sizes the KV cache from the peak of its profiling run.
@@ -203,16 +208,23 @@ def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: 
     (nothing waits for the GPU), so the K/V values do not matter: all logical pages of the row
     map to one page of a tiny stand-in cache. The row takes all of ``query``'s tokens (at most
     ``kv_len``) as its chunk, the rest of ``kv_len`` as cached context. ``output`` is
-    overwritten for those tokens; nothing is recorded in the stats.
+    overwritten for those tokens; nothing is recorded in the stats. ``kv_dtype``: the stand-in
+    cache's dtype (the layer's, e.g. fp8: the kernels' scaled variants are then compiled here
+    too, with scales of 1); default the query's.
     """
     q_len = min(query.shape[0], kv_len)
     row = SparseRow(row=0, tok_start=0, q_len=q_len, ctx_len=kv_len - q_len)
     head_dim = query.shape[-1]
-    key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=query.dtype, device=query.device)
-    value_cache = torch.zeros(1, page_size, num_kv_heads, output.shape[-1], dtype=query.dtype, device=query.device)
+    kv_dtype = kv_dtype or query.dtype
+    key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=kv_dtype, device=query.device)
+    value_cache = torch.zeros(1, page_size, num_kv_heads, output.shape[-1], dtype=kv_dtype, device=query.device)
     block_table = torch.zeros(1, -(-kv_len // page_size), dtype=torch.int32, device=query.device)
-    est = estimate_index_paged(query[:q_len], key_cache, block_table[0], row.ctx_len, groups, settings, scale)
+    one, scales = None, {}
+    if kv_dtype != query.dtype:  # a quantized layer's variants: scales read on the device
+        one = torch.ones(1, dtype=torch.float32, device=query.device)
+        scales = {"k_scale": one, "v_scale": one}
+    est = estimate_index_paged(query[:q_len], key_cache, block_table[0], row.ctx_len, groups, settings, scale, one)
     index_density(est.index, row.q_len, row.ctx_len)  # the density fallback's temporaries
     count_pairs(est.index, row.q_len, row.ctx_len)  # and a stats / sampled forward's
-    kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap)
+    kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap, **scales)
     return row

@@ -105,9 +105,14 @@ def unsupported_reason(impl) -> str | None:
     if getattr(impl, "kv_sharing_target_layer_name", None):
         return "KV sharing across layers"
     kv_dtype = getattr(impl, "kv_cache_dtype", "auto")
-    if kv_dtype not in ("auto", "float16", "bfloat16", "float32"):
+    if kv_dtype not in getattr(impl, "sparse_kv_cache_dtypes", UNQUANTIZED_KV_CACHE_DTYPES):
         return f"KV cache dtype {kv_dtype}"
     return None
+
+
+# KV cache dtypes every sparse path reads; an impl lists more in ``sparse_kv_cache_dtypes``
+# (the CUDA impl: vLLM's fp8 e4m3 cache).
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 def prepare_group(vllm_config, layer_names: list[str]) -> bool:

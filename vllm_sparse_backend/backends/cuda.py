@@ -16,6 +16,12 @@ are flagged on the GPU and run in the kernel's dense mode. With
 and the PyTorch reference computes the rows. With ``auto`` where the Triton path cannot run (no
 triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
 
+fp8 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e4m3``, where FlashAttention runs it: FA3 on
+Hopper): the sparse path reads the e4m3 cache directly; estimation and kernel widen its tiles to
+the model's dtype and apply the layer's ``_k_scale`` / ``_v_scale`` on the device. Where the
+layer quantized the query for FlashAttention 3, the sparse rows widen it back and fold
+``_q_scale`` into the k scale; the dense rows get it as vLLM passed it.
+
 Memory: the Triton path's scratch (score buffers, index lists; ~0.5 GiB per layer for a 16K
 chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. vLLM sizes
 the KV cache from the peak memory of its profiling run, whose forward passes carry no metadata;
@@ -32,16 +38,21 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
-from .._compat import current_vllm_config, seq_lens_host, sparse_backend_selected
+from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
 from ..decode_spans import plan_step_segments
 from ..paged_estimate import HeadGroups
 from ..plan import SparseRow, budget_density, kv_group_share
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
-from .common import (SparsePrefillMetadata, build_sparse_metadata, check_head_config_fits, count_dense_tokens,
-                     group_head_counts, log_once, logger, prepare_group, resolve_layer_heads, settings,
-                     unsupported_reason)
+from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, build_sparse_metadata,
+                     check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
+                     prepare_group, resolve_layer_heads, settings, unsupported_reason)
+
+# vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
+# e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
+# and the dense rows, has no e5m2 path, so vLLM refuses it for this backend at start-up.
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 # Set when the profiling-run scratch claim failed in this process: sparse rows would then use
 # memory the KV cache was sized without, so every group runs dense.
@@ -68,7 +79,8 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                      _scratch_claim_failed)
             self.sparse_enabled = False
         if self.sparse_enabled and cfg.kernel != "torch":
-            why = triton_unusable_reason(kv_cache_spec.head_size, kv_cache_spec.dtype, cfg.block_size)
+            # the model's dtype: the cache's (kv_cache_spec.dtype) is uint8 for an fp8 cache
+            why = triton_unusable_reason(kv_cache_spec.head_size, vllm_config.model_config.dtype, cfg.block_size)
             if why is not None and cfg.kernel == "triton":
                 raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
             if why is not None:  # auto: the reference would be far slower than FlashAttention
@@ -112,7 +124,8 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
-    """Why the Triton sparse path cannot run a layer of this geometry, or None."""
+    """Why the Triton sparse path cannot run a layer of this geometry, or None. ``dtype``: the
+    model's (the queries'); the KV cache may also be fp8 (FP8_KV_CACHE_DTYPES)."""
     if head_size not in (64, 128) or dtype not in (torch.float16, torch.bfloat16):
         return f"head size {head_size} / dtype {dtype}"
     if block_size != 64:
@@ -126,6 +139,7 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
 
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
+    sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
     sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _head_groups: HeadGroups | None = None
@@ -147,7 +161,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if (vc is None or _scratch_claim_failed is not None or not query.is_cuda or not cfg.enabled
                 or cfg.kernel == "torch" or not sparse_backend_selected(vc)
                 or unsupported_reason(self) is not None
-                or triton_unusable_reason(self.head_size, query.dtype, cfg.block_size) is not None):
+                or triton_unusable_reason(self.head_size, output.dtype, cfg.block_size) is not None):
             return
         kv_len = vc.model_config.max_model_len
         q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
@@ -155,15 +169,18 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return  # no step can hold a sparse row
         heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads)
         groups = HeadGroups.from_heads(heads, query.device, kv_group_share(heads, self.num_kv_heads, cfg))
+        kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)  # an fp8 layer: its kernel variants too
         signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
-                     q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, query.dtype)
+                     q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, output.dtype, kv_dtype)
         if signature in _scratch_claimed:
             return
         _scratch_claimed.add(signature)
         from ..triton_kernels.sparse_attention import sparse_prefill_attention
         try:
-            run_worst_case_row(query[:q_len], output[:q_len], self.num_kv_heads, kv_len, groups, cfg, self.scale,
-                               float(self.logits_soft_cap or 0.0), sparse_prefill_attention)
+            # (an fp8 layer's query may arrive quantized: the sparse path widens it, as in forward)
+            run_worst_case_row(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len, groups, cfg,
+                               self.scale, float(self.logits_soft_cap or 0.0), sparse_prefill_attention,
+                               kv_dtype=kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
             _scratch_claim_failed = f"{type(e).__name__}: {e}"
             logger.exception("sparse-prefill: the profiling run of the sparse path failed; every row will run "
@@ -199,14 +216,33 @@ class SparsePrefillImpl(FlashAttentionImpl):
     _decode_off: str | None = None  # why this layer's decode stays dense
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache."""
+        """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache (an fp8 cache,
+        allocated as bytes, viewed as its fp8 dtype, as FlashAttention does)."""
+        fp8 = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
+        if fp8 is not None and kv_cache.dtype != fp8:
+            kv_cache = kv_cache.view(fp8)
         return kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+
+    def _sparse_operands(self, layer, query: torch.Tensor, output: torch.Tensor):
+        """(query, k_scale, v_scale) for the sparse path: the scales (one-element fp32 device
+        tensors, dequantised = stored * scale) for an fp8 cache, else None. Where the layer
+        quantized the query for FlashAttention 3 (stored = query / q_scale), it is widened to the
+        model's dtype (exact for e4m3) and q_scale folded into k_scale: every score the sparse path
+        computes is bilinear in q and k. No host sync."""
+        if self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            return query, None, None
+        q_scale, k_scale, v_scale = layer_kv_scales(layer)
+        if query.dtype != output.dtype:
+            return query.to(output.dtype), k_scale * q_scale, v_scale
+        return query, k_scale, v_scale
 
     def _decode_state(self, key_cache: torch.Tensor, mode: str):
         """This layer's state beside the cache for the decode mode, or None (decode stays dense)."""
         if self._decode_index is not None and self._decode_index.key_cache_ptr == key_cache.data_ptr():
             return self._decode_index
         reason = unsupported_reason(self) or ("logits soft-capping" if self.logits_soft_cap else None)
+        if reason is None and self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            reason = "an fp8 KV cache"
         if reason is None and mode == "spans":
             from ..triton_kernels.span_decode import unsupported_page_size
             reason = unsupported_page_size(key_cache.shape[1])
@@ -269,6 +305,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
         block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
         kernel = self._triton_kernel(query)
+        # the dense rows above got the query as vLLM passed it (quantized for FlashAttention 3)
+        q, k_scale, v_scale = self._sparse_operands(layer, query, output)
         if kernel is not None:
             def dense_row(r: SparseRow) -> None:
                 log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
@@ -278,18 +316,27 @@ class SparsePrefillImpl(FlashAttentionImpl):
                     layer, query[s], None if key is None else key[s], None if value is None else value[s],
                     kv_cache, attn_metadata.fallback[r.row], output[s])
 
-            run_sparse_rows_paged(query, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
+            run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
                                   self._groups(query.device), settings(), self.scale, softcap, kernel,
-                                  dense_row if attn_metadata.fallback else None)
+                                  dense_row if attn_metadata.fallback else None, k_scale, v_scale)
             return output
-        run_sparse_rows(query, output, attn_metadata.sparse_rows,
-                        lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                        self.sparse_heads, settings(), self.scale, softcap)
+
+        def kv_for_row(r: SparseRow):
+            if k_scale is None:
+                return gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len)
+            # fp8: gathered as bytes (torch builds without fp8 indexing), then dequantised
+            k, v = gather_paged_kv(key_cache.view(torch.uint8), value_cache.view(torch.uint8), block_table[r.row],
+                                   r.ctx_len + r.q_len)
+            k, v = k.view(key_cache.dtype), v.view(value_cache.dtype)
+            return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)
+
+        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads, settings(), self.scale,
+                        softcap)
         return output
 
 
 class SparsePrefillBackend(FlashAttentionBackend):
-    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes = ["auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES]
     supports_kv_cache_update_bypass = False  # 0.33: forward always receives key/value
 
     @staticmethod
@@ -306,7 +353,10 @@ class SparsePrefillBackend(FlashAttentionBackend):
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
-        return kv_cache_dtype is None or kv_cache_dtype in cls.supported_kv_cache_dtypes
+        # ours, and only where FlashAttention (decode, dense rows) runs it too: fp8 needs FA3 on
+        # Hopper (0.26) / FlashAttention's own probe (0.32+)
+        return kv_cache_dtype is None or (kv_cache_dtype in cls.supported_kv_cache_dtypes
+                                          and super().supports_kv_cache_dtype(kv_cache_dtype))
 
     @classmethod
     def supports_attn_type(cls, attn_type) -> bool:
