@@ -546,7 +546,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
     k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
     deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
-    k = gather_fp8(k8, k8, table[0], kv_len)[0].double() * float(k_scale)
+    k = gather_fp8(k8, k8, table[0], kv_len)[0].cpu().double() * float(k_scale)
     q = torch.randn(q_len, h, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
     n = min(64, q_len)
