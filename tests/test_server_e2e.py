@@ -174,19 +174,24 @@ def test_chunked_prefill_context_chunks_stay_dense_on_cpu(mixed_server):
     assert after["dense_reasons"].get("cached_context_on_cpu", 0) >= 1
 
 
-def test_malformed_head_config_stops_start_up_naming_file_and_field(model_dir, tmp_path):
-    cfg = _mixed_head_config()
-    cfg["layers"][1]["heads"][2] = {"pattern": "vertical_slash", "slash_size": 0}
-    path = tmp_path / "broken-heads.json"
-    path.write_text(json.dumps(cfg))
+def _failed_start_log(model_dir, tmp_path, head_config) -> str:
+    """Start a server with ``head_config``, expect it never to become ready, return its log."""
     handle = start_server(model_dir, COMMON_ARGS + ["--attention-backend", "sparse-prefill"],
-                          {"VLLM_SPARSE_HEAD_CONFIG": str(path)}, tmp_path / "server.log")
+                          {"VLLM_SPARSE_HEAD_CONFIG": str(head_config)}, tmp_path / "server.log")
     try:
         with pytest.raises(ServerError):
             wait_ready(handle, timeout=400)
     finally:
         handle.stop()
-    log = (tmp_path / "server.log").read_text(errors="replace")
+    return (tmp_path / "server.log").read_text(errors="replace")
+
+
+def test_malformed_head_config_stops_start_up_naming_file_and_field(model_dir, tmp_path):
+    cfg = _mixed_head_config()
+    cfg["layers"][1]["heads"][2] = {"pattern": "vertical_slash", "slash_size": 0}
+    path = tmp_path / "broken-heads.json"
+    path.write_text(json.dumps(cfg))
+    log = _failed_start_log(model_dir, tmp_path, path)
     assert "broken-heads.json: layer 1, head 2, field 'slash_size'" in log
 
 
@@ -199,14 +204,7 @@ def test_head_config_for_another_model_stops_start_up_before_the_kv_cache(model_
     cfg["layers"] = [{"heads": [{"pattern": "a_shape"}] * 6}] * 3
     path = tmp_path / "other-model.json"
     path.write_text(json.dumps(cfg))
-    handle = start_server(model_dir, COMMON_ARGS + ["--attention-backend", "sparse-prefill"],
-                          {"VLLM_SPARSE_HEAD_CONFIG": str(path)}, tmp_path / "server.log")
-    try:
-        with pytest.raises(ServerError):
-            wait_ready(handle, timeout=400)
-    finally:
-        handle.stop()
-    log = (tmp_path / "server.log").read_text(errors="replace")
+    log = _failed_start_log(model_dir, tmp_path, path)
     assert f"{path}: field 'num_layers': 3, but model {model_dir.resolve()} has 2 layers" in log
     assert f"{path}: field 'num_heads': 6, but model {model_dir.resolve()} has 4 query heads" in log
     assert "KV cache size" not in log
