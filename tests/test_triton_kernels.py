@@ -71,13 +71,6 @@ def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
     return k8, v8
 
 
-def gather_fp8(key_cache, value_cache, table_row, kv_len):
-    """gather_paged_kv of fp8 caches through byte views (indexing fp8 tensors is missing from
-    some torch builds)."""
-    k, v = gather_paged_kv(key_cache.view(torch.uint8), value_cache.view(torch.uint8), table_row, kv_len)
-    return k.view(key_cache.dtype), v.view(value_cache.dtype)
-
-
 def random_index(h, q_len, ctx_len, density, n_cols, gen, device, ranges=False):
     """Random key blocks and columns; ``ranges``: odd heads list key ranges of random diagonals
     (a share ``density / 8`` of them, touching ones merged) instead of blocks."""
@@ -132,7 +125,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         def dequant(k, v):
             return k.double() * float(k_scale), v.double() * float(v_scale)
 
-        ks, vs = zip(*[dequant(*gather_fp8(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
+        ks, vs = zip(*[dequant(*gather_paged_kv(key_cache, value_cache, table[i], n)) for i, n in enumerate(kv_lens)])
         ks, vs = [k.cpu() for k in ks], [v.cpu() for v in vs]
     rows, tok = [], GAP
     for i, (q_len, ctx) in enumerate(shapes):
@@ -168,7 +161,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     for (bt_row, t0, q_len, ctx), ix in zip(rows, indices):
         in_rows[t0:t0 + q_len] = True
         if fp8 is not None:
-            k, v = dequant(*gather_fp8(key_cache, value_cache, table[bt_row], ctx + q_len))
+            k, v = dequant(*gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len))
         else:
             k, v = gather_paged_kv(key_cache, value_cache, table[bt_row], ctx + q_len)
         assert torch.equal(k.cpu(), ks[bt_row]) and torch.equal(v.cpu(), vs[bt_row])
@@ -546,7 +539,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
     k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
     deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
-    k = gather_fp8(k8, k8, table[0], kv_len)[0].cpu().double() * float(k_scale)
+    k = gather_paged_kv(k8, k8, table[0], kv_len)[0].cpu().double() * float(k_scale)
     q = torch.randn(q_len, h, d, generator=gen).to(dtype)
     scale = 1.0 / math.sqrt(d)
     n = min(64, q_len)

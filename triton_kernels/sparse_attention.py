@@ -48,8 +48,9 @@ import triton.language as tl
 
 from vllm_sparse_backend.index import SparseIndex
 
-BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
 from .kv_quant import check_kv_dtypes, scale_operand
+
+BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
 
 # Columns of the per-query-block metadata table.
 META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = range(5)

@@ -105,12 +105,12 @@ def parse_head_config(data: Any, source: str) -> HeadConfigFile:
         raise ConfigError("invalid head config\n" + "\n".join(msgs)) from None
 
 
-def _read_json(path: str | Path) -> Any:
+def _read_json(path: str | Path, what: str = "head config") -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read head config: {e}") from None
+        raise ConfigError(f"{path}: cannot read {what}: {e}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
 
@@ -168,10 +168,7 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{model_dir}: not a Hugging Face model folder (no config.json)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read the model config: {e}") from None
+    data = _read_json(path, "the model config")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object (a Hugging Face model config)")
     return model_shape_from_hf_config(data, str(path))

@@ -87,6 +87,18 @@ def range_stops(range_start: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.where(nxt >= 0, torch.minimum(start + block_size, nxt), start + block_size)
 
 
+def range_cover(range_start: torch.Tensor, block_size: int, kv_len: int) -> torch.Tensor:
+    """bool [..., kv_len]: the keys the ranges of each list ([..., MAXR], -1 padded) cover.
+    Ranges never overlap: +1 at each start, -1 at each stop, and the running sum is 0 or 1."""
+    start = range_start.to(torch.int64)
+    ok = start >= 0
+    edge = torch.zeros(*start.shape[:-1], kv_len + 1, dtype=torch.int8, device=start.device)
+    one = torch.ones_like(start, dtype=torch.int8)
+    edge.scatter_add_(-1, torch.where(ok, start.clamp(max=kv_len), kv_len), one)
+    edge.scatter_add_(-1, torch.where(ok, range_stops(start, block_size).clamp(max=kv_len), kv_len), -one)
+    return edge[..., :kv_len].cumsum(-1, dtype=torch.int8) > 0
+
+
 def num_blocks(n: int, block_size: int) -> int:
     return (n + block_size - 1) // block_size
 

@@ -132,10 +132,15 @@ def gather_paged_kv(
 
     key_cache/value_cache: [num_blocks, block_size, Hkv, D] views with arbitrary strides (what
     ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives on CUDA); block_table: [max_blocks].
-    Indexing goes through the tensors' own strides, so NHD and HND layouts both work.
+    Indexing goes through the tensors' own strides, so NHD and HND layouts both work. fp8 caches
+    are gathered as bytes (indexing fp8 tensors is missing from some torch builds) and returned
+    in their own dtype, not dequantised.
     """
     page = key_cache.shape[1]
     pages = block_table[: (kv_len + page - 1) // page].to(torch.int64)
-    k = key_cache[pages].reshape(-1, *key_cache.shape[2:])[:kv_len]
-    v = value_cache[pages].reshape(-1, *value_cache.shape[2:])[:kv_len]
-    return k, v
+
+    def gather(cache):
+        raw = cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+        return raw[pages].reshape(-1, *cache.shape[2:])[:kv_len].view(cache.dtype)
+
+    return gather(key_cache), gather(value_cache)

@@ -43,7 +43,7 @@ from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerCh
                                          selection_stats)
 from .evaluation.variants import Variant
 from .head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
-from .index import causal_block_mask, num_blocks, range_stops
+from .index import causal_block_mask, num_blocks, range_cover
 from .patterns import estimate_index
 from .patterns.a_shape import a_shape_selection
 from .patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
@@ -164,13 +164,7 @@ def vs_tiles(v_rank: torch.Tensor, s_rank: torch.Tensor, v_count: torch.Tensor, 
     if slash_tiles == "ranges":
         r_count, r_start = slash_ranges(s_keep, n, 0, b)  # [X, NQB], [X, NQB, R]
         nqb = r_count.shape[1]
-        # keys the ranges cover: +1 at each start, -1 at each stop (ranges never overlap)
-        ok = r_start >= 0
-        edge = torch.zeros(x, nqb, n + 1, dtype=torch.int8, device=v_rank.device)
-        one = torch.ones_like(r_start, dtype=torch.int8)
-        edge.scatter_add_(2, torch.where(ok, r_start.to(torch.int64), n), one)
-        edge.scatter_add_(2, torch.where(ok, range_stops(r_start, b).clamp(max=n), n), -one)
-        covered = edge[..., :n].cumsum(-1, dtype=torch.int8) > 0
+        covered = range_cover(r_start, b, n)  # [X, NQB, n]
         q_last = torch.clamp(torch.arange(nqb, device=v_rank.device) * b + b, max=n) - 1
         reach = torch.arange(n, device=v_rank.device)[None, :] <= q_last[:, None]  # [NQB, n]
         cols = (v_keep[:, None, :] & ~covered & reach[None]).sum(-1)  # [X, NQB]

@@ -7,7 +7,8 @@ Backend-agnostic glue between a planned step and the math. Two paths:
   in PyTorch on those K/V and the PyTorch reference computes the rows.
 * :func:`run_sparse_rows_paged`: the GPU path. Estimation reads K through the block table
   (:mod:`vllm_sparse_backend.paged_estimate`) and the Triton kernel reads K/V the same way;
-  nothing is gathered and nothing waits for the GPU.
+  nothing is gathered, and nothing waits for the GPU except the one read of the rows' density
+  flags per layer that sends too-dense rows to FlashAttention (``estimated_dense_rows="flash"``).
 """
 
 from __future__ import annotations

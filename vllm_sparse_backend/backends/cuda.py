@@ -322,13 +322,10 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return output
 
         def kv_for_row(r: SparseRow):
+            k, v = gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len)
             if k_scale is None:
-                return gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len)
-            # fp8: gathered as bytes (torch builds without fp8 indexing), then dequantised
-            k, v = gather_paged_kv(key_cache.view(torch.uint8), value_cache.view(torch.uint8), block_table[r.row],
-                                   r.ctx_len + r.q_len)
-            k, v = k.view(key_cache.dtype), v.view(value_cache.dtype)
-            return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)
+                return k, v
+            return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
         run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads, settings(), self.scale,
                         softcap)

@@ -39,7 +39,7 @@ import torch
 
 from ..head_configs import HeadConfigFile, layer_heads, load_head_config
 from ..index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
-                     range_stops)
+                     range_cover)
 from ..patterns import estimate_index
 from ..plan import budget_density, kv_group_share
 from ..reference import causal_pairs, kv_head_map
@@ -87,16 +87,8 @@ def allowed_keys(index: SparseIndex, rows: torch.Tensor, kv_len: int, ctx_len: i
     mask_b = torch.zeros(h, t, nkb + 1, dtype=torch.bool, device=device)
     mask_b.scatter_(2, torch.where(blocks >= 0, blocks, nkb), True)
     mask = mask_b[..., :nkb].repeat_interleave(b, dim=-1)[..., :kv_len]
-    starts = index.range_start[:, qb].to(torch.int64)  # [H, T, MAXR], -1 padded
-    if starts.shape[-1]:
-        # ranges never overlap: +1 at each start, -1 at each stop, and the running sum is 0 / 1
-        ok = starts >= 0
-        edge = torch.zeros(h, t, kv_len + 1, dtype=torch.int8, device=device)
-        one = torch.ones_like(starts, dtype=torch.int8)
-        edge.scatter_add_(2, torch.where(ok, starts.clamp(max=kv_len), kv_len), one)
-        stops = torch.where(ok, range_stops(starts, b).clamp(max=kv_len), kv_len)
-        edge.scatter_add_(2, stops, -one)
-        mask = mask | (edge[..., :kv_len].cumsum(-1, dtype=torch.int8) > 0)
+    if index.range_start.shape[-1]:
+        mask = mask | range_cover(index.range_start[:, qb], b, kv_len)
     cols = index.column_index[:, qb].to(torch.int64)  # [H, T, MAXC]
     if cols.shape[-1]:
         mask_c = torch.zeros(h, t, kv_len + 1, dtype=torch.bool, device=device)
