@@ -54,7 +54,8 @@ def _load_kernels():
 sa = _load_kernels()
 from vllm_sparse_backend.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64)}
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
+          "qwen2.5-1.5b": (12, 2, 128)}
 PAGE = 16
 
 
@@ -100,15 +101,16 @@ def paged_cache(k, v, page, gen_device):
     return key_cache, value_cache, perm.to(torch.int32)[None].contiguous()
 
 
-def plant_vs(h, n, nv, ns, device, gen):
-    """bool [h, n] vertical and slash keeps (see module doc)."""
+def plant_vs(h, n, nv, ns, device, gen, band=None):
+    """bool [h, n] vertical and slash keeps (see module doc). ``band=1``: scattered single
+    diagonals, as the real models' estimated indices have them."""
     v = torch.zeros(h, n, dtype=torch.bool, device=device)
     v[:, :30] = True
     extra = torch.rand(h, n - 30, device=device, generator=gen).topk(min(nv - 30, n - 30), dim=-1).indices + 30
     v.scatter_(1, extra, True)
     s = torch.zeros(h, n, dtype=torch.bool, device=device)
     s[:, :30] = True
-    band = 256 if ns >= 2000 else 128
+    band = band or (256 if ns >= 2000 else 128)
     nb = math.ceil((ns - 30) / band)
     starts = torch.exp(torch.empty(h, nb, device=device).uniform_(math.log(64), math.log(n), generator=gen)).long()
     pos = (starts[:, :, None] + torch.arange(band, device=device)).clamp(max=n - 1).view(h, -1)
@@ -116,9 +118,9 @@ def plant_vs(h, n, nv, ns, device, gen):
     return v, s
 
 
-def vs_index(h, n, nv, ns, device, gen):
+def vs_index(h, n, nv, ns, device, gen, band=None):
     from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
-    v, s = plant_vs(h, n, nv, ns, device, gen)
+    v, s = plant_vs(h, n, nv, ns, device, gen, band)
     sel = vertical_slash_to_selection(v, s, n, 0, 64)
     del v, s
     return sel.to_index(64, n, 0)
@@ -158,7 +160,7 @@ def index_pairs(ix, n) -> int:
 
 def vtag(var: dict) -> str:
     short = {"heads_per_program": "gh", "num_warps": "w", "num_stages": "s", "block_n": "n", "kv_major": "kv",
-             "prefetch": "pf", "split": "sp", "stack": "st"}
+             "prefetch": "pf", "split": "sp", "stack": "st", "tma": "tma"}
     return "[" + ",".join(f"{short[k]}{int(v)}" for k, v in var.items()) + "]" if var else ""
 
 
@@ -389,6 +391,71 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     return lines
 
 
+def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> list[str]:
+    """Launch variants for one shape, dense and with group-shared lists of scattered single
+    diagonals (the real models' structure), including padded head stacks (groups of 6 stacked
+    4 at a time). Prints one line per (n, index, variant) with ms, speedup vs the best SDPA and
+    TFLOP/s of the computed pairs; returns the lines."""
+    h, hkv, d = SHAPES[shape]
+    group = h // hkv
+    scale = 1.0 / math.sqrt(d)
+    dev = "cuda"
+    lines, say = line_printer()
+    stacks = [g for g in (1, 2, 4) if g <= group]
+    for nk in sizes:
+        n = nk * 1024
+        q, k, v = random_qkv(n, shape, gen, dev)
+        best = min(sdpa_times(q, k, v, group).values())
+        rows = [(0, 0, n, 0)]
+        out = torch.empty_like(q)
+        ref = torch.empty_like(q)
+        say(f"{shape} n={nk}K best dense SDPA {best:.2f} ms")
+        dense = sa.pack_rows(rows, None, device=dev)
+        dense_pairs = h * n * (n + 1) // 2
+        # one index for every page size and variant: lists of scattered single diagonals
+        ix_kv = vs_index(hkv, n, 250, 1000, dev, gen, band=1)
+        pairs = index_pairs(ix_kv.repeat_heads(group), n)
+        say(f"  index: scattered vs250_1000 shared per KV head, density {pairs / dense_pairs:.3f}")
+        for page in (16, 64):
+            key_cache, value_cache, table = paged_cache(k, v, page, dev)
+            # page 16: gathered loads; page 64: gathered vs TMA with 2-4 stages
+            variants = [dict(num_stages=3)] + ([dict(num_stages=st, tma=True) for st in (2, 3, 4)] if page % 64 == 0
+                                               else [])
+            for gh in stacks:
+                for var in variants:
+                    var = dict(heads_per_program=gh, num_warps=4 * gh, **var)
+                    try:
+                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, dense,
+                                                                      scale, out, **var))
+                        say(f"  page {page} dense {vtag(var)}: {t:.2f} ms ({best / t:.2f}x, "
+                            f"{4 * d * dense_pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s)")
+                    except Exception as e:
+                        say(f"  page {page} dense {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+            for gh in stacks:
+                lists = ix_kv.repeat_heads(-(-group // gh))
+                shared = sa.pack_rows(rows, [lists], device=dev, heads_per_list=gh)
+                for var in variants:
+                    var = dict(num_warps=4 * gh, **var)
+                    try:
+                        out.zero_()
+                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows,
+                                                                      shared, scale, out, **var))
+                        if page == 16 and gh == stacks[0]:
+                            ref.copy_(out)
+                        err = ((out.float() - ref.float()).abs().max()).item()
+                        say(f"  page {page} sparse gh{gh} {vtag(var)}: {t:.2f} ms ({best / t:.2f}x, "
+                            f"{4 * d * pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s), max |diff| {err:.1e}")
+                    except Exception as e:
+                        say(f"  page {page} sparse gh{gh} {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+                del shared, lists
+            del key_cache, value_cache, table
+            torch.cuda.empty_cache()
+        del ix_kv
+        del q, k, v, out, ref
+        torch.cuda.empty_cache()
+    return lines
+
+
 def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     """Where vertical-slash estimation time goes, and our dense path's launch variants.
 
@@ -592,8 +659,14 @@ def main():
                     help="only estimation split (scores / top-k / conversion) and dense launch variants")
     ap.add_argument("--shared-sweep", action="store_true",
                     help="only time group-shared lists (one per KV head, heads stacked) vs per head")
+    ap.add_argument("--config-sweep", action="store_true",
+                    help="only launch variants, dense and group-shared scattered lists (padded stacks too)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.config_sweep:
+        for shape in args.shapes.split(","):
+            config_sweep([int(s) for s in args.sizes.split(",")], gen, shape)
+        return
     if args.lastq_bench:
         for shape in args.shapes.split(","):
             lastq_bench([int(s) for s in args.sizes.split(",")], gen, shape=shape)

@@ -184,3 +184,23 @@ def test_fp8_e4m3_declared_where_flash_attention_runs_it(monkeypatch):
         assert common.unsupported_reason(impl) == reason
     cpu_like = types.SimpleNamespace(kv_cache_dtype="fp8")  # an impl listing no fp8 cache (the CPU twin)
     assert common.unsupported_reason(cpu_like) == "KV cache dtype fp8"
+
+
+def test_preferred_block_size_is_one_tma_page_on_hopper(sparse_env, monkeypatch):
+    """vLLM asks the backend for a block size when --block-size is not given: 64 (one page per
+    kernel tile, loaded with TMA) on compute capability 9.0+, vLLM's default elsewhere, with
+    decode_mode topk / spans (budgets in pages), or what kv_block_size says."""
+    backend = cuda_backend.SparsePrefillBackend
+    for hopper in (True, False):
+        monkeypatch.setattr(cuda_backend.current_platform, "has_device_capability",
+                            lambda cap, _h=hopper: _h and cap <= 90, raising=False)
+        sparse_env()
+        assert backend.get_preferred_block_size(16) == (64 if hopper else 16)
+        sparse_env(VLLM_SPARSE_DECODE_MODE="topk")
+        assert backend.get_preferred_block_size(16) == 16
+        monkeypatch.delenv("VLLM_SPARSE_DECODE_MODE")
+        sparse_env(VLLM_SPARSE_KV_BLOCK_SIZE="32")
+        assert backend.get_preferred_block_size(16) == 32
+        monkeypatch.delenv("VLLM_SPARSE_KV_BLOCK_SIZE")
+    with pytest.raises(Exception, match="VLLM_SPARSE_KV_BLOCK_SIZE=.48.: Input should be .auto."):
+        sparse_env(VLLM_SPARSE_KV_BLOCK_SIZE="48")

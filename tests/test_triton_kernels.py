@@ -108,10 +108,12 @@ def reference_lse(q, k, v, index, ctx_len, scale, softcap):
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
              n_cols=24, softcap=0.0, merge=1, share=1, pack=True, check_lse=False, tol=None, device=DEV, whole=None,
-             ranges=False, fp8=None, **launch):
+             ranges=False, fp8=None, stack=None, **launch):
     """``fp8`` = (fp8 dtype, k_scale, v_scale): the cache holds K / k_scale and V / v_scale in
     fp8 (vLLM's fp8 KV cache), the scales reach the kernel as given (numbers or device tensors),
-    and the reference attends over the dequantised K/V."""
+    and the reference attends over the dequantised K/V. ``stack`` (with ``share == group``):
+    stack that many heads per program over the group's one list, padded where it does not
+    divide the group (the list repeated for each program)."""
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     kv_lens = [q + c for q, c in shapes]
@@ -144,7 +146,12 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         lists = [random_index(h // share, q_len, ctx, density, n_cols, gen, device, ranges) for q_len, ctx in shapes]
         indices = [ix.repeat_heads(share) for ix in lists]
         # pack=False: the launcher gets the per-row lists and picks the stacking itself
-        bix = sa.pack_rows(rows, lists, device=device, heads_per_list=share) if pack else lists
+        if stack is not None:
+            assert share == group
+            bix = sa.pack_rows(rows, [ix.repeat_heads(-(-group // stack)) for ix in lists], device=device,
+                               heads_per_list=stack)
+        else:
+            bix = sa.pack_rows(rows, lists, device=device, heads_per_list=share) if pack else lists
         if merge > 1:
             bix = sa.merge_group_heads(bix, merge)
     kw = {"heads_per_program": merge} if mode == "dense" else {}
@@ -236,6 +243,39 @@ def test_interp_launch_variants(mode, merge, kv_major, block_n, prefetch):
 def test_interp_group_shared_lists(group, share, hkv):
     # one key list per `share` query heads of a KV group, the heads stacked in one program
     run_case(SMALL, hkv, group, 64, 16, torch.float32, seed=31 + share, share=share, check_lse=True)
+
+
+@cpu_only
+@pytest.mark.parametrize("mode,page,layout,share,merge", [
+    ("sparse", 64, "NHD", 1, 1), ("sparse", 128, "HND", 2, 1), ("dense", 64, "NHD", 1, 2),
+    ("sparse", 64, "HND", 1, 2)])
+def test_interp_tma_tiles(mode, page, layout, share, merge):
+    # listed blocks loaded through TMA descriptors (one box = 64 keys of one page); merge = 2
+    # stacks heads (dense) or merges their lists (sparse); the diagonal tiles' keys past the row
+    # end are real cache slots of the last page, which must not reach the output
+    run_case(SMALL, 2, 4, 64, page, torch.float32, seed=61 + page + merge, mode=mode, layout=layout, share=share,
+             merge=merge, tma=True, check_lse=True)
+
+
+@cpu_only
+def test_interp_tma_whole_rows_and_fp8():
+    run_case([(130, 0), (70, 200)], 1, 2, 64, 64, torch.float32, seed=67, tma=True, whole=[False, True])
+    run_case(SMALL, 1, 2, 64, 64, torch.float32, seed=68, tma=True, fp8=(torch.float8_e4m3fn, 0.5, 2.0))
+
+
+@cpu_only
+def test_interp_tma_refuses_what_it_cannot_read():
+    # pages of 16 keys: a 64-key tile spans four pages, which one TMA box cannot load
+    with pytest.raises(ValueError, match="pages of 16"):
+        run_case(SMALL[:1], 1, 2, 64, 16, torch.float32, seed=69, tma=True)
+
+
+@cpu_only
+@pytest.mark.parametrize("group,stack", [(6, 4), (3, 2), (7, 4)])
+def test_interp_padded_stack_shared_lists(group, stack):
+    # one list per KV group, `stack` heads per program where `stack` does not divide the group:
+    # the last program's padding rows are masked (nothing written for them, lse of real heads kept)
+    run_case(SMALL, 2, group, 64, 16, torch.float32, seed=51 + group, share=group, stack=stack, check_lse=True)
 
 
 @cpu_only
@@ -361,6 +401,24 @@ def test_gpu_dense(group, merge):
 @pytest.mark.parametrize("group,share,d", [(4, 4, 128), (4, 2, 128), (8, 4, 64)])
 def test_gpu_group_shared_lists(group, share, d):
     run_case(BIG, 2, group, d, 16, torch.bfloat16, seed=group * share + d, share=share, density=0.2, n_cols=300)
+
+
+@gpu
+@pytest.mark.parametrize("mode,share,d,layout", [("sparse", 1, 128, "NHD"), ("sparse", 2, 128, "HND"),
+                                                 ("dense", 1, 128, "NHD"), ("sparse", 1, 64, "NHD")])
+def test_gpu_tma_tiles(mode, share, d, layout):
+    run_case(BIG, 2, 6, d, 64, torch.bfloat16, seed=70 + share + d, mode=mode, share=share, density=0.2,
+             n_cols=300, layout=layout, merge=2 if mode == "dense" else 1, tma=True, check_lse=True)
+    run_case(BIG[1:], 2, 6, d, 128, torch.bfloat16, seed=71 + share + d, mode=mode, share=share, density=0.2,
+             n_cols=300, layout=layout, tma=True, fp8=(E4M3, *_dev_scales("cuda")), whole=None if mode == "dense"
+             else [True, False])
+
+
+@gpu
+@pytest.mark.parametrize("group,stack", [(6, 4), (6, 2)])
+def test_gpu_padded_stack_shared_lists(group, stack):
+    run_case(BIG, 2, group, 128, 16, torch.bfloat16, seed=group * stack, share=group, stack=stack, density=0.2,
+             n_cols=300)
 
 
 @gpu

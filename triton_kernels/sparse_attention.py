@@ -32,7 +32,11 @@ differ between heads the union costs more than it saves, so those run one head p
 
 K/V are read through the block table with the cache tensors' own strides
 (``[num_pages, page_size, Hkv, D]`` views, NHD or HND physical layout, any power-of-two page
-size; a 64-key block may span several pages).
+size; a 64-key block may span several pages). With pages of a multiple of 64 keys on Hopper or
+later, listed blocks are loaded with the tensor memory accelerator instead (``tma``: one 4-D
+descriptor per cache, one box = 64 keys of one page and KV head; the pointer gathers cost
+registers and address math per key, 1.04-1.28x at 128K, benchmarks/KERNEL_NOTES.md); range and
+column tiles are always gathered.
 
 Imports nothing from vLLM; only :mod:`vllm_sparse_backend.index` from this package.
 """
@@ -49,6 +53,11 @@ import triton.language as tl
 from vllm_sparse_backend.index import SparseIndex
 
 from .kv_quant import check_kv_dtypes, scale_operand
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the TMA path is unavailable
+    TensorDescriptor = None
 
 BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
 
@@ -242,16 +251,9 @@ def _listed_block(blist, e, ok, whole, DENSE: tl.constexpr, FALLBACK: tl.constex
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
-                 s_kd, s_vd, qk_scale, softcap,
-                 MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
-    """One BLOCK_N-wide key tile of the online softmax. k_off/v_off: [BLOCK_N] row offsets."""
-    if LOAD_MASKED:
-        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd, mask=kv_ok[None, :], other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd, mask=kv_ok[:, None], other=0.0)
-    else:
-        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd)
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd)
+def _online_softmax(acc, m_i, l_i, q, kt, v, allow, qk_scale, softcap, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Fold one key tile (kt: [HEAD_DIM, BLOCK_N], v: [BLOCK_N, HEAD_DIM]) into the running
+    online softmax (log2 domain)."""
     # an fp8 cache is widened to the query's dtype here (its scales are in qk_scale and the
     # output); for a cache of the query's dtype these are no-ops
     kt = kt.to(q.dtype)
@@ -274,6 +276,41 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
+                 s_kd, s_vd, qk_scale, softcap,
+                 MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One BLOCK_N-wide key tile gathered through per-key row offsets k_off/v_off ([BLOCK_N])."""
+    if LOAD_MASKED:
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd, mask=kv_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd, mask=kv_ok[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd)
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd)
+    return _online_softmax(acc, m_i, l_i, q, kt, v, allow, qk_scale, softcap, MASKED, SOFTCAP)
+
+
+@triton.jit
+def _tile_page_slot(bt_row_ptr, kb, ok, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """(page, first slot) of key block kb, whose BLOCK keys lie in one page (PAGE % BLOCK == 0)."""
+    page = tl.load(bt_row_ptr + (kb * BLOCK) // PAGE, mask=ok, other=0)
+    return page, (kb * BLOCK) % PAGE
+
+
+@triton.jit
+def _attend_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, page, slot, kvh, kv_ok, allow, qk_scale, softcap,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One key tile of BLOCK_N consecutive keys of one page, loaded with the tensor memory
+    accelerator (4-D descriptors over the [pages, page, Hkv, D] caches)."""
+    k = tl.reshape(k_desc.load([page, slot, kvh, 0]), [BLOCK_N, HEAD_DIM])
+    v = tl.reshape(v_desc.load([page, slot, kvh, 0]), [BLOCK_N, HEAD_DIM])
+    if MASKED:
+        # the page's keys past the row's end hold whatever the cache holds: keep them out of p @ v
+        v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
+    return _online_softmax(acc, m_i, l_i, q, tl.trans(k), v, allow, qk_scale, softcap, MASKED, SOFTCAP)
+
+
 # Lengths and list widths change from step to step: compile once for all of them (Triton would
 # otherwise specialise each int argument on divisibility by 16 and on == 1, and a new prompt
 # length could trigger a compile of several seconds in the middle of serving).
@@ -281,7 +318,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
 def _sparse_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
     bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr,
-    v_scale_ptr,
+    v_scale_ptr, k_desc, v_desc,
     s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
     s_kp, s_kt, s_kh, s_kd, s_vp, s_vt, s_vh, s_vd,
     s_bt, s_lh, s_lse_h,
@@ -293,6 +330,7 @@ def _sparse_fwd_kernel(
     DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr,
     KV_SCALED: tl.constexpr,  # dequantised K/V = stored * k_scale / v_scale (fp32 scalars on the device)
+    TMA: tl.constexpr,  # listed blocks loaded through k_desc / v_desc (needs KPT == 1, PAGE % BLOCK == 0)
 ):
     BLOCK_M: tl.constexpr = GH * BLOCK
     KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
@@ -322,7 +360,7 @@ def _sparse_fwd_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     r_in = offs_m % BLOCK  # query within the block
     head_bit = offs_m // BLOCK
-    hg = (pid_h % LPK) * GH + head_bit  # head within the KV group (>= GROUP: padding, dense only)
+    hg = (pid_h % LPK) * GH + head_bit  # head within the KV group (>= GROUP: padding rows, masked)
     head = kvh_i * GROUP + hg
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
@@ -370,38 +408,58 @@ def _sparse_fwd_kernel(
     n_tiles = (n_all + KPT - 1) // KPT
 
     # 1) tiles of whole key blocks strictly below the diagonal: no masks (unless merged heads).
-    # With PREFETCH the next tile's list entries and page lookups are issued before this tile's
-    # math, so the K/V loads of a tile depend only on loop-carried offsets.
     n_full_e = n_full_tiles * KPT
-    if PREFETCH:
+    if TMA:
+        # one page lookup per tile, a scalar; the next tile's is issued before this tile's math
         kb = _listed_block(blist, sub, sub < n_full_e, whole, DENSE, FALLBACK)
-        kpos = kb * BLOCK + within
-        k_off, v_off = _kv_offsets(bt_row_ptr, kpos, (sub + zero_n) < n_full_e, kvh, PAGE,
-                                   s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
-    for t in range(0, n_full_tiles):
-        e = t * KPT + sub
-        if PREFETCH:
-            e_n = e + KPT
+        page, slot = _tile_page_slot(bt_row_ptr, kb, sub < n_full_e, PAGE, BLOCK)
+        for t in range(0, n_full_tiles):
+            e_n = t + 1
             ok_n = e_n < n_full_e
             kb_n = _listed_block(blist, e_n, ok_n, whole, DENSE, FALLBACK)
-            kpos_n = kb_n * BLOCK + within
-            k_off_n, v_off_n = _kv_offsets(bt_row_ptr, kpos_n, (e_n + zero_n) < n_full_e, kvh, PAGE,
-                                           s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
-        else:
-            kb = _listed_block(blist, e, e >= 0, whole, DENSE, FALLBACK)
-            kpos = kb * BLOCK + within
-            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kpos >= 0, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
-        if MERGED:
-            bits = tl.load(bbits_ptr + lrow * maxb + e) + zero_n  # [BLOCK_N] whether e is a scalar or not
-            allow = ((bits[None, :] >> head_bit[:, None]) & 1) != 0
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0, allow,
-                                         s_kd, s_vd, qk_scale, softcap, True, False, SOFTCAP)
-        else:
-            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0,
-                                         within >= 0, s_kd, s_vd, qk_scale, softcap, False, False, SOFTCAP)
+            page_n, slot_n = _tile_page_slot(bt_row_ptr, kb_n, ok_n, PAGE, BLOCK)
+            if MERGED:
+                bits = tl.load(bbits_ptr + lrow * maxb + t) + zero_n
+                allow = ((bits[None, :] >> head_bit[:, None]) & 1) != 0
+                acc, m_i, l_i = _attend_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, page, slot, kvh_i, within >= 0,
+                                                 allow, qk_scale, softcap, BLOCK_N, HEAD_DIM, True, SOFTCAP)
+            else:
+                acc, m_i, l_i = _attend_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, page, slot, kvh_i, within >= 0,
+                                                 within >= 0, qk_scale, softcap, BLOCK_N, HEAD_DIM, False, SOFTCAP)
+            page = page_n
+            slot = slot_n
+    else:
+        # With PREFETCH the next tile's list entries and page lookups are issued before this
+        # tile's math, so the K/V loads of a tile depend only on loop-carried offsets.
         if PREFETCH:
-            k_off = k_off_n
-            v_off = v_off_n
+            kb = _listed_block(blist, sub, sub < n_full_e, whole, DENSE, FALLBACK)
+            kpos = kb * BLOCK + within
+            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, (sub + zero_n) < n_full_e, kvh, PAGE,
+                                       s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+        for t in range(0, n_full_tiles):
+            e = t * KPT + sub
+            if PREFETCH:
+                e_n = e + KPT
+                ok_n = e_n < n_full_e
+                kb_n = _listed_block(blist, e_n, ok_n, whole, DENSE, FALLBACK)
+                kpos_n = kb_n * BLOCK + within
+                k_off_n, v_off_n = _kv_offsets(bt_row_ptr, kpos_n, (e_n + zero_n) < n_full_e, kvh, PAGE,
+                                               s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+            else:
+                kb = _listed_block(blist, e, e >= 0, whole, DENSE, FALLBACK)
+                kpos = kb * BLOCK + within
+                k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kpos >= 0, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+            if MERGED:
+                bits = tl.load(bbits_ptr + lrow * maxb + e) + zero_n  # [BLOCK_N] whether e is a scalar or not
+                allow = ((bits[None, :] >> head_bit[:, None]) & 1) != 0
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0, allow,
+                                             s_kd, s_vd, qk_scale, softcap, True, False, SOFTCAP)
+            else:
+                acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0,
+                                             within >= 0, s_kd, s_vd, qk_scale, softcap, False, False, SOFTCAP)
+            if PREFETCH:
+                k_off = k_off_n
+                v_off = v_off_n
 
     # 2) the rest: the (at most two) blocks reaching the queries' own positions, an odd block left
     for t in range(n_full_tiles, n_tiles):
@@ -410,13 +468,18 @@ def _sparse_fwd_kernel(
         kb = _listed_block(blist, e, e_ok, whole, DENSE, FALLBACK)
         kpos = kb * BLOCK + within
         kv_ok = ((e + zero_n) < n_all) & (kpos < kv_len)  # (vector form: the interpreter mis-types scalar & vector)
-        k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
         allow = (kpos[None, :] <= qpos[:, None]) & kv_ok[None, :]
         if MERGED:
             bits = tl.load(bbits_ptr + lrow * maxb + e, mask=e_ok, other=0) + zero_n
             allow = allow & (((bits[None, :] >> head_bit[:, None]) & 1) != 0)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
-                                     s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
+        if TMA:
+            page, slot = _tile_page_slot(bt_row_ptr, kb, e_ok, PAGE, BLOCK)
+            acc, m_i, l_i = _attend_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, page, slot, kvh_i, kv_ok, allow,
+                                             qk_scale, softcap, BLOCK_N, HEAD_DIM, True, SOFTCAP)
+        else:
+            k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, PAGE, s_kp, s_kt, s_kh, s_vp, s_vt, s_vh)
+            acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
+                                         s_kd, s_vd, qk_scale, softcap, True, True, SOFTCAP)
 
     # 3) key ranges (slash lines), ascending: each covers BLOCK keys from its start, cut where the
     # next one starts; KPT of them per key tile. Always masked (causal, the cut, the row's end).
@@ -483,18 +546,31 @@ def shared_stack(head_dim: int, heads_per_list: int) -> int:
     return gh
 
 
-def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1, shared: bool = False) -> dict:
-    """Launch parameters measured on H100 at 128K (benchmarks/KERNEL_NOTES.md, runs 2, 3 and 5).
+def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1, shared: bool = False,
+                   tma: bool = False) -> dict:
+    """Launch parameters measured at 128K (benchmarks/KERNEL_NOTES.md).
 
-    Dense, head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each
-    K/V tile serves 4 heads, 3 stages with the next tile's offsets prefetched (H200, session 6:
-    1.22x cuDNN's time at 128K vs 1.34x with 2 stages and no prefetch; 3 stages without the
-    prefetch: 1.35x); head dim 64: one head per program (stacking, padded or not, was slower; so
-    were 3 stages). Sparse, per-head lists: M = 64, 4 warps, next tile's offsets prefetched; head dim
-    64 takes two listed blocks per 128-wide key tile, head dim 128 one block and 3 stages.
-    Sparse, lists shared by the stacked heads (``shared``): 4 warps per head and 3 stages (H200,
-    run 15); merged lists (``merge_group_heads``): 2 stages.
+    Gathered loads (pages of any size; H100 runs 2, 3 and 5, H200 sessions 6 and 15): dense,
+    head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each K/V tile
+    serves 4 heads, 3 stages with the next tile's offsets prefetched (1.22x cuDNN's time at 128K
+    vs 1.34x with 2 stages and no prefetch); head dim 64: one head per program. Sparse, per-head
+    lists: M = 64, 4 warps, next tile's offsets prefetched; head dim 64 takes two listed blocks
+    per 128-wide key tile, head dim 128 one block and 3 stages. Sparse, lists shared by the
+    stacked heads (``shared``): 4 warps per head and 3 stages; merged lists: 2 stages.
+
+    TMA loads (``tma``: pages of 64+ keys, Hopper; H200, session 2026-11-24 part 3): one 64-key
+    block per tile always; 3 stages at head dim 128 (2 and 4 were slower or equal), 2 at head dim
+    64 with one head per program; dense stacks 4 heads where they divide the group, else none
+    (groups of 6: one head 104.7 ms vs two stacked 109.4 ms at 128K).
     """
+    if tma:
+        if dense:
+            gh = 4 if head_dim >= 128 and group % 4 == 0 else 1
+        else:
+            gh = merged_heads
+        stages = 3 if head_dim >= 128 or gh > 1 else 2
+        return {"heads_per_program": gh, "num_warps": 4 * gh, "num_stages": stages, "block_n": 64,
+                "kv_major": True, "prefetch": True}
     if dense:
         if head_dim >= 128:
             gh = 4 if group % 4 == 0 else (2 if group % 2 == 0 else 1)
@@ -510,6 +586,37 @@ def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1
             "prefetch": True}
 
 
+def tma_unusable(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: int) -> str:
+    """Why the TMA path cannot read these caches ('' when it can): each 64-key tile must be one
+    box of one page (pages of a multiple of 64 keys, 64-key tiles) and the descriptors need
+    16-byte aligned bases and strides with a contiguous head dimension; the hardware is Hopper
+    or later (or Triton's interpreter)."""
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors"
+    if block_n != 64:
+        return f"key tiles of {block_n} (TMA tiles are one 64-key block)"
+    if key_cache.shape[1] % 64:
+        return f"pages of {key_cache.shape[1]} keys (need a multiple of 64)"
+    for name, c in (("key", key_cache), ("value", value_cache)):
+        if c.stride(-1) != 1 or c.data_ptr() % 16 or any(st * c.element_size() % 16 for st in c.stride()[:-1]):
+            return f"the {name} cache's strides {tuple(c.stride())} are not 16-byte aligned with a contiguous head dim"
+    if key_cache.is_cuda and torch.cuda.get_device_capability(key_cache.device)[0] < 9:
+        return "TMA needs compute capability 9.0 or later"
+    return ""
+
+
+def default_tma(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The TMA path by default wherever it can read the caches on a GPU (pages of 64+ keys on
+    Hopper or later): 1.04-1.28x the gathered loads at 128K (benchmarks/KERNEL_NOTES.md)."""
+    return key_cache.is_cuda and not tma_unusable(key_cache, value_cache, 64)
+
+
+def _cache_descriptor(cache: torch.Tensor):
+    """4-D descriptor over a [pages, page, Hkv, D] cache view (any order of the first three
+    strides, NHD or HND), one box = 64 keys of one page and one KV head."""
+    return TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, 64, 1, cache.shape[-1]])
+
+
 def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_table: torch.Tensor, rows: Sequence[Any] | None,
                              index: BatchedSparseIndex | Sequence[SparseIndex] | None, scale: float,
@@ -517,7 +624,8 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
                              *, heads_per_program: int | None = None, num_warps: int | None = None,
                              num_stages: int | None = None, block_n: int | None = None,
                              kv_major: bool | None = None, prefetch: bool | None = None,
-                             whole_rows: torch.Tensor | None = None, k_scale=None, v_scale=None):
+                             whole_rows: torch.Tensor | None = None, k_scale=None, v_scale=None,
+                             tma: bool | None = None):
     """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
 
     q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
@@ -539,6 +647,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     by the kernel: vLLM's per-layer ``_k_scale`` / ``_v_scale``): the caches hold K / scale and
     V / scale, e.g. fp8 (float8_e4m3fn or e5m2) caches, whose tiles the kernel widens to the
     query's dtype. None or 1.0: the stored values are used as they are.
+    ``tma``: load the listed key blocks with the tensor memory accelerator (Hopper and later)
+    through descriptors of the caches instead of per-key gathers; needs pages of a multiple of
+    64 keys and 64-key tiles (see :func:`tma_unusable`). None: :func:`default_tma` (unless
+    ``block_n`` asks for 128-key tiles). Range and column tiles are gathered either way.
     """
     check_kv_dtypes(q, key_cache, value_cache)
     ks, vs = scale_operand(k_scale, q.device), scale_operand(v_scale, q.device)
@@ -572,16 +684,17 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     bix = index
     if bix.block_size != 64:
         raise ValueError("the kernel is built for 64-wide blocks")
+    use_tma = (block_n in (None, 64) and default_tma(key_cache, value_cache)) if tma is None else tma
     if bix.dense:
-        gh = heads_per_program or default_config(d, True, group)["heads_per_program"]
+        gh = heads_per_program or default_config(d, True, group, tma=use_tma)["heads_per_program"]
     else:
         gh = bix.heads_per_list
         if heads_per_program not in (None, gh):
             raise ValueError("a sparse index's heads per program is fixed by the index (heads_per_list)")
-    if gh & (gh - 1) or (not bix.dense and group % gh):
-        raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when sparse)")
+    if gh & (gh - 1) or (bix.merged and group % gh):
+        raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when merged)")
     lists = hkv * ((group + gh - 1) // gh)
-    cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1)
+    cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1, tma=use_tma)
     warps = num_warps or cfg["num_warps"]
     bn = block_n or cfg["block_n"]
     # the default stage count is for the default tile; with wider key tiles and stacked heads,
@@ -615,11 +728,19 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         # one flag per packed query block (device ops only: no sync)
         per_qb = [whole_rows[i].view(1).expand(-(-_row_fields(r)[2] // bix.block_size)) for i, r in enumerate(rows)]
         whole = torch.cat(per_qb).to(torch.int32)
+    if use_tma:
+        why = tma_unusable(key_cache, value_cache, bn)
+        if why:
+            raise ValueError(f"tma=True: {why}")
+        k_desc, v_desc = _cache_descriptor(key_cache), _cache_descriptor(value_cache)
+    else:
+        k_desc, v_desc = key_cache, value_cache  # placeholders: not read without TMA
     grid = (lists * tqb,)
     _sparse_fwd_kernel[grid](
         q, key_cache, value_cache, out, lse, block_table, bix.meta,
         bcnt, bidx, ccnt, cidx, bb, cb, whole, rcnt, ridx,
         bcnt if ks is None else ks, bcnt if vs is None else vs,  # placeholders: not read unless KV_SCALED
+        k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), value_cache.stride(3),
@@ -628,7 +749,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         float(scale), float(softcap) if softcap > 0 else 1.0,
         GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
-        FALLBACK=fallback, KV_SCALED=ks is not None,
+        FALLBACK=fallback, KV_SCALED=ks is not None, TMA=use_tma,
         num_warps=warps, num_stages=stages,
     )
     return (out, lse) if return_lse else out

@@ -108,6 +108,15 @@ class SparseSettings(BaseModel):
     # K/V gathered out of the cache; slow, for debugging), or "auto" (triton where the kernel
     # supports the layer: head size 64/128, fp16/bf16, block_size 64; torch elsewhere).
     kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Sparse attention kernel on CUDA.")
+    # KV-cache page size the CUDA backend asks vLLM for when --block-size is not given. With
+    # pages of 64 keys each 64-key tile of the kernel is one page, which the kernel loads with
+    # Hopper's tensor memory accelerator instead of gathering it key by key through the block
+    # table: 1.25x at 128K on the sparse and dense tiles of a Qwen2.5-1.5B-shaped layer, 1.08x
+    # for Llama-3-8B's (H200, benchmarks/KERNEL_NOTES.md). "auto": 64 on compute capability 9.0+
+    # (where the TMA path runs), vLLM's default elsewhere. An explicit --block-size wins; the
+    # kernel gathers pages of any power-of-two size.
+    kv_block_size: Literal["auto", "16", "32", "64", "128"] = Field(
+        "auto", description="KV-cache block size asked of vLLM when --block-size is not given (CUDA).")
     # Files.
     head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
     stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")

@@ -34,6 +34,7 @@ resolves its own patterns from its layer name and the config current at its cons
 from __future__ import annotations
 
 import torch
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
@@ -347,6 +348,19 @@ class SparsePrefillBackend(FlashAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return SparsePrefillMetadataBuilder
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """Asked by vLLM only when --block-size is not given: pages of 64 keys on Hopper and
+        later, where the kernel loads a 64-key page as one TMA box (setting kv_block_size)."""
+        cfg = settings()
+        if cfg.kv_block_size == "auto":
+            # decode_mode topk / spans count their budgets in pages measured at vLLM's default
+            size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \
+                else default_block_size
+        else:
+            size = int(cfg.kv_block_size)
+        return size if cls.supports_block_size(size) else super().get_preferred_block_size(default_block_size)
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
