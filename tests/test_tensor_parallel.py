@@ -33,7 +33,9 @@ from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
 from vllm_sparse_backend.plan import kv_group_share, plan_step, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import causal_pairs  # noqa: E402
+from vllm_sparse_backend import sparse_prefill  # noqa: E402
 from vllm_sparse_backend.sparse_prefill import run_sparse_rows  # noqa: E402
+from vllm_sparse_backend.stats import SparseStats  # noqa: E402
 
 from conftest import causal_mask, masked_attention_f64  # noqa: E402
 
@@ -278,3 +280,55 @@ def test_layout_vllm_refuses_is_refused():
         rank_heads(None, SparseSettings(), 0, 12, 6, tp_size=4)  # 6 KV heads on 4 ranks
     with pytest.raises(ConfigError, match="rank 2 is not in 0..1"):
         rank_heads(None, SparseSettings(), 0, 8, 2, tp_size=2, tp_rank=2)
+
+
+def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
+    """Only TP rank 0 records: with both ranks' samples summed (vLLM's multiprocess metrics), rows
+    and query tokens are counted once, as at TP=1; pairs and head patterns are rank 0's heads;
+    rank 1 writes no stats file and creates no metrics."""
+    import prometheus_client
+    from prometheus_client import CollectorRegistry
+
+    from vllm_sparse_backend.metrics import PrometheusMetrics
+
+    settings = backend.configure(_write_file(tmp_path / "heads.json", PER_HEAD))
+    q, k, v = _qkv()
+    tp = 2
+    single = common.resolve_layer_heads(_vllm_config(1), LAYER_NAME, H, HKV)
+    one = SparseStats()
+    monkeypatch.setattr(sparse_prefill, "STATS", one)
+    _run(q, k, v, single, settings)
+
+    registries, stats = [], []
+    for r in range(tp):
+        st = SparseStats()
+        registry = CollectorRegistry()
+        if r == 0:
+            st._prom = PrometheusMetrics(prometheus_client, registry=registry)
+        with backend.as_rank(r):
+            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what common.settings() decides
+            qs, kvs = vllm_layout(tp, r)
+            heads = common.resolve_layer_heads(_vllm_config(tp), LAYER_NAME, 4, 1)
+        monkeypatch.setattr(sparse_prefill, "STATS", st)
+        _run(q[:, qs], k[:, kvs], v[:, kvs], heads, settings)
+        st.dump(str(tmp_path / f"stats-rank{r}.json"))
+        registries.append(registry)
+        stats.append(st)
+
+    rank0, rank1 = (s.as_dict() for s in stats)
+    ref = one.as_dict()
+    assert rank0["sparse_rows"] == ref["sparse_rows"] == 2  # two rows, one layer
+    assert rank0["sparse_query_tokens"] == ref["sparse_query_tokens"] == 1408
+    assert rank1["sparse_rows"] == rank1["sparse_query_tokens"] == rank1["causal_pairs"] == 0
+    assert not stats[1].exporting and stats[1]._prom is None and stats[1].timer.every == 0
+    assert not (tmp_path / "stats-rank1.json").exists() and (tmp_path / "stats-rank0.json").exists()
+    merged = sum(registries[r].get_sample_value("sparse_prefill_rows_total") or 0.0 for r in range(tp))
+    assert merged == 2
+    # pairs and patterns: rank 0's 4 heads (vertical-slash, A-shape, block-sparse, FlexPrefill)
+    assert rank0["causal_pairs"] == sum(causal_pairs(n, 0, 4) for n in (768, 640)) == ref["causal_pairs"] // 2
+    assert 0 < rank0["computed_pairs"] < ref["computed_pairs"]
+    patterns = rank0["head_patterns"]
+    assert {p: patterns[p] for p in ("vertical_slash", "a_shape", "block_sparse")} == \
+        {"vertical_slash": 2, "a_shape": 2, "block_sparse": 2}
+    assert patterns.get("flex_prefill/query_aware", 0) + patterns.get("flex_prefill/vertical_slash", 0) == 2
+    assert "dense" not in patterns  # head 5 (dense) is rank 1's

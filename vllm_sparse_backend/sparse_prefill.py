@@ -109,7 +109,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     """
     num_heads = query.shape[1]
     timing = STATS.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
-    exact_stats = bool(settings.stats_file) or timing.sampled
+    exact_stats = STATS.exporting and (bool(settings.stats_file) or timing.sampled)  # TP rank 0 counts
     fallback = dense_row is not None and settings.max_density < 1.0
     if fallback:
         # Rows the budgets cannot make sparse enough skip estimation (short rows, mostly).

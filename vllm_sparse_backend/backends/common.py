@@ -45,7 +45,9 @@ class SparsePrefillMetadata:
 @functools.lru_cache(maxsize=1)
 def settings() -> SparseSettings:
     cfg = load_settings()
-    STATS.configure(cfg)  # timing sample rate, metrics (and their own port) of this worker
+    # timing sample rate, metrics (and their own port) of this worker; under tensor parallelism
+    # only rank 0 records and exports (see SparseStats.configure)
+    STATS.configure(cfg, export=tensor_parallel_rank() == 0)
     return cfg
 
 
