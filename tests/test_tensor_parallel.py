@@ -332,3 +332,34 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
         {"vertical_slash": 2, "a_shape": 2, "block_sparse": 2}
     assert patterns.get("flex_prefill/query_aware", 0) + patterns.get("flex_prefill/vertical_slash", 0) == 2
     assert "dense" not in patterns  # head 5 (dense) is rank 1's
+
+
+def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch):
+    import vllm
+
+    from conftest import load_script
+
+    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
+    env = e2e.run_env({"VLLM_SPARSE_MAX_DENSITY": "1"}, base={"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
+    assert {k: env[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
+                                "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_SPARSE_MAX_DENSITY", "PATH")} == {
+        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_SPARSE_MAX_DENSITY": "1", "PATH": "/bin"}
+    with pytest.raises(SystemExit, match="NCCL_NVLS_ENABLE"):
+        e2e.run_env({"NCCL_NVLS_ENABLE": "1"})
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    args = SimpleNamespace(profile_lengths=[], label="tp", model="m", backend="sparse-prefill", max_len=4096,
+                           cudagraphs=False, chunk=2048, decode_batch=[0], tensor_parallel_size=2)
+    with pytest.raises(Stop):
+        e2e.worker(args)
+    assert seen["tensor_parallel_size"] == 2 and seen["attention_backend"] == "sparse-prefill"
