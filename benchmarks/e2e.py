@@ -35,9 +35,18 @@ same weights serve every variant. ``none`` keeps vLLM's dummy weights (the HTTP 
 does: its workers cannot be reached).
 
 Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
-``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense``. Prints a table; asserts nothing.
+``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense,VLLM_SPARSE_MAX_DENSITY=1`` (density 1
+through the sparse kernel: without ``MAX_DENSITY=1`` such rows run on FlashAttention). Prints a
+table; asserts nothing.
+
+``--tensor-parallel-size N``: the engine (or the server) runs on N GPUs, each with 1/N of the
+attention heads (``plant_band`` works on each rank's shard). Every run's environment keeps NVLink
+multicast off (NCCL, PyTorch symmetric memory, NVSHMEM: :data:`MULTICAST_OFF`; a variant may not
+change them) and vLLM's symmetric-memory all-reduce off: some shared GPU hosts must never create
+multicast objects.
 
     python benchmarks/e2e.py --layers 4 --lengths 8192 32768 131072 --decode-batch 4
+    python benchmarks/e2e.py --tensor-parallel-size 2 --lengths 131072 524288
 """
 
 from __future__ import annotations
@@ -55,7 +64,24 @@ from pathlib import Path
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0)
 DEFAULT_VARIANTS = ["FLASH_ATTN=FLASH_ATTN", "sparse=sparse-prefill",
-                    "sparse-dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense"]
+                    "sparse-dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense,VLLM_SPARSE_MAX_DENSITY=1"]
+# Set in every run's environment, whatever the caller's environment or a variant says: NVLink
+# multicast stays off (NCCL's NVLS, PyTorch's symmetric memory, NVSHMEM), and vLLM's all-reduce on
+# PyTorch symmetric memory is not used (NCCL and vLLM's custom all-reduce, CUDA IPC, remain).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+                 "VLLM_ALLREDUCE_USE_SYMM_MEM": "0"}
+
+
+def run_env(variant_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of one variant's engine or server: ``base`` (default os.environ), the
+    variant's variables, and :data:`MULTICAST_OFF` over both (a variant that sets one of those to
+    another value is refused)."""
+    clash = {k: v for k, v in variant_env.items() if k in MULTICAST_OFF and v != MULTICAST_OFF[k]}
+    if clash:
+        raise SystemExit(f"variant sets {clash}: these stay {MULTICAST_OFF} (NVLink multicast off)")
+    base = os.environ if base is None else base
+    # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc(plant_band) sends a function to the workers
+    return {**base, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **variant_env, **MULTICAST_OFF}
 
 
 def write_model(out: Path, layers: int, max_len: int) -> Path:
@@ -185,6 +211,7 @@ def worker(args) -> None:
         "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False}}
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
+              tensor_parallel_size=args.tensor_parallel_size,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
               seed=0, max_num_seqs=max([8] + args.decode_batch),
               disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
@@ -261,7 +288,8 @@ def server_worker(args, env) -> list[dict]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
            "--skip-tokenizer-init", "--dtype", "bfloat16", "--attention-backend", args.backend,
            "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.chunk),
-           "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port)] + \
+           "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)] + \
           ([] if args.cudagraphs else ["--enforce-eager"])
     log = open(Path(args.log_dir) / f"server-{args.label}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -344,6 +372,8 @@ def main() -> None:
                     help="labels of the variants to profile (default: all)")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="engine max_model_len (default: the longest prompt + 128)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per engine (vLLM's tensor parallelism; NVLink multicast stays off)")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
@@ -358,9 +388,10 @@ def main() -> None:
     args.max_len = max(args.max_model_len, max([max(args.lengths)] + [n for _, n in specs]) + 128)
     args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
     variants = [parse_variant(v) for v in args.variants]
+    envs = {label: run_env(venv) for label, _, venv in variants}  # a refused variant stops before any run
     results: dict[str, list[dict]] = {}
-    for label, backend, venv in variants:
-        env = {**os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **venv}  # collective_rpc(plant_band)
+    for label, backend, _ in variants:
+        env = envs[label]
         t0 = time.perf_counter()
         if args.server:
             args.backend, args.label = backend, label
@@ -374,6 +405,7 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
+               "--tensor-parallel-size", str(args.tensor_parallel_size),
                "--decode-batch", *map(str, args.decode_batch), "--decode-len", *map(str, args.decode_len),
                "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
                "--structure", args.structure, "--warmup-len", str(min(args.warmup_len, args.max_len - 16)),
@@ -402,7 +434,8 @@ def main() -> None:
     import vllm
     structure = "none (server)" if args.server else args.structure
     print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
-          f"shape, {args.layers} layers, bf16, {'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
+          f"shape, {args.layers} layers, bf16, tensor parallel {args.tensor_parallel_size}, "
+          f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
           f"prefix caching off, structure {structure}; variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]

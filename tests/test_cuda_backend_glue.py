@@ -12,10 +12,9 @@ pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
-from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
-from vllm_sparse_backend.plan import SparseRow  # noqa: E402
+from vllm_sparse_backend.plan import SparseRow, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import gather_paged_kv  # noqa: E402
 
 from conftest import masked_attention_f64  # noqa: E402
@@ -51,7 +50,7 @@ def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
-    impl.sparse_heads = [resolve_head(None, settings)] * h
+    impl.sparse_heads = rank_heads(None, settings, 0, h, hkv)  # what prepare_group gives a single-GPU layer
     return impl
 
 
@@ -79,7 +78,7 @@ def _check(kernel, dtype, sparse_env, tol):
     for r in md.sparse_rows:
         k, v = gather_paged_kv(key_cache, value_cache, md.block_table[r.row], r.ctx_len + r.q_len)
         q = query[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q, k, r.ctx_len, impl.sparse_heads, settings, d ** -0.5).index
+        idx = estimate_index(q, k, r.ctx_len, impl.sparse_heads.heads, settings, d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol
@@ -140,7 +139,7 @@ def _check_fp8(kernel, model_dtype, quantized_query, sparse_env, tol):
     for r in md.sparse_rows:
         k, v = gather_paged_kv(k_deq, v_deq, md.block_table[r.row], r.ctx_len + r.q_len)
         q = q_ref[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q.float(), k.float(), r.ctx_len, impl.sparse_heads, settings, d ** -0.5).index
+        idx = estimate_index(q.float(), k.float(), r.ctx_len, impl.sparse_heads.heads, settings, d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol

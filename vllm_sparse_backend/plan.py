@@ -11,8 +11,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .config import PatternName, SparseSettings
-from .head_configs import ResolvedHead
+from .config import ConfigError, PatternName, SparseSettings
+from .head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,50 @@ def kv_group_share(heads: list[ResolvedHead], num_kv_heads: int, settings: Spars
         if first.pattern is PatternName.FLEX_PREFILL or any(x != first for x in heads[start:start + g]):
             return 1
     return g
+
+
+def tp_local_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) of one tensor-parallel rank, by vLLM's column-parallel QKV layout
+    (``QKVParallelLinear``): rank r holds query heads r*H/tp .. (r+1)*H/tp - 1 and, when
+    Hkv >= tp, KV heads r*Hkv/tp .. (r+1)*Hkv/tp - 1; when Hkv < tp each rank holds one KV head,
+    number r // (tp / Hkv) (each replicated on tp / Hkv ranks). Either way a rank's query heads
+    and its KV heads keep the model's GQA mapping."""
+    if tp_size < 1 or num_heads % tp_size or num_heads % num_kv_heads \
+            or (num_kv_heads % tp_size and tp_size % num_kv_heads):
+        raise ConfigError(f"tensor parallel size {tp_size} does not fit {num_heads} query / {num_kv_heads} KV heads "
+                          "(vLLM needs it to divide the query heads, and to divide or be a multiple of the KV heads)")
+    return num_heads // tp_size, max(1, num_kv_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class RankHeads:
+    """One attention layer's query heads on one tensor-parallel rank (all of them at TP=1): their
+    patterns, in vLLM's head order, and ``share``, the query heads per shared key selection on
+    this rank (:func:`kv_group_share`, decided for the whole layer: see :func:`rank_heads`)."""
+
+    heads: list[ResolvedHead]
+    share: int = 1
+
+
+def rank_heads(cfg: HeadConfigFile | None, settings: SparseSettings, layer_index: int, num_heads: int,
+               num_kv_heads: int, tp_size: int = 1, tp_rank: int = 0) -> RankHeads:
+    """The part of one layer that rank ``tp_rank`` of ``tp_size`` computes. ``num_heads`` /
+    ``num_kv_heads``: the model's (all ranks'); the head-config file ``cfg`` names global heads
+    and the rank takes its slice (:func:`tp_local_heads`).
+
+    Whether KV groups share one selection is decided on the whole layer, as at TP=1: a layer with
+    one mixed group somewhere keeps one selection per query head on every rank, so that a rank
+    whose own groups happen to be uniform does not select differently from the single-GPU run.
+    Where a rank holds part of a KV group (Hkv < tp), its shared selection is made from the scores
+    of the heads it holds: every rank computes its heads on its own, so that part of the group is
+    the unit (its selection can differ from TP=1's, which sums the whole group's scores)."""
+    local_heads, local_kv = tp_local_heads(num_heads, num_kv_heads, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tensor parallel rank {tp_rank} is not in 0..{tp_size - 1}")
+    heads = layer_heads(cfg, settings, layer_index, local_heads, tp_rank)
+    whole_layer = layer_heads(cfg, settings, layer_index, num_heads) if tp_size > 1 else heads
+    share = kv_group_share(heads, local_kv, settings) if kv_group_share(whole_layer, num_kv_heads, settings) > 1 else 1
+    return RankHeads(heads, share)
 
 
 def vs_budget(size: int, share: float | None, kv_len: int) -> int:

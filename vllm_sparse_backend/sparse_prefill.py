@@ -30,11 +30,13 @@ KVForRow = Callable[[SparseRow], tuple[torch.Tensor, torch.Tensor]]
 
 
 def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow], kv_for_row: KVForRow,
-                    heads: list[ResolvedHead], settings: SparseSettings, scale: float, softcap: float = 0.0) -> None:
+                    heads: list[ResolvedHead], settings: SparseSettings, scale: float, softcap: float = 0.0,
+                    share: int | None = None) -> None:
     """query: [num_tokens, H, D]; output: [num_tokens, H, Dv], written in place for the rows' tokens.
 
     kv_for_row gives a row's K/V (all ctx_len + q_len positions); the torch estimators and the
-    torch reference compute the row from them.
+    torch reference compute the row from them. ``share``: see :func:`..patterns.estimate_index`
+    (the layer's :attr:`..plan.RankHeads.share`).
     """
     num_heads = query.shape[1]
     timing = STATS.time_stages(query.device)  # a no-op unless this forward is sampled
@@ -42,7 +44,7 @@ def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[Sparse
         s = slice(row.tok_start, row.tok_start + row.q_len)
         k, v = kv_for_row(row)
         timing.mark()
-        est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale)
+        est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale, share)
         timing.lap("estimate")
         sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
         timing.lap("kernel")
@@ -107,7 +109,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     """
     num_heads = query.shape[1]
     timing = STATS.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
-    exact_stats = bool(settings.stats_file) or timing.sampled
+    exact_stats = STATS.exporting and (bool(settings.stats_file) or timing.sampled)  # TP rank 0 counts
     fallback = dense_row is not None and settings.max_density < 1.0
     if fallback:
         # Rows the budgets cannot make sparse enough skip estimation (short rows, mostly).

@@ -4,6 +4,15 @@ The backends call the ``record_*`` methods of :data:`STATS`; each updates the JS
 below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server.
+
+Tensor parallelism: every rank runs every row of a step on its slice of the heads, so each
+rank's counters would repeat the same rows (summed by vLLM's multiprocess metrics, and every
+rank would rewrite the one stats file). Only TP rank 0 records and exports (:meth:`configure`,
+``export``), so rows, query tokens and stage times count each (row, layer) once, as at TP=1.
+Pairs, density, head patterns and the density fallbacks (decided per rank, over its heads, on
+CUDA) are those of rank 0's heads: its 1/tp of the query heads, with a head-config file the
+slice that file gives rank 0. Other ranks record nothing, create no metrics, serve no port and
+write no file.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ class SparseStats:
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
     timer: metrics.SampledTimer = field(default=None, repr=False)
+    exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
 
     def __post_init__(self):
         if self.timer is None:
@@ -51,9 +61,15 @@ class SparseStats:
             self._prom = metrics.process_metrics()
         return self._prom
 
-    def configure(self, settings: SparseSettings) -> None:
+    def configure(self, settings: SparseSettings, export: bool = True) -> None:
         """Apply the settings of this process (called when the backend reads them, in the
-        worker): timing sample rate, metrics creation, and the optional metrics port."""
+        worker): timing sample rate, metrics creation, and the optional metrics port.
+        ``export``: False on a tensor-parallel rank other than 0, which then records nothing
+        (no counters, no timing, no stats file, no metrics or port; see the module doc)."""
+        self.exporting = export
+        if not export:
+            self.timer.every = 0
+            return
         self.timer.every = settings.timing_sample_every
         _ = self.prom  # metrics exist (at 0) from start-up, not from the first long request
         if settings.metrics_port is not None:
@@ -66,6 +82,8 @@ class SparseStats:
         """One (row, layer) computed sparse. ``computed`` (pairs the selection computed) is None
         when it was not measured (GPU path without a stats file, on forwards not sampled); the
         pair counters and the density then skip this row."""
+        if not self.exporting:
+            return
         with self._lock:
             self.sparse_rows += 1
             self.sparse_query_tokens += q_len
@@ -78,6 +96,8 @@ class SparseStats:
     def record_measured_pairs(self, causal: int, computed: int, head_patterns: Mapping[str, int] | None = None) -> None:
         """The measured part of a row recorded earlier with ``computed=None`` (read back later):
         its pairs and, where they were only known on the device, its head patterns."""
+        if not self.exporting:
+            return
         with self._lock:
             self.causal_pairs += causal
             self.computed_pairs += computed
@@ -87,6 +107,8 @@ class SparseStats:
 
     def record_dense_tokens(self, n: int) -> None:
         """Query tokens x layers that ran on the dense kernel in a step with sparse rows."""
+        if not self.exporting:
+            return
         with self._lock:
             self.dense_query_tokens += n
         self.prom.dense_tokens(n)
@@ -94,6 +116,8 @@ class SparseStats:
     def record_dense_reason(self, reason: str, rows: int = 1, tokens: int = 0) -> None:
         """Long rows kept dense (``reason`` a snake_case key); ``tokens`` of them are counted as
         dense query tokens here (0 when the dense runs count them already)."""
+        if not self.exporting:
+            return
         with self._lock:
             self.dense_reasons[reason] += rows
             self.dense_query_tokens += tokens
@@ -104,6 +128,8 @@ class SparseStats:
     def defer_dense_rows(self, reason: str, flags) -> None:
         """Rows decided on the GPU (``flags``: bool tensor, one per row) that ran dense for
         ``reason``: summed on the device, recorded by :meth:`flush_deferred` (no host sync here)."""
+        if not self.exporting:
+            return
         with self._lock:
             n = flags.sum()
             if reason in self._deferred:
@@ -134,6 +160,8 @@ class SparseStats:
         event that later calls poll (:meth:`poll_readouts`: every sparse forward, and a waiting
         one in :meth:`dump`). A forward that read them back at once would stall the GPU until
         the host had queued the rest of the layer (~0.8 ms at 128K per read)."""
+        if not self.exporting:
+            return
         import torch
 
         flat = torch.stack([v.reshape(()).to(torch.int64) for v in values])
@@ -202,6 +230,8 @@ class SparseStats:
         that a stats file does not stall the GPU once per layer) the file holds what the device
         has finished counting, ``pending_readouts`` says how many counts are still on their
         way, and :meth:`refresh` rewrites it when they arrive."""
+        if not self.exporting:
+            return
         self.flush_deferred(wait=wait)
         if not wait:
             self.poll_readouts()

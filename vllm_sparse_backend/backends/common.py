@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..config import ConfigError, SparseSettings, load_settings
-from ..head_configs import (HeadConfigFile, ModelShape, ResolvedHead, check_fits_model, layer_heads,
-                            model_shape_from_hf_config, resolve_head_config)
-from ..plan import SparseRow, plan_step
+from ..head_configs import HeadConfigFile, ModelShape, check_fits_model, model_shape_from_hf_config, resolve_head_config
+from ..plan import RankHeads, SparseRow, plan_step, rank_heads
 from ..stats import STATS
 
 logger = logging.getLogger("vllm.sparse_prefill")
@@ -46,8 +45,17 @@ class SparsePrefillMetadata:
 @functools.lru_cache(maxsize=1)
 def settings() -> SparseSettings:
     cfg = load_settings()
-    STATS.configure(cfg)  # timing sample rate, metrics (and their own port) of this worker
+    # timing sample rate, metrics (and their own port) of this worker; under tensor parallelism
+    # only rank 0 records and exports (see SparseStats.configure)
+    STATS.configure(cfg, export=tensor_parallel_rank() == 0)
     return cfg
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed vLLM worker)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,7 +125,7 @@ UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 def prepare_group(vllm_config, layer_names: list[str]) -> bool:
     """Decide at start-up whether a KV-cache group can run sparse, and give each of its layers
-    its head patterns (``impl.sparse_heads``).
+    its head patterns on this rank (``impl.sparse_heads``, a :class:`RankHeads`).
 
     Every layer of a group must support the sparse path, or the whole group runs dense (one
     metadata object serves all layers of a group). Resolving the head-config file here makes a
@@ -134,28 +142,32 @@ def prepare_group(vllm_config, layer_names: list[str]) -> bool:
             log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
             return False
     for name, layer in layers.items():
-        layer.impl.sparse_heads = resolve_layer_heads(vllm_config, name, layer.impl.num_heads)
+        layer.impl.sparse_heads = resolve_layer_heads(vllm_config, name, layer.impl.num_heads,
+                                                    layer.impl.num_kv_heads)
     return True
 
 
-def resolve_layer_heads(vllm_config, layer_name: str, local_heads: int) -> list[ResolvedHead]:
+def resolve_layer_heads(vllm_config, layer_name: str, local_heads: int, local_kv_heads: int) -> RankHeads:
     """This rank's query-head patterns of one attention layer (head-config file, else the
-    default pattern). A file that does not fit the model raises ConfigError naming the file."""
+    default pattern) and its KV-group sharing (:func:`..plan.rank_heads`). ``local_heads`` /
+    ``local_kv_heads``: the layer's heads on this rank (the impl's ``num_heads`` /
+    ``num_kv_heads``). A file that does not fit the model raises ConfigError naming the file."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     cfg, spec = head_config(), settings().head_config
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    tp_rank = 0
-    if tp_size > 1:
-        from vllm.distributed import get_tensor_model_parallel_rank
-        tp_rank = get_tensor_model_parallel_rank()
-    if cfg is not None and cfg.num_heads != local_heads * tp_size:
+    tp_rank = tensor_parallel_rank() if tp_size > 1 else 0
+    total_heads = local_heads * tp_size  # the file names global heads; the model's, all ranks
+    total_kv = local_kv_heads * tp_size
+    if local_kv_heads == 1 and tp_size > 1:  # one KV head per rank: the model may have fewer (replicated)
+        total_kv = vllm_config.model_config.get_total_num_kv_heads()
+    if cfg is not None and cfg.num_heads != total_heads:
         raise ConfigError(f"{spec}: num_heads is {cfg.num_heads} but layer {layer_name} has "
-                          f"{local_heads * tp_size} query heads")
+                          f"{total_heads} query heads ({local_heads} on each of {tp_size} tensor-parallel ranks)")
     try:
-        return layer_heads(cfg, settings(), extract_layer_index(layer_name), local_heads, tp_rank)
+        return rank_heads(cfg, settings(), extract_layer_index(layer_name), total_heads, total_kv, tp_size, tp_rank)
     except ConfigError as e:
-        raise ConfigError(f"{spec}: {e}") from None
+        raise ConfigError(f"{spec}: {e}" if spec else str(e)) from None
 
 
 def group_head_counts(vllm_config, layer_names: list[str]) -> list[Counter]:
@@ -165,7 +177,7 @@ def group_head_counts(vllm_config, layer_names: list[str]) -> list[Counter]:
 
     out: list[Counter] = []
     for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
-        counts = Counter(layer.impl.sparse_heads)
+        counts = Counter(layer.impl.sparse_heads.heads)
         if counts not in out:
             out.append(counts)
     return out

@@ -52,7 +52,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
-    sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
+    sparse_heads = None  # this rank's head patterns (RankHeads), set by the builder at start-up (prepare_group)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -74,7 +74,8 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
         # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                        self.sparse_heads, settings(), self.scale, float(self.logits_soft_cap or 0.0))
+                        self.sparse_heads.heads, settings(), self.scale, float(self.logits_soft_cap or 0.0),
+                        self.sparse_heads.share)
         return output
 
 

@@ -42,7 +42,7 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
 from ..decode_spans import plan_step_segments
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow, budget_density, kv_group_share
+from ..plan import SparseRow, budget_density
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
@@ -141,7 +141,7 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
-    sparse_heads = None  # per-head patterns, set by the builder at start-up (prepare_group)
+    sparse_heads = None  # this rank's head patterns (RankHeads), set by the builder at start-up (prepare_group)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _head_groups: HeadGroups | None = None
 
@@ -168,8 +168,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
         q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
         if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
             return  # no step can hold a sparse row
-        heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads)
-        groups = HeadGroups.from_heads(heads, query.device, kv_group_share(heads, self.num_kv_heads, cfg))
+        heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads, self.num_kv_heads)
+        groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)
         kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)  # an fp8 layer: its kernel variants too
         signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
                      q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, output.dtype, kv_dtype)
@@ -193,11 +193,11 @@ class SparsePrefillImpl(FlashAttentionImpl):
     def _groups(self, device) -> HeadGroups:
         if self._head_groups is None:
             cfg = settings()
-            share = kv_group_share(self.sparse_heads, self.num_kv_heads, cfg)
+            share = self.sparse_heads.share
             if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
                 log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
                          "heads, keep one selection per query head")
-            self._head_groups = HeadGroups.from_heads(self.sparse_heads, device, share)
+            self._head_groups = HeadGroups.from_heads(self.sparse_heads.heads, device, share)
         return self._head_groups
 
     def _triton_kernel(self, query):
@@ -328,8 +328,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads, settings(), self.scale,
-                        softcap)
+        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads.heads, settings(),
+                        self.scale, softcap, self.sparse_heads.share)
         return output
 
 

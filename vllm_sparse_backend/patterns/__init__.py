@@ -34,8 +34,10 @@ class Estimate:
 
 
 def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[ResolvedHead],
-                   settings: SparseSettings, scale: float) -> Estimate:
-    """q: [q_len, H, D] (the row's queries), k: [ctx_len + q_len, Hkv, D] (all keys of the row)."""
+                   settings: SparseSettings, scale: float, share: int | None = None) -> Estimate:
+    """q: [q_len, H, D] (the row's queries), k: [ctx_len + q_len, Hkv, D] (all keys of the row).
+    ``share``: query heads per shared key selection (:attr:`..plan.RankHeads.share`, decided for
+    the whole layer under tensor parallelism); None: :func:`..plan.kv_group_share` of these heads."""
     q_len, num_heads, _ = q.shape
     if len(heads) != num_heads:
         raise ValueError(f"{len(heads)} head patterns for {num_heads} query heads")
@@ -43,7 +45,10 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
     b = settings.block_size
     kv_len = k.shape[0]
     kvh = kv_head_map(num_heads, k.shape[1], device)
-    share = kv_group_share(heads, k.shape[1], settings)  # 1, or the GQA group (one selection per KV head)
+    if share is None:
+        share = kv_group_share(heads, k.shape[1], settings)  # 1, or the GQA group (one selection per KV head)
+    elif share != 1 and num_heads % share:
+        raise ValueError(f"share={share} does not divide {num_heads} query heads")
     block_mask = torch.zeros(num_heads, num_blocks(q_len, b), num_blocks(kv_len, b), dtype=torch.bool, device=device)
     column_parts: list[tuple[torch.Tensor, PatternSelection]] = []
     range_parts: list[tuple[torch.Tensor, PatternSelection]] = []
