@@ -169,7 +169,9 @@ def stream_completion(host: str, port: int, body: dict, timeout: float = 7200
     return "".join(parts), total if first is None else first, total, usage
 
 
-def _delta(after: dict | None, before: dict | None, key: str) -> int:
+def stats_delta(after: dict | None, before: dict | None, key: str) -> int:
+    """How much the stats file's counter ``key`` grew from ``before`` to ``after`` (either may be
+    None: the worker had not written the file yet)."""
     return int((after or {}).get(key, 0)) - int((before or {}).get(key, 0))
 
 
@@ -218,7 +220,7 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
                     max_num_batched_tokens)
 
 
-def _settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
+def settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
     """The stats file once no counts are on their way (CUDA forwards write it without waiting
     for the GPU; ``pending_readouts`` says how many are still to come)."""
     deadline = time.monotonic() + timeout
@@ -245,7 +247,7 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
     warm = longest[: max(64, min(len(longest), 2 * chunk + 64, server.max_model_len - 16))]
     stream_completion(handle.host, handle.port, {"model": model, "prompt": list(warm), "max_tokens": 2,
                                                  "temperature": 0})
-    before = _settled_stats(server.stats_path)
+    before = settled_stats(server.stats_path)
     for s in samples:
         text, ttft, total, usage = stream_completion(handle.host, handle.port, {
             "model": model, "prompt": list(s.prompt_ids), "max_tokens": s.max_tokens,
@@ -253,16 +255,16 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
         if usage.get("prompt_tokens") not in (None, s.n_tokens):
             raise ServerError(f"{s.key}: server counted {usage['prompt_tokens']} prompt "
                               f"tokens, sent {s.n_tokens}")
-        after = _settled_stats(server.stats_path)
+        after = settled_stats(server.stats_path)
         r = Result(variant.label, s.task, s.target_tokens, s.n_tokens, s.seed, s.depth,
                    list(s.expected), text, score(s, text), round(ttft, 3), round(total, 3), rope=server.rope)
         if variant.dense:
             r.density_all = 1.0
         else:
-            causal = _delta(after, before, "causal_pairs")
-            computed = _delta(after, before, "computed_pairs")
+            causal = stats_delta(after, before, "causal_pairs")
+            computed = stats_delta(after, before, "computed_pairs")
             r.density = computed / causal if causal else None
-            r.sparse_share = _delta(after, before, "sparse_query_tokens") / (num_layers * s.n_tokens)
+            r.sparse_share = stats_delta(after, before, "sparse_query_tokens") / (num_layers * s.n_tokens)
             total_pairs = causal_pairs_all(cfg, s.n_tokens)
             r.density_all = (total_pairs - causal + computed) / total_pairs
             pat_after = (after or {}).get("head_patterns", {})
