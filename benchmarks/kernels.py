@@ -317,6 +317,20 @@ def index_bench(n: int, gen) -> str:
             f"{same}; scores rel. err vs torch fp32: {err:.1e}")
 
 
+def timed_line(label: str, fn, out, ref, best: float, pairs: int, d: int) -> str:
+    """Time ``fn`` (which writes ``out``): ``label: ms (speedup vs best, TFLOP/s of the computed
+    pairs), max |diff|`` against ``ref`` (none when ``ref`` is None), or the error it raised."""
+    try:
+        out.zero_()
+        t = bench(fn)
+        line = f"{label}: {t:.2f} ms ({best / t:.2f}x, {4 * d * pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s)"
+        if ref is not None:
+            line += f", max |diff| {(out.float() - ref.float()).abs().max().item():.1e}"
+        return line
+    except Exception as e:
+        return f"{label}: {type(e).__name__}: {str(e)[:160]}"
+
+
 def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     """Group-shared lists (one list per KV head, the group's query heads stacked in one program)
     vs the same lists run per head (expanded); plus estimation with per-group top-k.
@@ -360,15 +374,8 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
                     variants = (dict(num_warps=4 * gh, num_stages=3), dict(num_warps=4 * gh, num_stages=2),
                                 dict(num_warps=4 * gh, num_stages=2, block_n=128))
                 for var in variants:
-                    try:
-                        out.zero_()
-                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, shared,
-                                                                      scale, out, **var))
-                        err = ((out.float() - ref.float()).abs().max()).item()
-                        say(f"    shared gh{gh} {vtag(var)}: {t:.2f} ms ({best / t:.1f}x, "
-                            f"{4 * d * pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s), max |diff| vs per head {err:.2e}")
-                    except Exception as e:
-                        say(f"    shared gh{gh} {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+                    say(timed_line(f"    shared gh{gh} {vtag(var)}", lambda: sa.sparse_prefill_attention(
+                        q, key_cache, value_cache, table, rows, shared, scale, out, **var), out, ref, best, pairs, d))
                 del shared, lists
             del per_head, ix_h, ix_kv
             torch.cuda.empty_cache()
@@ -436,17 +443,12 @@ def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> list[str]:
                 shared = sa.pack_rows(rows, [lists], device=dev, heads_per_list=gh)
                 for var in variants:
                     var = dict(num_warps=4 * gh, **var)
-                    try:
-                        out.zero_()
-                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows,
-                                                                      shared, scale, out, **var))
-                        if page == 16 and gh == stacks[0]:
-                            ref.copy_(out)
-                        err = ((out.float() - ref.float()).abs().max()).item()
-                        say(f"  page {page} sparse gh{gh} {vtag(var)}: {t:.2f} ms ({best / t:.2f}x, "
-                            f"{4 * d * pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s), max |diff| {err:.1e}")
-                    except Exception as e:
-                        say(f"  page {page} sparse gh{gh} {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+                    first = page == 16 and gh == stacks[0]  # the reference: gathered loads, the first stack
+                    say(timed_line(f"  page {page} sparse gh{gh} {vtag(var)}", lambda: sa.sparse_prefill_attention(
+                        q, key_cache, value_cache, table, rows, shared, scale, out, **var), out,
+                        None if first else ref, best, pairs, d))
+                    if first:
+                        ref.copy_(out)
                 del shared, lists
             del key_cache, value_cache, table
             torch.cuda.empty_cache()

@@ -153,15 +153,20 @@ def _masks(q, k, heads, settings) -> list[torch.Tensor]:
     return out
 
 
+def _rank_heads(backend, tp, r, hkv):
+    """(query-head slice, KV-head slice, resolved heads) of rank r, through the start-up glue."""
+    qs, kvs = vllm_layout(tp, r, hkv)
+    with backend.as_rank(r):
+        heads = common.resolve_layer_heads(_vllm_config(tp, hkv), LAYER_NAME, qs.stop - qs.start, kvs.stop - kvs.start)
+    return qs, kvs, heads
+
+
 def _single_and_ranks(backend, settings, tp, q, k, v, hkv=HKV):
     """(single-GPU heads and output, per rank (heads, output, masks)) through the start-up glue."""
     single = common.resolve_layer_heads(_vllm_config(1, hkv), LAYER_NAME, H, hkv)
     ranks = []
     for r in range(tp):
-        qs, kvs = vllm_layout(tp, r, hkv)
-        with backend.as_rank(r):
-            heads = common.resolve_layer_heads(_vllm_config(tp, hkv), LAYER_NAME, qs.stop - qs.start,
-                                               kvs.stop - kvs.start)
+        qs, kvs, heads = _rank_heads(backend, tp, r, hkv)
         qr, kr, vr = q[:, qs].contiguous(), k[:, kvs].contiguous(), v[:, kvs].contiguous()
         ranks.append((heads, _run(qr, kr, vr, heads, settings), _masks(qr, kr, heads, settings)))
     return single, _run(q, k, v, single, settings), ranks
@@ -237,10 +242,7 @@ def test_density_one_ranks_equal_dense_attention(tmp_path, backend, tp, hkv):
     q, k, v = _qkv(3, hkv)
     outs = []
     for r in range(tp):
-        qs, kvs = vllm_layout(tp, r, hkv)
-        with backend.as_rank(r):
-            heads = common.resolve_layer_heads(_vllm_config(tp, hkv), LAYER_NAME, qs.stop - qs.start,
-                                               kvs.stop - kvs.start)
+        qs, kvs, heads = _rank_heads(backend, tp, r, hkv)
         outs.append(_run(q[:, qs].contiguous(), k[:, kvs].contiguous(), v[:, kvs].contiguous(), heads, settings))
     joined = torch.cat(outs, dim=1).double()
     for row in _rows(settings):
