@@ -39,6 +39,9 @@ Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
 through the sparse kernel: without ``MAX_DENSITY=1`` such rows run on FlashAttention). Prints a
 table; asserts nothing.
 
+``--kv-cache-dtype fp8``: every variant with vLLM's fp8 (e4m3) KV cache (FLASH_ATTN then runs
+FA3's fp8 path; the sparse path reads the e4m3 cache with the layers' scales).
+
 ``--tensor-parallel-size N``: the engine (or the server) runs on N GPUs, each with 1/N of the
 attention heads (``plant_band`` works on each rank's shard). Every run's environment keeps NVLink
 multicast off (NCCL, PyTorch symmetric memory, NVSHMEM: :data:`MULTICAST_OFF`; a variant may not
@@ -211,7 +214,7 @@ def worker(args) -> None:
         "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False}}
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
-              tensor_parallel_size=args.tensor_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
               seed=0, max_num_seqs=max([8] + args.decode_batch),
               disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
@@ -289,7 +292,7 @@ def server_worker(args, env) -> list[dict]:
            "--skip-tokenizer-init", "--dtype", "bfloat16", "--attention-backend", args.backend,
            "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.chunk),
            "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port),
-           "--tensor-parallel-size", str(args.tensor_parallel_size)] + \
+           "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype] + \
           ([] if args.cudagraphs else ["--enforce-eager"])
     log = open(Path(args.log_dir) / f"server-{args.label}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -374,6 +377,8 @@ def main() -> None:
                     help="engine max_model_len (default: the longest prompt + 128)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="GPUs per engine (vLLM's tensor parallelism; NVLink multicast stays off)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="vLLM's --kv-cache-dtype for every variant (fp8: e4m3 with per-layer scales)")
     ap.add_argument("--log-dir", default=os.environ.get("OUT", "."), help="full stderr of each run goes here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)
@@ -405,7 +410,7 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
-               "--tensor-parallel-size", str(args.tensor_parallel_size),
+               "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype,
                "--decode-batch", *map(str, args.decode_batch), "--decode-len", *map(str, args.decode_len),
                "--decode-tokens", str(args.decode_tokens), "--tokens-max-len", str(args.tokens_max_len),
                "--structure", args.structure, "--warmup-len", str(min(args.warmup_len, args.max_len - 16)),
@@ -434,7 +439,8 @@ def main() -> None:
     import vllm
     structure = "none (server)" if args.server else args.structure
     print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
-          f"shape, {args.layers} layers, bf16, tensor parallel {args.tensor_parallel_size}, "
+          f"shape, {args.layers} layers, bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
+          f"{args.tensor_parallel_size}, "
           f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
           f"prefix caching off, structure {structure}; variants: {args.variants}")
     labels = [v[0] for v in variants]
