@@ -381,7 +381,10 @@ def test_index_widths_do_not_depend_on_the_data():
 
 
 @cpu_only
-def test_worst_case_row_takes_the_whole_query():
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_worst_case_row_takes_the_whole_query(page_size):
+    # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
+    # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.sparse_prefill import run_worst_case_row
     from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
 
@@ -389,7 +392,7 @@ def test_worst_case_row_takes_the_whole_query():
     q = torch.randn(150, 4, 64)
     out = torch.full_like(q, float("nan"))
     row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0,
-                             sparse_prefill_attention)
+                             sparse_prefill_attention, page_size=page_size)
     assert (row.q_len, row.ctx_len) == (150, 350)
     assert torch.isfinite(out).all()  # all of the row's outputs written
 

@@ -170,7 +170,9 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return  # no step can hold a sparse row
         heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads, self.num_kv_heads)
         groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)
-        kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)  # an fp8 layer: its kernel variants too
+        # an fp8 layer's kernel variants, and the page size serving uses (the kernels specialise on
+        # it: with 64-key pages the TMA variant), compile here rather than in the first request
+        kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
         signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
                      q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, output.dtype, kv_dtype)
         if signature in _scratch_claimed:
@@ -181,7 +183,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
             # (an fp8 layer's query may arrive quantized: the sparse path widens it, as in forward)
             run_worst_case_row(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len, groups, cfg,
                                self.scale, float(self.logits_soft_cap or 0.0), sparse_prefill_attention,
-                               kv_dtype=kv_dtype)
+                               page_size=vc.cache_config.block_size or 16, kv_dtype=kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
             _scratch_claim_failed = f"{type(e).__name__}: {e}"
             logger.exception("sparse-prefill: the profiling run of the sparse path failed; every row will run "
