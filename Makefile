@@ -45,8 +45,8 @@ test: venv
 	$(VPY) deploy/check.py
 	$(VPY) -m pytest -q -rs tests
 	@if [ -d $(KERNEL_SITE) ]; then \
-	  echo ">> Triton kernels under TRITON_INTERPRET=1 (CPU)"; \
-	  PYTHONPATH=$(KERNEL_SITE) TRITON_INTERPRET=1 $(VPY) -m pytest -q -rs tests/test_triton_kernels.py tests/test_triton_estimate.py tests/test_paged_estimate.py tests/test_cuda_backend_glue.py tests/test_topk_decode.py tests/test_topk_select.py tests/test_span_decode.py tests/test_decode_spans_bench.py tests/test_decode_accuracy.py; \
+	  echo ">> Triton kernels under TRITON_INTERPRET=1 (CPU): the test modules marked kernels"; \
+	  PYTHONPATH=$(KERNEL_SITE) TRITON_INTERPRET=1 $(VPY) -m pytest -q -rs -m kernels tests; \
 	fi
 
 # Unit tests only (no vLLM server): a quick loop while developing.

@@ -5,7 +5,7 @@ function of its budget (the Quest / retrieval papers report k of about 1% of the
 at least 95% of full quality)? vLLM's CPU build cannot run the backend's top-k decode (its paged
 cache is not readable from Python), so this benchmark applies the same selection math in
 transformers on CPU, from the float64 references that the Triton kernels are tested against
-(``vllm_sparse_backend/triton_kernels/topk_decode.py``: ``reference_page_summaries``,
+(``sparse_prefill_kernels/topk_decode.py``: ``reference_page_summaries``,
 ``reference_select_pages``, ``reference_topk_decode_attention``).
 
 Method. The prompts are those of ``benchmarks/accuracy.py`` (``evaluation.tasks``: the same
@@ -57,7 +57,7 @@ L2 error, mean over layers and steps; in the JSON).
         --lengths 8192 --samples 2 --variants dense topk:share=0.005 topk:share=0.01 \\
         topk:share=0.02 topk:share=0.05 topk:budget=64
 
-(``topk`` imports ``vllm_sparse_backend.triton_kernels.topk_decode``, whose module imports
+(``topk`` imports ``sparse_prefill_kernels.topk_decode``, whose module imports
 triton: on a CPU machine put the kernel site on ``PYTHONPATH``; no kernel is launched.) That
 command, all six tasks (12 prompts), took 38 min on 2 CPU threads shared with other work
 (prefill 1017 s, decode 1263 s over the six variants), result in
@@ -228,7 +228,7 @@ class TopkSelector:
     def __init__(self, label: str, *, sink_pages: int = DEFAULT_BUDGET.sink_pages,
                  recent_pages: int = DEFAULT_BUDGET.recent_pages, budget_pages: int = DEFAULT_BUDGET.budget_pages,
                  topk_tokens: int = DEFAULT_BUDGET.topk_tokens, page_size: int = DEFAULT_PAGE_SIZE):
-        from vllm_sparse_backend.triton_kernels import topk_decode  # imports triton (see the docstring)
+        from sparse_prefill_kernels import topk_decode  # imports triton (see the docstring)
 
         self._ref = topk_decode
         self.label = label
@@ -317,7 +317,7 @@ class SpansSelector:
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
                  page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum"):
         from vllm_sparse_backend.decode_spans import span_params
-        from vllm_sparse_backend.triton_kernels import span_decode, topk_decode
+        from sparse_prefill_kernels import span_decode, topk_decode
 
         self._spans, self._ref = span_decode, topk_decode
         self.label = label

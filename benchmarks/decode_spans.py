@@ -1,4 +1,4 @@
-"""Span-retrieval decode mode (triton_kernels/span_decode.py): its GPU cost per layer, prefill and decode side.
+"""Span-retrieval decode mode (sparse_prefill_kernels/span_decode.py): its GPU cost per layer, prefill and decode side.
 
 bf16, page 16, one layer, shapes ``--shapes`` (Llama-3-8B 32/8/128, Qwen2.5 14/2/64). Timing, paged
 decode inputs and the decode baselines are ``decode_topk.py``'s (imported from this folder).
@@ -49,7 +49,7 @@ sys.path.append(str(HERE.parent))  # the package from this checkout where it is 
 import decode_topk as dt  # noqa: E402
 
 try:
-    from vllm_sparse_backend.triton_kernels import span_decode as sd
+    from sparse_prefill_kernels import span_decode as sd
 except ImportError as _e:  # checked in main()
     sd, _IMPORT_ERROR = None, _e
 else:

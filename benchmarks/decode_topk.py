@@ -1,4 +1,4 @@
-"""Decode-side top-k attention kernels (triton_kernels/topk_decode.py) vs dense decode, on one GPU.
+"""Decode-side top-k attention kernels (sparse_prefill_kernels/topk_decode.py) vs dense decode, on one GPU.
 
 What is measured: one decode step of one layer (one query token per sequence), bf16, paged KV cache
 (page 16, every sequence's pages in random physical order), all sequences of a batch at the same
@@ -73,7 +73,7 @@ import torch
 try:
     import triton
 
-    from vllm_sparse_backend.triton_kernels import topk_decode as tk
+    from sparse_prefill_kernels import topk_decode as tk
 except ImportError as _e:  # checked in main(); lets the file be imported / linted without triton
     triton = tk = None
     _IMPORT_ERROR = _e
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_topk.py: CUDA is not available; this benchmark needs an NVIDIA GPU. Nothing measured.")
         return 0
     if tk is None:
-        print(f"decode_topk.py: cannot import vllm_sparse_backend.triton_kernels.topk_decode ({_IMPORT_ERROR}); "
+        print(f"decode_topk.py: cannot import sparse_prefill_kernels.topk_decode ({_IMPORT_ERROR}); "
               "pip install the package (with triton) first.")
         return 1
     if args.quick:

@@ -8,8 +8,7 @@
 #   bash benchmarks/real_weights_gpu.sh run python3 benchmarks/accuracy.py --model /tmp/models/M ...
 #
 # The plugin is pip-installed (not imported from the checkout) so that vLLM finds its entry
-# point and the checkout's top-level triton_kernels/ never shadows the package vLLM imports
-# (run scripts by path, not with `python -m` from the root); `setup` reinstalls it from the tree
+# point (run scripts by path, not with `python -m` from the root); `setup` reinstalls it from the tree
 # the call carried (the tree can change between calls).
 set -euo pipefail
 export PYTHONPATH=/tmp/site:/tmp/site-plugin PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

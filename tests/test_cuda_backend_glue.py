@@ -21,6 +21,8 @@ from conftest import masked_attention_f64  # noqa: E402
 
 cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
 
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
+
 
 def _step(dtype, gen):
     h, hkv, d, page = 8, 2, 128, 16

@@ -1,7 +1,7 @@
 """benchmarks/decode_accuracy.py: the variant spec parser, the share -> pages conversion, the paged
 layout and attended-key count, and the selectors against an independent float64 computation.
 
-No model is loaded. The selector tests need ``vllm_sparse_backend.triton_kernels.topk_decode``
+No model is loaded. The selector tests need ``sparse_prefill_kernels.topk_decode``
 (its module imports triton, though only its plain-torch references run): they skip where triton
 is not importable, e.g. in the main suite (``make test`` runs the kernel tests with
 ``PYTHONPATH=.venv/kernel-site``).
@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from conftest import masked_attention_f64
+
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,8 +40,8 @@ def da():
 def with_references():
     """Skip unless the kernels' module (and so triton) imports."""
     pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
-    pytest.importorskip("vllm_sparse_backend.triton_kernels.topk_decode",
-                        reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
+    pytest.importorskip("sparse_prefill_kernels.topk_decode",
+                        reason="sparse_prefill_kernels is not installed (pip install -e .)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -227,7 +229,7 @@ def test_spans_selector(da, with_references):
     """spans: its torch local maps equal the kernels' float64 definition, the persistent flags are
     the best pages for the last prompt queries, a budget covering every page is dense attention,
     and a small budget attends to sink + recent + flagged + budget pages only."""
-    from vllm_sparse_backend.triton_kernels import span_decode as sd
+    from sparse_prefill_kernels import span_decode as sd
 
     gen = torch.Generator().manual_seed(5)
     h, hkv, d, n, page = 4, 2, 32, 1100, 16

@@ -16,6 +16,8 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
+
 sd = kernel_module("span_decode")
 kernel_module("topk_decode")
 ROOT = pathlib.Path(__file__).resolve().parents[1]

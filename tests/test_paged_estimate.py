@@ -23,6 +23,8 @@ from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.plan import kv_group_share
 
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
+
 kernel_module("estimate")
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
 
@@ -219,7 +221,7 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     from vllm_sparse_backend.reference import causal_pairs
     from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
-    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "kernel"})
@@ -324,7 +326,7 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
-    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SHARED.model_copy(update={"max_density": 1.0, "vertical_size": 8, "slash_size": 16,
                                          "stats_file": str(tmp_path / "stats.json")})  # exact pair counts
@@ -386,7 +388,7 @@ def test_worst_case_row_takes_the_whole_query(page_size):
     # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.sparse_prefill import run_worst_case_row
-    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -401,7 +403,7 @@ def test_worst_case_row_takes_the_whole_query(page_size):
 def test_worst_case_row_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
     from vllm_sparse_backend.sparse_prefill import run_worst_case_row
-    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -426,7 +428,7 @@ def test_gpu_worst_case_row_peak_covers_a_real_row(patterns):
     """What the profiling run sees must be at least what a real row of that size allocates."""
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_row
-    from vllm_sparse_backend.triton_kernels.sparse_attention import sparse_prefill_attention
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings()
     q_len, ctx, hkv, d = 8192, 24576, 8, 128

@@ -64,16 +64,21 @@ def test_entry_point_declared():
     assert len(eps) == 1 and eps[0].name == "sparse_prefill"
 
 
-def test_triton_kernels_is_a_subpackage_not_top_level(tmp_path):
-    """Installed, our kernels are vllm_sparse_backend.triton_kernels; a top-level `triton_kernels`
-    (an unrelated package vLLM imports) must not come from us. Checked from a directory outside
-    the checkout, where `python -c` does not put the repo's own triton_kernels/ on sys.path."""
+@pytest.mark.parametrize("where", ["outside", "checkout"])
+def test_kernels_never_pose_as_vllms_triton_kernels(tmp_path, where):
+    """Our kernels import as `sparse_prefill_kernels`; a top-level `triton_kernels` (an unrelated
+    package vLLM imports, falling back to its vendored copy only where none is found) must never
+    come from us: neither installed (run from a directory outside the checkout) nor from the
+    checkout's root, which `python -c` and `python -m` put first on sys.path. A folder named
+    `triton_kernels` there would count, even without `__init__.py` (a namespace package)."""
     import subprocess
     import sys
     from pathlib import Path
     repo = str(Path(__file__).resolve().parents[1])
     code = ("import importlib.util as u; s = u.find_spec('triton_kernels'); "
-            "print(u.find_spec('vllm_sparse_backend.triton_kernels') is not None, "
-            f"s is None or not str(s.origin).startswith({repo!r}))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+            "k = u.find_spec('sparse_prefill_kernels'); "
+            "print(k is not None, "
+            f"s is None or not any(str(p).startswith({repo!r}) for p in (s.submodule_search_locations or [s.origin])))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path if where == "outside" else repo,
+                         capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

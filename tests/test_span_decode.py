@@ -1,4 +1,4 @@
-"""Span-retrieval decode kernels (triton_kernels/span_decode.py) vs float64 references.
+"""Span-retrieval decode kernels (sparse_prefill_kernels/span_decode.py) vs float64 references.
 
 CPU: Triton's interpreter at tiny sizes (segments of 256 tokens, pages of 16/32). GPU: the same
 checks at realistic sizes. Inputs have planted spans (runs of pages whose queries and keys share a
@@ -27,6 +27,8 @@ import torch
 from triton_setup import CUDA, INTERPRET, kernel_module
 
 from conftest import masked_attention_f64
+
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 sd = kernel_module("span_decode")
 tk = kernel_module("topk_decode")

@@ -1,4 +1,4 @@
-"""Top-k decode kernels (triton_kernels/topk_decode.py) vs independent torch references.
+"""Top-k decode kernels (sparse_prefill_kernels/topk_decode.py) vs independent torch references.
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1) at tiny sizes when triton is importable. GPU:
 realistic sizes, bf16. Caches are paged with the sequences' pages in random physical order and
@@ -28,6 +28,8 @@ import torch
 from triton_setup import CUDA, INTERPRET, kernel_module
 
 from conftest import masked_attention_f64
+
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 tk = kernel_module("topk_decode")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"

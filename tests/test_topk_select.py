@@ -17,6 +17,8 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
+
 ts = kernel_module("topk_select")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 

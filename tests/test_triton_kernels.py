@@ -23,6 +23,8 @@ from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_bloc
 from vllm_sparse_backend.patterns.vertical_slash import slash_ranges
 from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention
 
+pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
+
 sa = kernel_module("sparse_attention")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GAP = 3  # tokens between rows in q/out that belong to no row
@@ -452,11 +454,11 @@ def test_gpu_fp8_kv_cache(group, share, d, mode):
 
 
 # ------------------------------------------------------------------------------------------
-# GPU index building for vertical-slash heads (triton_kernels/vs_index.py)
+# GPU index building for vertical-slash heads (sparse_prefill_kernels/vs_index.py)
 # ------------------------------------------------------------------------------------------
 
-vsi = pytest.importorskip("vllm_sparse_backend.triton_kernels.vs_index",
-                          reason="vllm_sparse_backend.triton_kernels is not installed (pip install -e .)")
+vsi = pytest.importorskip("sparse_prefill_kernels.vs_index",
+                          reason="sparse_prefill_kernels is not installed (pip install -e .)")
 DIAG_MODES = sorted(vsi.DIAG_MODES)
 
 

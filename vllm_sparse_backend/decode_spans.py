@@ -1,7 +1,7 @@
 """One step of the opt-in span-retrieval decode mode (issue 8, item 2): metadata -> spans -> pages -> attention.
 
 Backend-agnostic glue between a step's paged-cache metadata and the kernels of
-``triton_kernels/span_decode.py`` (Ltri-LLM, mapped onto vLLM's pages; the module doc there has
+``sparse_prefill_kernels/span_decode.py`` (Ltri-LLM, mapped onto vLLM's pages; the module doc there has
 the algorithm):
 
 1. every step, the pages its slots wrote get a fallback span key (their mean key times
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SparseSettings
+from .kernels import span_decode, topk_decode
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,14 @@ class SpanDecodeBudget:
 
 
 def span_params(cfg: SparseSettings):
-    from .triton_kernels.span_decode import SpanParams
-
-    return SpanParams(theta_quantile=cfg.decode_span_theta, iou=cfg.decode_span_iou, lam=cfg.decode_span_lambda,
+    return span_decode.SpanParams(theta_quantile=cfg.decode_span_theta, iou=cfg.decode_span_iou, lam=cfg.decode_span_lambda,
                       min_index=cfg.decode_span_min_index, max_index=cfg.decode_span_max_index)
 
 
 def plan_step_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, cfg: SparseSettings,
                        device):
     """Host-side segment plan of a step's prefill rows (None when it has none)."""
-    from .triton_kernels.span_decode import plan_span_segments
-
-    return plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens, cfg.last_q,
+    return span_decode.plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens, cfg.last_q,
                               device)
 
 
@@ -62,14 +59,12 @@ class SpanIndex:
     """Span keys and persistent flags of one layer's cache, indexed by physical page like the cache."""
 
     def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings):
-        from .triton_kernels.span_decode import allocate_span_index
-
         self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
         self.page_size = key_cache.shape[1]
         self.params = span_params(cfg)
         self.budget = SpanDecodeBudget.from_settings(cfg)
         # a page written before these existed scores 0 until it is written again
-        self.keys, self.flags = allocate_span_index(key_cache)
+        self.keys, self.flags = span_decode.allocate_span_index(key_cache)
 
     @property
     def nbytes(self) -> int:
@@ -77,31 +72,24 @@ class SpanIndex:
 
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the cache update of a step: fallback keys for the written pages."""
-        from .triton_kernels.span_decode import update_span_keys
-
-        update_span_keys(key_cache, self.keys, self.flags, slot_mapping, self.params.min_index)
+        span_decode.update_span_keys(key_cache, self.keys, self.flags, slot_mapping, self.params.min_index)
 
     def prefill(self, query: torch.Tensor, key: torch.Tensor, segments, block_table: torch.Tensor,
                 scale: float) -> None:
         """Spans, span keys and persistent flags of the step's prefill rows (after :meth:`update`).
         query ``[tokens, H, D]`` / key ``[tokens, Hkv, D]``: the step's new tokens."""
-        from .triton_kernels.span_decode import build_span_keys, mark_persistent_pages
-
         if segments.num_segments:
-            build_span_keys(query, key, segments, self.keys, block_table, self.page_size, scale, self.params)
+            span_decode.build_span_keys(query, key, segments, self.keys, block_table, self.page_size, scale, self.params)
         b = self.budget
-        mark_persistent_pages(query, self.keys, self.flags, block_table, segments, self.page_size,
+        span_decode.mark_persistent_pages(query, self.keys, self.flags, block_table, segments, self.page_size,
                               sink_pages=b.sink_pages, recent_pages=b.recent_pages, persist_pages=b.persist_pages)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
         """Decode attention of one query token per sequence over its retrieved pages, into ``out``."""
-        from .triton_kernels.span_decode import select_span_pages
-        from .triton_kernels.topk_decode import topk_decode_attention
-
         b = self.budget
-        selected, counts = select_span_pages(query, self.keys, self.flags, block_table, seq_lens, self.page_size,
+        selected, counts = span_decode.select_span_pages(query, self.keys, self.flags, block_table, seq_lens, self.page_size,
                                              sink_pages=b.sink_pages, recent_pages=b.recent_pages,
                                              persist_pages=b.persist_pages, num_pages_budget=b.budget_pages)
-        return topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected, counts, scale,
-                                     out)
+        return topk_decode.topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected,
+                                                 counts, scale, out)

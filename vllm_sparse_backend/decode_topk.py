@@ -1,7 +1,7 @@
 """One decode step of the opt-in top-k decode mode (issue 8): metadata -> summaries -> pages -> attention.
 
 Backend-agnostic glue between a step's paged-cache metadata and the kernels of
-``triton_kernels/topk_decode.py``:
+``sparse_prefill_kernels/topk_decode.py``:
 
 1. the pages the step's slots were written to get their key summaries (per-page min / max per
    KV head) recomputed, so summaries follow the cache through prefill and decode alike;
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SparseSettings
+from .kernels import topk_decode as kernels
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,9 @@ class PageSummaries:
     """Per-page key min / max of one layer's cache, indexed by physical page like the cache."""
 
     def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings | None = None):
-        from .triton_kernels.topk_decode import allocate_page_summaries
-
         self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
         self.budget = TopkDecodeBudget.from_settings(cfg or SparseSettings())
-        self.min, self.max = allocate_page_summaries(key_cache)
+        self.min, self.max = kernels.allocate_page_summaries(key_cache)
         # a page not summarised yet (written before these existed) bounds to 0: neither always
         # chosen nor never; every page written from now on gets its real summary
         self.min.zero_()
@@ -57,9 +56,7 @@ class PageSummaries:
 
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the cache update of a step: re-summarise the pages ``slot_mapping`` wrote to."""
-        from .triton_kernels.topk_decode import update_page_summaries
-
-        update_page_summaries(key_cache, self.min, self.max, slot_mapping)
+        kernels.update_page_summaries(key_cache, self.min, self.max, slot_mapping)
 
     def prefill(self, query, key, segments, block_table, scale) -> None:
         """Nothing to do after a prefill: :meth:`update` already followed the written pages."""
@@ -78,12 +75,10 @@ def topk_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (the query's own key
     included; 0 for a padded slot, whose output is zeros). The summaries must be current
     (:meth:`PageSummaries.update` of this step's slots already ran)."""
-    from .triton_kernels.topk_decode import select_pages, topk_decode_attention
-
     page = key_cache.shape[1]
-    selected, counts = select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
+    selected, counts = kernels.select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
                                     sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
                                     num_pages_budget=budget.budget_pages)
-    return topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected, counts, scale, out,
-                                 topk_tokens=budget.topk_tokens, sink_pages=budget.sink_pages,
-                                 recent_pages=budget.recent_pages)
+    return kernels.topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected, counts, scale,
+                                         out, topk_tokens=budget.topk_tokens, sink_pages=budget.sink_pages,
+                                         recent_pages=budget.recent_pages)

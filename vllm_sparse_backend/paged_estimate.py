@@ -3,8 +3,8 @@ CUDA backend's Triton path).
 
 Same contract as :func:`vllm_sparse_backend.patterns.estimate_index` (a row's queries and the
 layer's per-head patterns in, one :class:`SparseIndex` for all heads out), but K is read through
-the block table by the kernels of ``triton_kernels/vs_index.py`` and ``triton_kernels/estimate.py``
-(nothing is gathered out of the cache) and nothing synchronises with the host: every width is a
+the block table by the kernels of ``sparse_prefill_kernels/vs_index.py`` and
+``sparse_prefill_kernels/estimate.py`` (nothing is gathered out of the cache) and nothing synchronises with the host: every width is a
 host int derived from the row's lengths and the configured budgets, so a whole step is queued
 without waiting for the GPU.
 
@@ -29,6 +29,7 @@ import torch
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
+from .kernels import estimate, vs_index
 from .patterns.vertical_slash import band_count, band_shift, slash_band_scores
 from .plan import budget_density, vs_budget
 
@@ -111,14 +112,11 @@ def _merge(parts: list[tuple[torch.Tensor, SparseIndex]], num_heads: int) -> Spa
 
 def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings: SparseSettings,
                     scale: float, share: int, k_scale=None) -> SparseIndex:
-    from vllm_sparse_backend.triton_kernels.estimate import representative_scores
-    from vllm_sparse_backend.triton_kernels.vs_index import vertical_slash_index, vs_topk
-
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
     # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
-    vertical, slash = representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len), scale,
-                                            group_sum=share > 1, k_scale=k_scale)
+    vertical, slash = estimate.representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len),
+                                                     scale, group_sum=share > 1, k_scale=k_scale)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : settings.keep_first_columns] = float("inf")
@@ -135,17 +133,18 @@ def _vertical_slash(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, setting
     max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
     band = settings.slash_band
     if band == 1:
-        v_idx, v_cnt, s_idx, s_cnt = vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"),
-                                             max_v, max_s)
+        v_idx, v_cnt, s_idx, s_cnt = vs_index.vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"),
+                                                      max_v, max_s)
     else:  # whole bands of diagonals by their summed scores (patterns.vertical_slash.slash_band_scores)
         bands = slash_band_scores(slash, ctx_len, band)
         # -inf past the last band: one width for both score rows (vs_topk's single-launch select)
         bands = torch.nn.functional.pad(bands, (0, kv_len - bands.shape[1]), value=float("-inf"))
-        v_idx, v_cnt, b_idx, _ = vs_topk(vertical, bands, budget("vertical_size"), band_count(budget("slash_size"), band),
-                                         max_v, band_count(max_s, band))
+        v_idx, v_cnt, b_idx, _ = vs_index.vs_topk(vertical, bands, budget("vertical_size"),
+                                                  band_count(budget("slash_size"), band), max_v,
+                                                  band_count(max_s, band))
         s_idx, s_cnt = _band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
-    return vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size,
-                                slash_tiles=settings.slash_tiles)
+    return vs_index.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size,
+                                         slash_tiles=settings.slash_tiles)
 
 
 def _band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,8 +165,6 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
     view of the layer's cache (the chunk's keys already written); block_table_row: int32 [pages].
     ``k_scale``: an fp8 cache's per-layer scale (a one-element fp32 device tensor or a number;
     dequantised K = stored * k_scale), None for a cache of the queries' dtype."""
-    from vllm_sparse_backend.triton_kernels import estimate as est
-
     q_len, num_heads, _ = q_row.shape
     if num_heads != groups.num_heads:
         raise ValueError(f"{groups.num_heads} head patterns for {num_heads} query heads")
@@ -185,20 +182,21 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
         if g.pattern is PatternName.DENSE:
             # every causal key block: A-shape whose sink covers the whole row
             full = torch.full((n,), kv_len, dtype=torch.int64, device=dev)
-            ix = est.a_shape_index(full, full, q_len, ctx_len, b, max_blocks=num_blocks(kv_len, b))
+            ix = estimate.a_shape_index(full, full, q_len, ctx_len, b, max_blocks=num_blocks(kv_len, b))
         elif g.pattern is PatternName.A_SHAPE:
             width = (num_blocks(int(g.max_params["sink_tokens"]), b) + num_blocks(int(g.max_params["local_window"]), b)
                      + 2)
-            ix = est.a_shape_index(g.params["sink_tokens"], g.params["local_window"], q_len, ctx_len, b,
+            ix = estimate.a_shape_index(g.params["sink_tokens"], g.params["local_window"], q_len, ctx_len, b,
                                    max_blocks=width)
         elif g.pattern is PatternName.VERTICAL_SLASH:
             ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale, share, k_scale)
         elif g.pattern is PatternName.BLOCK_SPARSE:
-            pooled = est.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
+            pooled = estimate.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
             topk = torch.full((num_lists,), 1, dtype=torch.int64, device=dev)
             topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
-            ix = est.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=int(g.max_params["topk_blocks"]),
-                                        share=share)
+            ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b,
+                                             max_topk=int(g.max_params["topk_blocks"]),
+                                             share=share)
             if not g.all_heads:
                 ix = _select(ix, g.ids)
         elif g.pattern is PatternName.FLEX_PREFILL:
@@ -206,7 +204,7 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
                 raise ValueError("FlexPrefill heads cannot share one selection per KV group")
             gamma = torch.full((num_heads,), settings.gamma, dtype=torch.float32, device=dev)
             gamma[g.ids] = g.params["gamma"].float()
-            ix, qa = est.flex_prefill_index(
+            ix, qa = estimate.flex_prefill_index(
                 q_row, key_cache, block_table_row, ctx_len, gamma, tau=settings.tau,
                 flex_block_size=settings.flex_block_size, min_budget=settings.min_budget,
                 max_budget=settings.max_budget, block_size=b, scale=scale, k_scale=k_scale)

@@ -69,7 +69,7 @@ def _record(row: SparseRow, num_heads: int, computed: int | None, head_patterns)
     STATS.record_sparse_row(row.q_len, causal_pairs(row.q_len, row.ctx_len, num_heads), computed, head_patterns)
 
 
-# The Triton kernel's entry point (triton_kernels.sparse_attention.sparse_prefill_attention).
+# The Triton kernel's entry point (sparse_prefill_kernels.sparse_attention.sparse_prefill_attention).
 PagedKernel = Callable[..., object]
 
 

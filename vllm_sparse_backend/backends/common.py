@@ -1,6 +1,6 @@
 """What the CUDA and CPU backends share: per-step metadata, per-layer head patterns, fallbacks.
 
-vLLM glue only: no attention math here (that lives in patterns/, reference.py, triton_kernels/).
+vLLM glue only: no attention math here (that lives in patterns/, reference.py, sparse_prefill_kernels/).
 """
 
 from __future__ import annotations

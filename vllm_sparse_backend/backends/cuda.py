@@ -39,8 +39,10 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
 
+from .. import kernels
 from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
-from ..decode_spans import plan_step_segments
+from ..decode_spans import SpanIndex, plan_step_segments
+from ..decode_topk import PageSummaries
 from ..paged_estimate import HeadGroups
 from ..plan import SparseRow, budget_density
 from ..reference import gather_paged_kv
@@ -131,11 +133,7 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
         return f"head size {head_size} / dtype {dtype}"
     if block_size != 64:
         return f"block_size {block_size}"
-    try:
-        from ..triton_kernels import sparse_attention  # noqa: F401
-    except ImportError as e:
-        return f"triton unavailable ({e})"
-    return None
+    return kernels.UNAVAILABLE
 
 
 class SparsePrefillImpl(FlashAttentionImpl):
@@ -178,11 +176,11 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if signature in _scratch_claimed:
             return
         _scratch_claimed.add(signature)
-        from ..triton_kernels.sparse_attention import sparse_prefill_attention
+        attention = kernels.sparse_attention.sparse_prefill_attention
         try:
             # (an fp8 layer's query may arrive quantized: the sparse path widens it, as in forward)
             run_worst_case_row(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len, groups, cfg,
-                               self.scale, float(self.logits_soft_cap or 0.0), sparse_prefill_attention,
+                               self.scale, float(self.logits_soft_cap or 0.0), attention,
                                page_size=vc.cache_config.block_size or 16, kv_dtype=kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
             _scratch_claim_failed = f"{type(e).__name__}: {e}"
@@ -212,8 +210,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
                 log_once("sparse rows use the PyTorch reference attention: kernel=torch")
         if not self._use_triton:
             return None
-        from ..triton_kernels.sparse_attention import sparse_prefill_attention
-        return sparse_prefill_attention
+        return kernels.sparse_attention.sparse_prefill_attention
 
     _decode_index = None  # decode_mode topk: PageSummaries, spans: SpanIndex; allocated on first use
     _decode_off: str | None = None  # why this layer's decode stays dense
@@ -247,8 +244,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if reason is None and self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             reason = "an fp8 KV cache"
         if reason is None and mode == "spans":
-            from ..triton_kernels.span_decode import unsupported_page_size
-            reason = unsupported_page_size(key_cache.shape[1])
+            reason = kernels.span_decode.unsupported_page_size(key_cache.shape[1])
         if reason is not None:
             self._decode_off = reason  # decided once: the forward stops asking
             log_once("decode_mode=%s: layers with %s decode dense", mode, reason)
@@ -259,10 +255,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return None
         try:
             if mode == "spans":
-                from ..decode_spans import SpanIndex
                 self._decode_index = SpanIndex(key_cache, settings())
             else:
-                from ..decode_topk import PageSummaries
                 self._decode_index = PageSummaries(key_cache, settings())
         except torch.OutOfMemoryError:
             self._decode_off = "no memory left for its state beside the cache"

@@ -1,10 +1,13 @@
-"""Pieces shared by the pattern estimators (all batched over heads; no per-head loops)."""
+"""Pieces shared by the pattern estimators (all batched over heads; no per-head loops). The score
+arithmetic they share with the GPU estimators (``block_means``, ``sum_head_groups``,
+``cumulative_budget``) lives in :mod:`sparse_prefill_kernels.estimate_math` and is re-exported here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from sparse_prefill_kernels.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ..index import SparseIndex, build_index, num_blocks
 
@@ -43,11 +46,6 @@ class PatternSelection:
             self.block_mask, self.columns, self.column_keep, self.range_count, self.range_start)))
 
 
-def sum_head_groups(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Sum of every ``n`` consecutive heads (leading axis): [h, ...] -> [h // n, ...]."""
-    return x if n == 1 else x.reshape(x.shape[0] // n, n, *x.shape[1:]).sum(1)
-
-
 def last_queries_probs(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int, n: int,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax of the last ``n`` queries of the chunk against all keys (fp32).
@@ -83,26 +81,4 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     ranks.scatter_(-1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order))
     return ranks < counts.to(scores.device)[:, None]
 
-
-def cumulative_budget(scores: torch.Tensor, gamma: torch.Tensor | float) -> torch.Tensor:
-    """Smallest k per row such that the k largest normalised scores sum to >= gamma. [h] int64."""
-    total = scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
-    sorted_scores = (scores / total).sort(-1, descending=True).values
-    csum = sorted_scores.cumsum(-1)
-    gamma = torch.as_tensor(gamma, dtype=csum.dtype, device=csum.device).reshape(-1, 1)
-    # number of prefixes still below gamma, plus the one that reaches it
-    k = (csum < gamma).sum(-1) + 1
-    return k.clamp(max=scores.shape[-1])
-
-
-def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n, h, D] -> [h, ceil(n / block_size), D]: mean of each block of ``block_size`` rows (the
-    last block may be short). Queries are blocked from the chunk start, keys from position 0."""
-    n, h, d = x.shape
-    nb = num_blocks(n, block_size)
-    pad = nb * block_size - n
-    sums = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(nb, block_size, h, d).sum(1)
-    # the last block holds block_size - pad rows (built with device ops: no host-to-device write)
-    counts = torch.full((nb,), float(block_size), device=x.device) - pad * (torch.arange(nb, device=x.device) == nb - 1)
-    return (sums / counts[:, None, None]).transpose(0, 1)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from sparse_prefill_kernels.estimate_math import rescale_block_mask, sqrt_js_divergence
 
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
 from .common import (PatternSelection, block_means, cumulative_budget, keep_top, last_queries_probs,
@@ -27,30 +28,6 @@ from .vertical_slash import vertical_slash_to_selection
 class FlexDecision:
     query_aware: torch.Tensor  # bool [h]
     jsd: torch.Tensor  # float [h], sqrt of the Jensen-Shannon divergence
-
-
-def sqrt_js_divergence(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """sqrt(JSD(p || q)) over the last dim, natural log; p and q are distributions."""
-    m = 0.5 * (p + q)
-
-    def kl(a, b):
-        return torch.where(a > 0, a * (torch.log(a.clamp_min(eps)) - torch.log(b.clamp_min(eps))),
-                           torch.zeros_like(a)).sum(-1)
-
-    return torch.sqrt((0.5 * (kl(p, m) + kl(q, m))).clamp_min(0.0))
-
-
-def rescale_block_mask(mask: torch.Tensor, from_b: int, to_b: int, nqb: int, nkb: int) -> torch.Tensor:
-    """Block mask at block size from_b -> block size to_b (any-pooling when coarsening)."""
-    if from_b > to_b:
-        r = from_b // to_b
-        mask = mask.repeat_interleave(r, dim=1).repeat_interleave(r, dim=2)
-    elif from_b < to_b:
-        r = to_b // from_b
-        h, a, b = mask.shape
-        mask = torch.nn.functional.pad(mask, (0, (-b) % r, 0, (-a) % r))
-        mask = mask.view(h, mask.shape[1] // r, r, mask.shape[2] // r, r).any(4).any(2)
-    return mask[:, :nqb, :nkb]
 
 
 def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,

@@ -1,6 +1,6 @@
 """Triton forward kernel for sparse prefill attention over vLLM's paged KV cache.
 
-Consumes the block + range + column format of :mod:`vllm_sparse_backend.index` (MInference
+Consumes the block + range + column format of :mod:`.index_format` (MInference
 Alg. 5 plus its point-range merge): for each query block of 64 queries and each query head,
 first the listed whole key blocks (unmasked, except the at most two that reach the query
 block's own positions), then the listed key ranges (64 consecutive keys from any position, cut
@@ -38,7 +38,7 @@ descriptor per cache, one box = 64 keys of one page and KV head; the pointer gat
 registers and address math per key, 1.04-1.28x at 128K, benchmarks/KERNEL_NOTES.md); range and
 column tiles are always gathered.
 
-Imports nothing from vLLM; only :mod:`vllm_sparse_backend.index` from this package.
+Imports nothing from vLLM or vllm_sparse_backend: torch, triton and this package only.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_sparse_backend.index import SparseIndex
-
+from .index_format import SparseIndex
 from .kv_quant import check_kv_dtypes, scale_operand
 
 try:  # host-side TMA descriptors (Triton >= 3.3)

@@ -49,11 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_sparse_backend.index import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, \
-    query_block_bounds
-from vllm_sparse_backend.patterns.common import block_means, cumulative_budget, sum_head_groups
-from vllm_sparse_backend.patterns.flex_prefill import rescale_block_mask, sqrt_js_divergence
-
+from .estimate_math import block_means, cumulative_budget, rescale_block_mask, sqrt_js_divergence, sum_head_groups
+from .index_format import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, query_block_bounds
 from .kv_quant import scale_operand
 from .vs_index import last_q_scores, vertical_slash_index, vs_topk
 

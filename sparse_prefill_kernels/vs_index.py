@@ -17,7 +17,7 @@ followed by ``build_index`` (tests/test_triton_kernels.py checks it): diagonal d
 key pos) of a query block spanning [P0, P1] covers key blocks (max(P0 - d, 0) // B) ..
 ((P1 - d) // B) when d <= P1.
 
-Imports nothing from vLLM; only :mod:`vllm_sparse_backend.index` from this package.
+Imports nothing from vLLM or vllm_sparse_backend: torch, triton and this package only.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_sparse_backend.index import SparseIndex, num_blocks
-
+from .index_format import SparseIndex, num_blocks
 from .kv_quant import check_kv_dtypes, scale_operand
+from .topk_select import topk_ascending
 
 _BIG = 2**30
 BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
@@ -69,7 +69,6 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
         if isinstance(count, int) and count >= w:
             # every head keeps its top w: no best-first order needed, only ascending positions
             if radix:
-                from .topk_select import topk_ascending
                 return topk_ascending(scores, w, width)
             idx = scores.topk(w, dim=-1, sorted=False).indices.sort(-1).values.to(torch.int32)
             if w < width:
@@ -87,7 +86,6 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
     wv, ws = min(max_v, kv_len), min(max_s, kv_len)
     if radix and isinstance(v_count, int) and isinstance(s_count, int) and v_count >= wv and s_count >= ws:
         # both selections in one radix select with per-row counts: half the launches of two
-        from .topk_select import topk_ascending
         idx, cnt = topk_ascending(torch.cat([vertical, slash]), max(wv, ws), max(max_v, max_s),
                                   row_k=_row_counts(h, wv, ws, dev))
         return idx[:h, :max_v].contiguous(), cnt[:h], idx[h:, :max_s].contiguous(), cnt[h:]
