@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "search-patterns":
             return _search_patterns(args)
         elif args.cmd == "demo":
-            from .demo import main as demo_main
+            from .tools.demo import main as demo_main
             return demo_main(args.rest)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -114,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _search_patterns(args) -> int:
     """Calibration prompts: needle-retrieval prompts of ``--length`` tokens cut from offline text
-    with the model's own tokenizer (:func:`vllm_sparse_backend.search.calibration_prompts`)."""
+    with the model's own tokenizer (:func:`vllm_sparse_backend.tools.search.calibration_prompts`)."""
     import os
     from pathlib import Path
 
     from transformers import AutoTokenizer
 
-    from .search import calibration_prompts, search_model
+    from .tools.search import calibration_prompts, search_model
 
     if not (Path(args.model) / "config.json").is_file():
         raise ConfigError(f"--model {args.model}: not a Hugging Face model folder (no config.json)")
@@ -130,7 +130,7 @@ def _search_patterns(args) -> int:
         raise ConfigError("--length must be >= 128, --samples and --rows >= 1, --tail-rows >= 0")
     text_path = args.text
     if text_path is None:
-        from .assets import ensure_text
+        from .tools.assets import ensure_text
         text_path = str(ensure_text())
     try:
         text = Path(text_path).read_text(encoding="utf-8", errors="replace")
