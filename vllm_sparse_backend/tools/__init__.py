@@ -6,6 +6,7 @@
   that start and stop such servers for tests and benchmarks.
 * :mod:`.search`: the offline kernel-aware pattern search (``vllm-sparse search-patterns``).
 * :mod:`.evaluation`: accuracy runs and attention checks on real models.
+* :mod:`.cli`: the ``vllm-sparse`` subcommands above (``search-patterns``, ``demo``).
 
 Tools import the serving core; the core never imports tools, so a server never loads this
 package or its dependencies.
