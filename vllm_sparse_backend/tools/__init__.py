@@ -8,6 +8,6 @@
 * :mod:`.evaluation`: accuracy runs and attention checks on real models.
 * :mod:`.cli`: the ``vllm-sparse`` subcommands above (``search-patterns``, ``demo``).
 
-Tools import the serving core; the core never imports tools, so a server never loads this
-package or its dependencies.
+Tools import the serving core; the core never imports tools (``tests/test_layout.py`` checks
+both directions), so a server never loads this package or its dependencies.
 """
