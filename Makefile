@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: venv
-	$(VPY) -m vllm_sparse_backend.demo
+	$(VPY) -m vllm_sparse_backend.tools.demo
 
 test: venv
 	@echo ">> lint: docker/Dockerfile (hadolint), docker/entrypoint.sh (shellcheck), deploy/ (deploy/check.py)"

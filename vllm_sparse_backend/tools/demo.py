@@ -1,7 +1,7 @@
 """Passkey demo: a real vLLM OpenAI server with the sparse-prefill backend finds a number
 hidden in a few thousand tokens of Jane Austen.
 
-    python -m vllm_sparse_backend.demo [--tokens 4000] [--port 0] [--keep-server]
+    python -m vllm_sparse_backend.tools.demo [--tokens 4000] [--port 0] [--keep-server]
 
 Steps: fetch the model and the text (``assets``), start ``vllm serve`` in a child process
 group, wait for ``/health``, build a chat prompt with the needle "The secret passcode for the
@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 from typing import Any, Protocol, Sequence
+
+from . import assets
 
 # Sparse settings for the demo server (the backend reads VLLM_SPARSE_* from the environment;
 # variables already set by the caller take precedence). The library defaults (vertical-slash
@@ -248,9 +250,8 @@ def start_server(model_dir: str | os.PathLike, extra_args: Sequence[str],
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
-        # cwd: the log's folder, never a source checkout, whose top-level triton_kernels/ folder
-        # would shadow the unrelated `triton_kernels` package vLLM imports (`python -m` puts the
-        # working directory first on sys.path). The plugin must be installed (make venv does).
+        # cwd: the log's folder, never a source checkout (`python -m` puts the working directory
+        # first on sys.path): the server runs the installed plugin (make venv installs it).
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, cwd=log_path.parent,
                                 stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     return ServerHandle(proc=proc, port=port, log_path=log_path, host=host)
@@ -453,7 +454,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_sparse_backend.demo",
+    parser = argparse.ArgumentParser(prog="python -m vllm_sparse_backend.tools.demo",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4000,
                         help="prompt length in tokens (model context: 8192)")
@@ -469,8 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 200 <= args.tokens <= 8100:
         parser.error("--tokens must be within 200..8100 (the model's context is 8192)")
-
-    from vllm_sparse_backend import assets  # stdlib-only module
 
     t0 = time.monotonic()
     model_dir = assets.ensure_smollm2(args.cache_dir)

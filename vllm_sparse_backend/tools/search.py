@@ -14,7 +14,7 @@ A-shape and block-sparse costs do not depend on the data and come from tables bu
 prompt length. Each family's tuned selection is then built by the backend's own estimator
 (:func:`vllm_sparse_backend.patterns.estimate_index`, group-shared exactly as the backend decides
 it) and scored against dense attention on sampled query rows (the prompt's last rows included), a
-tile of queries at a time against all keys (:func:`..evaluation.attention_check.selection_stats`):
+tile of queries at a time against all keys (:func:`.evaluation.attention_check.selection_stats`):
 no n x n matrix is ever formed, everything stays on the device of the captured tensors.
 
 The model-running part (:func:`search_model`, the ``vllm-sparse search-patterns`` command) runs
@@ -37,19 +37,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from .config import PatternName, SparseSettings
+from ..config import PatternName, SparseSettings
+from ..head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
+from ..index import causal_block_mask, num_blocks, range_cover
+from ..patterns import estimate_index
+from ..patterns.a_shape import a_shape_selection
+from ..patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from ..patterns.vertical_slash import slash_block_mask, slash_ranges
+from ..plan import budget_density, kv_group_share, vs_budgets
+from ..reference import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
                                          selection_stats)
 from .evaluation.variants import Variant
-from .head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
-from .index import causal_block_mask, num_blocks, range_cover
-from .patterns import estimate_index
-from .patterns.a_shape import a_shape_selection
-from .patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from .patterns.vertical_slash import slash_block_mask, slash_ranges
-from .plan import budget_density, kv_group_share, vs_budgets
-from .reference import kv_head_map
 
 
 @dataclass
@@ -471,7 +471,7 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
     file ``<out>.partial.json`` is rewritten after every layer (``resume``: layers it holds for
     the same inputs are not searched again), the file is written as soon as every layer is
     searched, and again with the verification's results: with ``verify`` the file is run as the
-    backend would run it on the same prompts (:class:`..evaluation.attention_check.LayerChecker`)
+    backend would run it on the same prompts (:class:`.evaluation.attention_check.LayerChecker`)
     and its achieved density, tile density, recall and output error go into ``settings``."""
     if selection not in ("group", "head"):
         raise ValueError(f"selection {selection!r}: group or head")
