@@ -604,12 +604,6 @@ def tma_unusable(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: in
     return ""
 
 
-def default_tma(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """The TMA path by default wherever it can read the caches on a GPU (pages of 64+ keys on
-    Hopper or later): 1.04-1.28x the gathered loads at 128K (benchmarks/KERNEL_NOTES.md)."""
-    return key_cache.is_cuda and not tma_unusable(key_cache, value_cache, 64)
-
-
 def _cache_descriptor(cache: torch.Tensor):
     """4-D descriptor over a [pages, page, Hkv, D] cache view (any order of the first three
     strides, NHD or HND), one box = 64 keys of one page and one KV head."""
@@ -648,8 +642,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     query's dtype. None or 1.0: the stored values are used as they are.
     ``tma``: load the listed key blocks with the tensor memory accelerator (Hopper and later)
     through descriptors of the caches instead of per-key gathers; needs pages of a multiple of
-    64 keys and 64-key tiles (see :func:`tma_unusable`). None: :func:`default_tma` (unless
-    ``block_n`` asks for 128-key tiles). Range and column tiles are gathered either way.
+    64 keys and 64-key tiles (see :func:`tma_unusable`). None: wherever it can read the caches on
+    a GPU (1.04-1.28x the gathered loads at 128K, benchmarks/KERNEL_NOTES.md). Range and column
+    tiles are gathered either way.
     """
     check_kv_dtypes(q, key_cache, value_cache)
     ks, vs = scale_operand(k_scale, q.device), scale_operand(v_scale, q.device)
@@ -683,7 +678,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     bix = index
     if bix.block_size != 64:
         raise ValueError("the kernel is built for 64-wide blocks")
-    use_tma = (block_n in (None, 64) and default_tma(key_cache, value_cache)) if tma is None else tma
+    tma_why = tma_unusable(key_cache, value_cache, block_n or 64)  # once per launch ('' = usable)
+    if tma and tma_why:
+        raise ValueError(f"tma=True: {tma_why}")
+    use_tma = (key_cache.is_cuda and not tma_why) if tma is None else tma
     if bix.dense:
         gh = heads_per_program or default_config(d, True, group, tma=use_tma)["heads_per_program"]
     else:
@@ -728,9 +726,6 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         per_qb = [whole_rows[i].view(1).expand(-(-_row_fields(r)[2] // bix.block_size)) for i, r in enumerate(rows)]
         whole = torch.cat(per_qb).to(torch.int32)
     if use_tma:
-        why = tma_unusable(key_cache, value_cache, bn)
-        if why:
-            raise ValueError(f"tma=True: {why}")
         k_desc, v_desc = _cache_descriptor(key_cache), _cache_descriptor(value_cache)
     else:
         k_desc, v_desc = key_cache, value_cache  # placeholders: not read without TMA
