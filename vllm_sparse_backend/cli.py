@@ -7,9 +7,11 @@
                                                                  settings (and their head-config file)
   vllm-sparse search-patterns --model DIR --out FILE.json        kernel-aware per-head search
       [--length 16384] [--density 0.3] [--samples 2] [--device auto] [--text FILE]
+  vllm-sparse layer-budgets RECALL.json --model DIR --density D --out FILE.json
+                                                                 per-layer budgets from a recall run
   vllm-sparse demo [...]                                         passkey demo through vllm serve
 
-The first three commands come from the serving core; ``search-patterns`` and ``demo`` from the
+The first three commands come from the serving core; ``search-patterns``, ``layer-budgets`` and ``demo`` from the
 offline tools (:mod:`vllm_sparse_backend.tools.cli`). This module sits above both layers and
 vLLM never imports it.
 """

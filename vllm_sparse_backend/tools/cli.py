@@ -1,6 +1,8 @@
 """The offline-tool subcommands of ``vllm-sparse`` (the command itself: :mod:`vllm_sparse_backend.cli`).
 
   vllm-sparse search-patterns --model DIR --out FILE.json   kernel-aware per-head search (search.py)
+  vllm-sparse layer-budgets RECALL.json --model DIR --density D --out FILE.json
+                                                            per-layer budgets from a recall run (layer_budgets.py)
   vllm-sparse demo [...]                                    passkey demo through vllm serve (demo.py)
 """
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from ..config import ConfigError, load_settings
 from ..head_configs import load_head_config
-from . import assets, demo
+from . import assets, demo, layer_budgets
 
 def add_tool_commands(sub) -> None:
     """Add the tool subcommands to ``vllm-sparse``'s subparsers."""
@@ -55,6 +57,22 @@ def add_tool_commands(sub) -> None:
                    "for the same inputs")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the final pass "
                    "that measures the file's achieved density and error on the calibration prompts")
+    p = sub.add_parser("layer-budgets", help="per-layer vertical-slash budgets from an attention_recall run",
+                       description="One budget rung per layer from a benchmarks/attention_recall.py run over a "
+                       "ladder of vertical-slash budgets (and dense): the least summed loss with the mean "
+                       "measured density within --density. Writes a head-config file.")
+    p.add_argument("recall", help="attention_recall JSON (benchmarks/results/attention_recall_*.json)")
+    p.add_argument("--model", required=True, help="model folder (its config.json gives layers and heads)")
+    p.add_argument("--density", type=float, required=True, help="mean measured density over layers to stay "
+                   "within (computed pairs / causal pairs, as the recall run measured them)")
+    p.add_argument("--out", required=True, help="head-config JSON to write")
+    p.add_argument("--rungs", nargs="+", default=None, help="variant labels of the run to use (default: "
+                   "every vertical-slash or dense variant)")
+    p.add_argument("--objective", choices=["error", "recall"], default="error",
+                   help="loss per layer: relative output error (default) or lost softmax mass")
+    p.add_argument("--lengths", nargs="+", type=int, default=None, help="lengths of the run to average "
+                   "over (default: all)")
+    p.add_argument("--name", help="model name recorded in the file (default: folder name)")
     p = sub.add_parser("demo", help="passkey demo through a real vLLM server", add_help=False)
     p.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -63,9 +81,21 @@ def run_tool_command(args) -> int:
     """Run a tool subcommand parsed by :func:`add_tool_commands`; ConfigError for bad input."""
     if args.cmd == "search-patterns":
         return _search_patterns(args)
+    if args.cmd == "layer-budgets":
+        return _layer_budgets(args)
     if args.cmd == "demo":
         return demo.main(args.rest)
     raise ValueError(f"not a tool command: {args.cmd}")
+
+
+def _layer_budgets(args) -> int:
+    picks = layer_budgets.run(args.recall, args.model, args.density, args.out, labels=args.rungs,
+                              objective=args.objective, lengths=args.lengths, name=args.name)
+    mean = sum(c.density for c in picks) / len(picks)
+    print("layer " + " ".join(f"{c.layer}:{c.rung.label}" for c in picks))
+    print(f"wrote {args.out}: mean measured density {mean:.3f} (target {args.density}), summed "
+          f"{args.objective} {sum(c.loss for c in picks):.4f}")
+    return 0
 
 
 def _search_patterns(args) -> int:
