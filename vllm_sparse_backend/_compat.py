@@ -19,12 +19,26 @@ CPU_BACKEND = "vllm_sparse_backend.backends.cpu.SparsePrefillCPUBackend"
 
 
 def register_backends() -> None:
-    """Idempotent; must not initialise CUDA (that would force spawn in vLLM's children)."""
+    """Idempotent; must not initialise CUDA (that would force spawn in vLLM's children).
+
+    The backend goes in through vLLM's public ``register_backend(AttentionBackendEnum.CUSTOM,
+    path)``, which 0.26, 0.32 and 0.33 all have with the same meaning. The spellings are the one
+    write into the enum's member map, on every version, because no release offers a public way:
+
+    - 0.32 and 0.33 (same registry code) also accept ``register_backend("NAME", path)``, which
+      creates a new member whose value is the class path. Enum members pickle by value, and a
+      spawned engine-core or worker process unpickles its VllmConfig before it loads plugins,
+      so it fails with "'<path>' is not a valid AttentionBackendEnum" (measured with both
+      releases' registries; vLLM's CPU platform always spawns). CUSTOM's value, None, exists
+      everywhere, so the config keeps CUSTOM and each process resolves it to our class.
+    - ``register()`` only takes identifiers, and ``--attention-backend sparse-prefill`` is
+      looked up as ``SPARSE-PREFILL``: an alias of CUSTOM is the only way to that spelling.
+    """
     from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
     from vllm.v1.attention.backends.registry import register_backend
 
     register_backend(E.CUSTOM, CUDA_BACKEND)
-    for name in CLI_ALIASES:
+    for name in CLI_ALIASES:  # aliases: no new member, nothing new for a child to unpickle
         E._member_map_.setdefault(name, E.CUSTOM)
     # The CPU platform ignores --attention-backend and always resolves CPU_ATTN. Our CPU class
     # behaves exactly like vLLM's unless the configured backend is CUSTOM (ours).

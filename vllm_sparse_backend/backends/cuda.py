@@ -392,3 +392,10 @@ class SparsePrefillBackend(FlashAttentionBackend):
     @classmethod
     def supports_rswa(cls) -> bool:
         return False
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # 0.32+: the builder cuts a step into row runs at the host's query_start_loc_cpu, which
+        # adaptive verification (speculative decoding) leaves stale when it trims drafts on the
+        # device; vLLM then refuses this backend at start-up instead
+        return False
