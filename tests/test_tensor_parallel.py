@@ -31,7 +31,8 @@ from vllm_sparse_backend.config import ConfigError, SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import load_head_config  # noqa: E402
 from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
-from vllm_sparse_backend.plan import kv_group_share, plan_step, rank_heads  # noqa: E402
+from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.plan import plan_step, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import causal_pairs  # noqa: E402
 from vllm_sparse_backend import sparse_prefill  # noqa: E402
 from vllm_sparse_backend.sparse_prefill import run_sparse_rows  # noqa: E402

@@ -40,11 +40,12 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from .. import kernels
+from ..budgets import budget_density
 from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
 from ..decode_spans import SpanIndex, plan_step_segments
 from ..decode_topk import PageSummaries
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow, budget_density
+from ..plan import SparseRow
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
