@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.config import load_settings  # noqa: E402
 from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
 from vllm_sparse_backend.plan import SparseRow, rank_heads  # noqa: E402
@@ -52,20 +53,20 @@ def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
+    impl.sparse_settings = settings  # what SparsePrefillImpl.__init__ reads from the environment
     impl.sparse_heads = rank_heads(None, settings, 0, h, hkv)  # what prepare_group gives a single-GPU layer
     return impl
 
 
 @pytest.fixture
 def sparse_env(monkeypatch, tmp_path):
+    """Settings as a backend object of the engine reads them from its environment."""
     def apply(**env):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("VLLM_SPARSE_STATS_FILE", str(tmp_path / "stats.json"))
-        common.settings.cache_clear()
-        return common.settings()
-    yield apply
-    common.settings.cache_clear()
+        return load_settings()
+    return apply
 
 
 def _check(kernel, dtype, sparse_env, tol):

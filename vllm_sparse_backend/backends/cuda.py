@@ -49,9 +49,10 @@ from ..plan import SparseRow
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
-from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, build_sparse_metadata,
+from ..config import load_settings
+from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
-                     prepare_group, resolve_layer_heads, settings, unsupported_reason)
+                     prepare_group, resolve_layer_heads, unsupported_reason)
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
@@ -72,9 +73,10 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        cfg = settings()  # validated at start-up: a malformed config fails here, naming the field
+        # this engine's settings, validated at start-up: a malformed config fails here, naming the field
+        self.sparse_settings = cfg = backend_settings()
         self.sparse_enabled = (cfg.enabled and sparse_backend_selected(vllm_config)
-                               and prepare_group(vllm_config, layer_names))
+                               and prepare_group(vllm_config, layer_names, cfg))
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
@@ -112,17 +114,17 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
             # would overwrite the persistent scheduler buffer the first run's metadata points at.
             md = build_sparse_metadata(
-                common_attn_metadata, allow_context=True,
+                common_attn_metadata, self.sparse_settings, allow_context=True,
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
                     0, sub, fast_build or not first),
-                with_fallback=settings().max_density < 1.0, worth_estimating=self._worth_estimating)
+                with_fallback=self.sparse_settings.max_density < 1.0, worth_estimating=self._worth_estimating)
         if md is None:
             md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if self._plan_spans and common_attn_metadata.max_query_len > 1:
             # decode_mode=spans: the step's prefill segments, planned once for every layer
             cm = common_attn_metadata
             md.span_segments = plan_step_segments(cm.query_start_loc_cpu[:cm.num_reqs + 1].tolist(),
-                                                  seq_lens_host(cm), self.kv_cache_spec.block_size, settings(),
+                                                  seq_lens_host(cm), self.kv_cache_spec.block_size, self.sparse_settings,
                                                   self.device)
         return md
 
@@ -146,18 +148,20 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # this engine's settings (vLLM builds this impl only where the backend is selected)
+        self.sparse_settings = backend_settings()
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
-            check_head_config_fits(self._vllm_config)
+            check_head_config_fits(self._vllm_config, self.sparse_settings)
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
         """Profiling run (no metadata): run the sparse path once on the largest row a step can
         hold, so that vLLM's peak-memory measurement, which sizes the KV cache, sees its scratch.
         Once per process and head-pattern signature (layers with the same patterns share it)."""
         global _scratch_claim_failed
-        vc, cfg = self._vllm_config, settings()
+        vc, cfg = self._vllm_config, self.sparse_settings
         if (vc is None or _scratch_claim_failed is not None or not query.is_cuda or not cfg.enabled
                 or cfg.kernel == "torch" or not sparse_backend_selected(vc)
                 or unsupported_reason(self) is not None
@@ -167,7 +171,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
         if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
             return  # no step can hold a sparse row
-        heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads, self.num_kv_heads)
+        heads = resolve_layer_heads(vc, cfg, layer.layer_name, self.num_heads, self.num_kv_heads)
         groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)
         # an fp8 layer's kernel variants, and the page size serving uses (the kernels specialise on
         # it: with 64-key pages the TMA variant), compile here rather than in the first request
@@ -193,7 +197,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def _groups(self, device) -> HeadGroups:
         if self._head_groups is None:
-            cfg = settings()
+            cfg = self.sparse_settings
             share = self.sparse_heads.share
             if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
                 log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
@@ -206,7 +210,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         start-up that the Triton path can run this group (kernel=triton fails there otherwise,
         auto keeps the group dense), so the impl only follows the setting."""
         if self._use_triton is None:
-            self._use_triton = settings().kernel != "torch"
+            self._use_triton = self.sparse_settings.kernel != "torch"
             if not self._use_triton:
                 log_once("sparse rows use the PyTorch reference attention: kernel=torch")
         if not self._use_triton:
@@ -256,9 +260,9 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return None
         try:
             if mode == "spans":
-                self._decode_index = SpanIndex(key_cache, settings())
+                self._decode_index = SpanIndex(key_cache, self.sparse_settings)
             else:
-                self._decode_index = PageSummaries(key_cache, settings())
+                self._decode_index = PageSummaries(key_cache, self.sparse_settings)
         except torch.OutOfMemoryError:
             self._decode_off = "no memory left for its state beside the cache"
             log_once("decode_mode=%s: no GPU memory for its per-page state (1/%d of the KV cache); decode stays "
@@ -270,9 +274,10 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        mode = settings().decode_mode
-        if settings().stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            STATS.refresh(settings().stats_file)  # counts of earlier forwards the GPU has finished
+        cfg = self.sparse_settings
+        mode = cfg.decode_mode
+        if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
+            STATS.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
         elif mode != "dense" and output_scale is None and self._decode_off is None:
@@ -308,14 +313,14 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if kernel is not None:
             def dense_row(r: SparseRow) -> None:
                 log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
-                         "FlashAttention (counted in the stats' dense_reasons)", settings().max_density)
+                         "FlashAttention (counted in the stats' dense_reasons)", cfg.max_density)
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super(SparsePrefillImpl, self).forward(
                     layer, query[s], None if key is None else key[s], None if value is None else value[s],
                     kv_cache, attn_metadata.fallback[r.row], output[s])
 
             run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
-                                  self._groups(query.device), settings(), self.scale, softcap, kernel,
+                                  self._groups(query.device), cfg, self.scale, softcap, kernel,
                                   dense_row if attn_metadata.fallback else None, k_scale, v_scale)
             return output
 
@@ -325,7 +330,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads.heads, settings(),
+        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads.heads, cfg,
                         self.scale, softcap, self.sparse_heads.share)
         return output
 
@@ -350,7 +355,7 @@ class SparsePrefillBackend(FlashAttentionBackend):
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         """Asked by vLLM only when --block-size is not given: pages of 64 keys on Hopper and
         later, where the kernel loads a 64-key page as one TMA box (setting kv_block_size)."""
-        cfg = settings()
+        cfg = load_settings()  # a class method: no engine object holds them here
         if cfg.kv_block_size == "auto":
             # decode_mode topk / spans count their budgets in pages measured at vLLM's default
             size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \
