@@ -9,7 +9,7 @@ import functools
 from collections import Counter
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..config import ConfigError, SparseSettings, load_settings
 from ..head_configs import HeadConfigFile, ModelShape, check_fits_model, model_shape_from_hf_config, resolve_head_config
@@ -40,6 +40,9 @@ class SparsePrefillMetadata:
     # a sparse row to the dense kernel when its estimated index turns out too dense
     fallback: dict[int, Any] = field(default_factory=dict)
     slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (top-k decode's page summaries)
+    # layer name -> that layer's head patterns on this rank, resolved by the builder at start-up
+    # (prepare_group) for every layer of its group; the impl looks its own up by its layer's name
+    layer_heads: Mapping[str, RankHeads] = field(default_factory=dict)
 
 
 def backend_settings() -> SparseSettings:
@@ -126,9 +129,10 @@ def unsupported_reason(impl) -> str | None:
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
-def prepare_group(vllm_config, layer_names: list[str], settings: SparseSettings) -> bool:
-    """Decide at start-up whether a KV-cache group can run sparse, and give each of its layers
-    its head patterns on this rank (``impl.sparse_heads``, a :class:`RankHeads`).
+def prepare_group(vllm_config, layer_names: list[str], settings: SparseSettings) -> dict[str, RankHeads] | None:
+    """Decide at start-up whether a KV-cache group can run sparse: None if not, else each of its
+    layers' head patterns on this rank (layer name -> :class:`RankHeads`), which the builder hands
+    to the impls in :attr:`SparsePrefillMetadata.layer_heads`.
 
     Every layer of a group must support the sparse path, or the whole group runs dense (one
     metadata object serves all layers of a group). Resolving the head-config file here makes a
@@ -143,11 +147,9 @@ def prepare_group(vllm_config, layer_names: list[str], settings: SparseSettings)
         reason = unsupported_reason(layer.impl)
         if reason is not None:
             log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
-            return False
-    for name, layer in layers.items():
-        layer.impl.sparse_heads = resolve_layer_heads(vllm_config, settings, name, layer.impl.num_heads,
-                                                    layer.impl.num_kv_heads)
-    return True
+            return None
+    return {name: resolve_layer_heads(vllm_config, settings, name, layer.impl.num_heads, layer.impl.num_kv_heads)
+            for name, layer in layers.items()}
 
 
 def resolve_layer_heads(vllm_config, settings: SparseSettings, layer_name: str, local_heads: int,
@@ -174,26 +176,24 @@ def resolve_layer_heads(vllm_config, settings: SparseSettings, layer_name: str, 
         raise ConfigError(f"{spec}: {e}" if spec else str(e)) from None
 
 
-def group_head_counts(vllm_config, layer_names: list[str]) -> list[Counter]:
-    """The distinct per-layer head-pattern multisets of a group prepare_group accepted."""
-    from vllm.config import get_layers_from_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
+def group_head_counts(layer_heads: Mapping[str, RankHeads]) -> list[Counter]:
+    """The distinct per-layer head-pattern multisets of a group (what prepare_group gave)."""
     out: list[Counter] = []
-    for layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).values():
-        counts = Counter(layer.impl.sparse_heads.heads)
+    for heads in layer_heads.values():
+        counts = Counter(heads.heads)
         if counts not in out:
             out.append(counts)
     return out
 
 
-def build_sparse_metadata(cm, cfg: SparseSettings, allow_context: bool, dense_build: Callable[[Any, bool], Any],
-                          with_fallback: bool = False,
+def build_sparse_metadata(cm, cfg: SparseSettings, layer_heads: Mapping[str, RankHeads], allow_context: bool,
+                          dense_build: Callable[[Any, bool], Any], with_fallback: bool = False,
                           worth_estimating: Callable[[int, int], bool] | None = None) -> SparsePrefillMetadata | None:
     """Plan one step. Returns None when every row is dense (caller then builds plain metadata).
 
-    dense_build(sub_metadata, first_run) builds the wrapped backend's metadata for a run of rows;
-    with_fallback also builds it for each sparse row alone (the density fallback).
+    layer_heads: the group's, from :func:`prepare_group`. dense_build(sub_metadata, first_run)
+    builds the wrapped backend's metadata for a run of rows; with_fallback also builds it for
+    each sparse row alone (the density fallback).
     """
     from .._compat import seq_lens_host, slice_rows
 
@@ -216,7 +216,7 @@ def build_sparse_metadata(cm, cfg: SparseSettings, allow_context: bool, dense_bu
     fallback = {r.row: dense_build(slice_rows(cm, r.row, r.row + 1, seq_lens), False)
                 for r in plan.sparse_rows} if with_fallback else {}
     return SparsePrefillMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
-                                 cm.block_table_tensor, fallback, cm.slot_mapping)
+                                 cm.block_table_tensor, fallback, cm.slot_mapping, layer_heads)
 
 
 def count_dense_tokens(md: SparsePrefillMetadata) -> None:

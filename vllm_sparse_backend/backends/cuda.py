@@ -45,7 +45,7 @@ from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, spars
 from ..decode_spans import SpanIndex, plan_step_segments
 from ..decode_topk import PageSummaries
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow
+from ..plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
@@ -75,8 +75,11 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # this engine's settings, validated at start-up: a malformed config fails here, naming the field
         self.sparse_settings = cfg = backend_settings()
-        self.sparse_enabled = (cfg.enabled and sparse_backend_selected(vllm_config)
-                               and prepare_group(vllm_config, layer_names, cfg))
+        # this group's head patterns per layer (None: the group runs dense), handed to the impls in
+        # the sparse steps' metadata
+        self._layer_heads = prepare_group(vllm_config, layer_names, cfg) \
+            if cfg.enabled and sparse_backend_selected(vllm_config) else None
+        self.sparse_enabled = self._layer_heads is not None
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
@@ -97,7 +100,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
         self._plan_spans = cfg.decode_mode == "spans" and sparse_backend_selected(vllm_config)
         self._worth_estimating = None
         if self.sparse_enabled and cfg.max_density < 1.0:
-            head_sets = group_head_counts(vllm_config, layer_names)
+            head_sets = group_head_counts(self._layer_heads)
             self._worth_estimating = lambda q_len, ctx_len: any(
                 budget_density(h, q_len, ctx_len, cfg) <= cfg.max_density for h in head_sets)
 
@@ -114,7 +117,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
             # would overwrite the persistent scheduler buffer the first run's metadata points at.
             md = build_sparse_metadata(
-                common_attn_metadata, self.sparse_settings, allow_context=True,
+                common_attn_metadata, self.sparse_settings, self._layer_heads, allow_context=True,
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
                     0, sub, fast_build or not first),
                 with_fallback=self.sparse_settings.max_density < 1.0, worth_estimating=self._worth_estimating)
@@ -142,9 +145,8 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
-    sparse_heads = None  # this rank's head patterns (RankHeads), set by the builder at start-up (prepare_group)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
-    _head_groups: HeadGroups | None = None
+    _head_groups: HeadGroups | None = None  # this layer's heads grouped by pattern, on the device (first sparse forward)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -195,14 +197,15 @@ class SparsePrefillImpl(FlashAttentionImpl):
         logger.info("sparse-prefill: profiling run included the sparse path's scratch for a %d-token chunk at "
                     "%d tokens of context (%s)", q_len, kv_len, layer.layer_name)
 
-    def _groups(self, device) -> HeadGroups:
+    def _groups(self, heads: RankHeads, device) -> HeadGroups:
+        """``heads``: this layer's, from the step's metadata (the same every step)."""
         if self._head_groups is None:
             cfg = self.sparse_settings
-            share = self.sparse_heads.share
+            share = heads.share
             if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
                 log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
                          "heads, keep one selection per query head")
-            self._head_groups = HeadGroups.from_heads(self.sparse_heads.heads, device, share)
+            self._head_groups = HeadGroups.from_heads(heads.heads, device, share)
         return self._head_groups
 
     def _triton_kernel(self, query):
@@ -304,6 +307,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
             super().forward(layer, query[s], None if key is None else key[s],
                             None if value is None else value[s], kv_cache, run.metadata, output[s])
         count_dense_tokens(attn_metadata)
+        heads = attn_metadata.layer_heads[layer.layer_name]
         key_cache, value_cache = self._kv_views(kv_cache)
         block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
@@ -320,7 +324,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
                     kv_cache, attn_metadata.fallback[r.row], output[s])
 
             run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
-                                  self._groups(query.device), cfg, self.scale, softcap, kernel,
+                                  self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
                                   dense_row if attn_metadata.fallback else None, k_scale, v_scale)
             return output
 
@@ -330,8 +334,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads.heads, cfg,
-                        self.scale, softcap, self.sparse_heads.share)
+        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
+                        heads.share)
         return output
 
 
