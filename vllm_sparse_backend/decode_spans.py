@@ -14,11 +14,11 @@ the algorithm):
    flagged pages plus the ``decode_budget_pages`` best others (one selection per KV head), with
    the top-k decode attention kernel.
 
-The segment plan of a step (:func:`plan_step_segments`) is built once on the host by the metadata
-builder and shared by the layers. Decode has fixed widths and no host reads, so it runs inside
-vLLM's CUDA graphs. The state lives beside vLLM's cache (:class:`SpanIndex`), indexed by physical
-page: one fp32 vector per page and KV head (1/16 of a bf16 KV cache at 16-token pages) and one
-flag byte.
+The segment plan of a step (:func:`plan_span_segments`, host planning over the step's lengths) is
+built once by the metadata builder (through :class:`SpanDecode`) and shared by the layers. Decode
+has fixed widths and no host reads, so it runs inside vLLM's CUDA graphs. The state lives beside
+vLLM's cache (:class:`SpanIndex`), indexed by physical page: one fp32 vector per page and KV head
+(1/16 of a bf16 KV cache at 16-token pages) and one flag byte.
 """
 
 from __future__ import annotations
@@ -143,3 +143,25 @@ class SpanIndex:
                                              persist_pages=b.persist_pages, num_pages_budget=b.budget_pages)
         return topk_decode.topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected,
                                                  counts, scale, out)
+
+
+class SpanDecode:
+    """decode_mode=spans as the backend drives it (backends/decode.py): the segments of each step's
+    prefill rows planned once for every layer (:func:`plan_step_segments`), :class:`SpanIndex` per
+    layer."""
+
+    name = "spans"
+    plans_steps = True
+
+    def __init__(self, cfg: SparseSettings):
+        self.cfg = cfg
+
+    def plan_step(self, query_start_loc: list[int], seq_lens: list[int], page_size: int,
+                  device) -> span_decode.SpanSegments | None:
+        return plan_step_segments(query_start_loc, seq_lens, page_size, self.cfg, device)
+
+    def unsupported_page_size(self, page_size: int) -> str | None:
+        return span_decode.unsupported_page_size(page_size)
+
+    def allocate(self, key_cache: torch.Tensor) -> SpanIndex:
+        return SpanIndex(key_cache, self.cfg)

@@ -39,10 +39,11 @@ class SparsePrefillMetadata:
     # row index -> the wrapped backend's metadata for that row alone, so the impl can still send
     # a sparse row to the dense kernel when its estimated index turns out too dense
     fallback: dict[int, Any] = field(default_factory=dict)
-    slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (top-k decode's page summaries)
+    slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (the decode modes' state follows them)
     # layer name -> that layer's head patterns on this rank, resolved by the builder at start-up
     # (prepare_group) for every layer of its group; the impl looks its own up by its layer's name
     layer_heads: Mapping[str, RankHeads] = field(default_factory=dict)
+    decode_plan: Any = None  # decode_mode spans: the step's plan (backends/decode.py); the prefill path ignores it
 
 
 def backend_settings() -> SparseSettings:

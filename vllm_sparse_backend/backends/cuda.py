@@ -7,6 +7,11 @@ long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the othe
 FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 
+Decode modes (setting ``decode_mode`` topk / spans) sit behind one interface (``decode.py``): the
+builder attaches the mode's plan of a step (spans: its prefill rows' segments; FlashAttention's
+metadata then arrives as its subclass ``DecodePlanMetadata``), and the impl's forward makes one
+call into the layer's :class:`LayerDecode`, which computes pure decode batches itself.
+
 Sparse rows, Triton path (setting ``kernel`` = auto/triton, where the kernel supports the layer):
 indices are estimated on the GPU straight from the paged cache and the block+column kernel reads
 K/V through the block table; no gather, no host sync. Rows whose budgets alone are denser than
@@ -40,19 +45,18 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from .. import kernels
+from .._compat import current_vllm_config, layer_kv_scales, sparse_backend_selected
 from ..budgets import budget_density
-from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
-from ..decode_spans import SpanIndex, plan_step_segments
-from ..decode_topk import PageSummaries
+from ..config import load_settings
 from ..paged_estimate import HeadGroups
 from ..plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
-from ..config import load_settings
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
                      prepare_group, resolve_layer_heads, unsupported_reason)
+from .decode import LayerDecode, decode_mode, with_step_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
@@ -95,9 +99,10 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             if why is not None:  # auto: the reference would be far slower than FlashAttention
                 log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
                 self.sparse_enabled = False
+        # decode_mode topk / spans: the mode plans each step once for every layer of the group
+        self._decode_mode = decode_mode(cfg) if sparse_backend_selected(vllm_config) else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
-        self._plan_spans = cfg.decode_mode == "spans" and sparse_backend_selected(vllm_config)
         self._worth_estimating = None
         if self.sparse_enabled and cfg.max_density < 1.0:
             head_sets = group_head_counts(self._layer_heads)
@@ -123,13 +128,7 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
                 with_fallback=self.sparse_settings.max_density < 1.0, worth_estimating=self._worth_estimating)
         if md is None:
             md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self._plan_spans and common_attn_metadata.max_query_len > 1:
-            # decode_mode=spans: the step's prefill segments, planned once for every layer
-            cm = common_attn_metadata
-            md.span_segments = plan_step_segments(cm.query_start_loc_cpu[:cm.num_reqs + 1].tolist(),
-                                                  seq_lens_host(cm), self.kv_cache_spec.block_size, self.sparse_settings,
-                                                  self.device)
-        return md
+        return with_step_plan(self._decode_mode, md, common_attn_metadata, self.kv_cache_spec.block_size, self.device)
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
@@ -146,12 +145,15 @@ class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
-    _head_groups: HeadGroups | None = None  # this layer's heads grouped by pattern, on the device (first sparse forward)
+    _head_groups: HeadGroups | None = None  # this layer's heads by pattern, on the device (first sparse forward)
+    _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # this engine's settings (vLLM builds this impl only where the backend is selected)
         self.sparse_settings = backend_settings()
+        mode = decode_mode(self.sparse_settings)
+        self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason())
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
@@ -220,9 +222,6 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return None
         return kernels.sparse_attention.sparse_prefill_attention
 
-    _decode_index = None  # decode_mode topk: PageSummaries, spans: SpanIndex; allocated on first use
-    _decode_off: str | None = None  # why this layer's decode stays dense
-
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache (an fp8 cache,
         allocated as bytes, viewed as its fp8 dtype, as FlashAttention does)."""
@@ -244,59 +243,23 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return query.to(output.dtype), k_scale * q_scale, v_scale
         return query, k_scale, v_scale
 
-    def _decode_state(self, key_cache: torch.Tensor, mode: str):
-        """This layer's state beside the cache for the decode mode, or None (decode stays dense)."""
-        if self._decode_index is not None and self._decode_index.key_cache_ptr == key_cache.data_ptr():
-            return self._decode_index
+    def _decode_unsupported_reason(self) -> str | None:
+        """Why this layer decodes dense whatever decode_mode says, or None."""
         reason = unsupported_reason(self) or ("logits soft-capping" if self.logits_soft_cap else None)
         if reason is None and self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             reason = "an fp8 KV cache"
-        if reason is None and mode == "spans":
-            reason = kernels.span_decode.unsupported_page_size(key_cache.shape[1])
-        if reason is not None:
-            self._decode_off = reason  # decided once: the forward stops asking
-            log_once("decode_mode=%s: layers with %s decode dense", mode, reason)
-            return None
-        if torch.cuda.is_current_stream_capturing():  # vLLM warms up eagerly first; never allocate in a graph
-            log_once("decode_mode=%s: its state beside the cache is missing at CUDA-graph capture; that graph "
-                     "decodes dense", mode)
-            return None
-        try:
-            if mode == "spans":
-                self._decode_index = SpanIndex(key_cache, self.sparse_settings)
-            else:
-                self._decode_index = PageSummaries(key_cache, self.sparse_settings)
-        except torch.OutOfMemoryError:
-            self._decode_off = "no memory left for its state beside the cache"
-            log_once("decode_mode=%s: no GPU memory for its per-page state (1/%d of the KV cache); decode stays "
-                     "dense (lower gpu_memory_utilization to leave room)", mode, key_cache.shape[1])
-            return None
-        log_once("decode_mode=%s: per-page state takes %.2f GiB per layer beside the KV cache (1/%d of it), "
-                 "allocated after vLLM sized the cache", mode, self._decode_index.nbytes / 2**30, key_cache.shape[1])
-        return self._decode_index
+        return reason
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         cfg = self.sparse_settings
-        mode = cfg.decode_mode
         if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
             STATS.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
-        elif mode != "dense" and output_scale is None and self._decode_off is None:
-            key_cache, value_cache = self._kv_views(kv_cache)
-            state = self._decode_state(key_cache, mode)
-            if state is not None:
-                # vLLM wrote this step's K/V before attention: follow them beside the cache
-                state.update(key_cache, attn_metadata.slot_mapping)
-                segments = getattr(attn_metadata, "span_segments", None)
-                if segments is not None and key is not None:
-                    state.prefill(query, key, segments, attn_metadata.block_table, self.scale)
-                if not isinstance(attn_metadata, SparsePrefillMetadata) and attn_metadata.max_query_len == 1:
-                    n = attn_metadata.num_actual_tokens  # one token per sequence
-                    state.decode(query[:n], key_cache, value_cache, attn_metadata.block_table[:n],
-                                 attn_metadata.seq_lens[:n], self.scale, output[:n])
-                    return output
+        elif self._decode is not None and self._decode.active and output_scale is None:
+            if self._decode.forward(query, key, *self._kv_views(kv_cache), attn_metadata, self.scale, output):
+                return output  # a pure decode batch, computed by the decode mode
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
