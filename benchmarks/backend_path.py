@@ -45,7 +45,8 @@ from vllm_sparse_backend.config import PatternName, SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.index import SparseIndex, count_pairs  # noqa: E402
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
-from vllm_sparse_backend.plan import SparseRow, kv_group_share  # noqa: E402
+from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.plan import SparseRow  # noqa: E402
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
 
 

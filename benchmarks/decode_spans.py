@@ -8,8 +8,8 @@ decode inputs and the decode baselines are ``decode_topk.py``'s (imported from t
   ``update`` (``update_span_keys`` over the chunk's slots), ``maps`` (``local_attention_maps``),
   ``divide`` (``divide_segments`` on its output), ``gather`` (the rest of ``build_span_keys``: index
   keys summed per span, written per page), ``build`` (``build_span_keys`` whole; its parts alone do
-  not hide each other's launch gaps), ``mark`` (``mark_persistent_pages``); ``plan`` (``plan_span_segments``:
-  host wall clock incl. its copies, once per step for all layers). Baseline: flash SDPA of the
+  not hide each other's launch gaps), ``mark`` (``mark_persistent_pages``); ``plan`` (the package's
+  ``plan_span_segments``: host wall clock incl. its copies, once per step for all layers). Baseline: flash SDPA of the
   chunk over context + chunk keys (K/V expanded for GQA), causal bottom-right
   (``causal_lower_right``), else without mask (the table says which). Inputs: N(0, 0.3^2) q/k plus
   one random direction (norm 1.5 sqrt(D)) per run of 1-5 pages, so the local maps show triangles;
@@ -54,6 +54,7 @@ except ImportError as _e:  # checked in main()
     sd, _IMPORT_ERROR = None, _e
 else:
     _IMPORT_ERROR = None
+from vllm_sparse_backend.decode_spans import plan_span_segments  # noqa: E402  (the backend's host planning)
 
 PAGE, DTYPE, cdiv = dt.PAGE, dt.DTYPE, dt.cdiv
 
@@ -138,7 +139,7 @@ def prefill_case(h: int, hkv: int, d: int, chunk: int, context: int, device="cud
     key_cache, key, slots = kv[0], k[context:], all_slots[context:]
     span_keys, flags = sd.allocate_span_index(key_cache)
 
-    plan = partial(sd.plan_span_segments, [0, chunk], [n], PAGE, params.segment_tokens, last_q, device)
+    plan = partial(plan_span_segments, [0, chunk], [n], PAGE, params.segment_tokens, last_q, device)
     segs = plan()
     rec["plan_host"] = host_ms(plan, device)
     rec["segments"] = segs.num_segments
@@ -186,7 +187,7 @@ def fill_span_index(key_cache, block_table, n, span_keys, flags, h, params, fill
             slots = slots_of(bt[0], c0, c1)
             key = key_cache.reshape(-1, hkv, d)[slots]
             query = torch.randn(c1 - c0, h, d, generator=gen, device=device).to(key_cache.dtype)
-            segs = sd.plan_span_segments([0, c1 - c0], [c1], PAGE, params.segment_tokens, last_q, device)
+            segs = plan_span_segments([0, c1 - c0], [c1], PAGE, params.segment_tokens, last_q, device)
             sd.update_span_keys(key_cache, span_keys, flags, slots, params.min_index)
             sd.build_span_keys(query, key, segs, span_keys, bt, PAGE, 1.0 / math.sqrt(d), params)
             sd.mark_persistent_pages(query, span_keys, flags, bt, segs, PAGE, sink_pages=sink, recent_pages=recent,

@@ -456,7 +456,7 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
-    from vllm_sparse_backend.plan import kv_group_share
+    from vllm_sparse_backend.budgets import kv_group_share
     from sparse_prefill_kernels import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
@@ -558,7 +558,7 @@ def lastq_bench(sizes, gen, chunk: int = 16384, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
-    from vllm_sparse_backend.plan import kv_group_share
+    from vllm_sparse_backend.budgets import kv_group_share
     from sparse_prefill_kernels import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     scale = 1.0 / math.sqrt(d)

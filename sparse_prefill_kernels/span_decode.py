@@ -181,54 +181,6 @@ class SpanSegments:
         return len(self.n_tokens_host)
 
 
-def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, segment_tokens: int,
-                       last_q: int, device) -> SpanSegments | None:
-    """Segments of the rows with more than one query token (host lists of the step). Row ``r`` has
-    queries ``query_start_loc[r] .. [r + 1]`` at positions ``seq_lens[r] - q_len .. seq_lens[r]``.
-    Only whole pages written by this chunk are divided (plus its last, possibly partial, page): a
-    page begun by an earlier chunk has no queries here. None if no row qualifies."""
-    tables, n_tok = [], []
-    p_seg, p_idx, p_row, p_lp = [], [], [], []
-    per_seg = segment_tokens // page_size
-    persist_row, persist_tok, persist_weight, persist_len = [], [], [], []
-    for r in range(len(seq_lens)):
-        q0, q1 = query_start_loc[r], query_start_loc[r + 1]
-        q_len = q1 - q0
-        if q_len <= 1:
-            continue
-        c1 = seq_lens[r]
-        c0 = c1 - q_len
-        n_last = min(last_q, q_len)
-        persist_row.append(r)
-        persist_tok.append([q1 - n_last + min(i, n_last - 1) for i in range(last_q)])
-        persist_weight.append([1.0 if i < n_last else 0.0 for i in range(last_q)])
-        persist_len.append(c1)
-        first_page = -(-c0 // page_size)
-        end_page = -(-c1 // page_size)
-        for s in range(first_page, end_page, per_seg):
-            pages = min(per_seg, end_page - s)
-            tok_start = q0 + s * page_size - c0
-            tokens = min((s + pages) * page_size, c1) - s * page_size
-            seg = len(tables)
-            tables.append((r, tok_start, tokens, s, pages))
-            n_tok.append(tokens)
-            p_seg += [seg] * pages
-            p_idx += list(range(pages))
-            p_row += [r] * pages
-            p_lp += list(range(s, s + pages))
-    if not persist_row:
-        return None
-
-    def dev(x, dtype=torch.int64):
-        return torch.tensor(x, dtype=dtype).pin_memory().to(device, non_blocking=True) if str(device).startswith(
-            "cuda") else torch.tensor(x, dtype=dtype, device=device)
-
-    table = dev(tables or [[0] * SEGMENT_COLUMNS], torch.int32)[: len(tables)]
-    return SpanSegments(table, tuple(n_tok), dev(p_seg), dev(p_idx), dev(p_row), dev(p_lp),
-                        dev(persist_row), dev(persist_tok), dev(persist_weight, torch.float32),
-                        dev(persist_len, torch.int32), segment_tokens)
-
-
 @triton.jit
 def _score_tile(q, k_ptr, tok0, offs_n, n_tok, kvh, offs_d, d_ok, s_kt, s_kh, s_kd, qk_scale,
                 DOT_PRECISION: tl.constexpr, NATIVE_DOT: tl.constexpr):

@@ -12,6 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.config import load_settings  # noqa: E402
 from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
 from vllm_sparse_backend.plan import SparseRow, rank_heads  # noqa: E402
@@ -24,7 +25,16 @@ cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 
-def _step(dtype, gen):
+LAYER_NAME = "model.layers.0.self_attn.attn"
+
+
+class _Layer:
+    """What the impl reads from vLLM's attention layer: its name (to find its heads in the metadata)."""
+
+    layer_name = LAYER_NAME
+
+
+def _step(dtype, gen, settings):
     h, hkv, d, page = 8, 2, 128, 16
     geoms = [(300, 0), (170, 230)]  # (q_len, ctx_len)
     pages = [-(-(q + c) // page) for q, c in geoms]
@@ -44,7 +54,9 @@ def _step(dtype, gen):
     for i, (q_len, ctx) in enumerate(geoms):
         rows.append(SparseRow(i, tok, q_len, ctx))
         tok += q_len
-    md = SparsePrefillMetadata(t, max(q for q, _ in geoms), [], rows, table)
+    # the heads prepare_group gives a single-GPU layer
+    md = SparsePrefillMetadata(t, max(q for q, _ in geoms), [], rows, table,
+                               layer_heads={LAYER_NAME: rank_heads(None, settings, 0, h, hkv)})
     return query, kv_cache, md, (h, hkv, d)
 
 
@@ -52,35 +64,34 @@ def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
-    impl.sparse_heads = rank_heads(None, settings, 0, h, hkv)  # what prepare_group gives a single-GPU layer
+    impl.sparse_settings = settings  # what SparsePrefillImpl.__init__ reads from the environment
     return impl
 
 
 @pytest.fixture
 def sparse_env(monkeypatch, tmp_path):
+    """Settings as a backend object of the engine reads them from its environment."""
     def apply(**env):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("VLLM_SPARSE_STATS_FILE", str(tmp_path / "stats.json"))
-        common.settings.cache_clear()
-        return common.settings()
-    yield apply
-    common.settings.cache_clear()
+        return load_settings()
+    return apply
 
 
 def _check(kernel, dtype, sparse_env, tol):
     settings = sparse_env(VLLM_SPARSE_KERNEL=kernel, VLLM_SPARSE_VERTICAL_SIZE="50", VLLM_SPARSE_SLASH_SIZE="90",
                           VLLM_SPARSE_LAST_Q="32")
     gen = torch.Generator().manual_seed(3)
-    query, kv_cache, md, (h, hkv, d) = _step(dtype, gen)
+    query, kv_cache, md, (h, hkv, d) = _step(dtype, gen, settings)
     output = torch.full((query.shape[0], h, d), float("nan"), dtype=dtype)
     impl = _impl(settings, h, d, hkv)
-    impl.forward(None, query, None, None, kv_cache, md, output)
+    impl.forward(_Layer(), query, None, None, kv_cache, md, output)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(d, dim=-1)
     for r in md.sparse_rows:
         k, v = gather_paged_kv(key_cache, value_cache, md.block_table[r.row], r.ctx_len + r.q_len)
         q = query[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q, k, r.ctx_len, impl.sparse_heads.heads, settings, d ** -0.5).index
+        idx = estimate_index(q, k, r.ctx_len, md.layer_heads[LAYER_NAME].heads, settings, d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol
@@ -108,8 +119,8 @@ E4M3 = torch.float8_e4m3fn
 K_SCALE, V_SCALE, Q_SCALE = 0.043, 0.021, 0.05
 
 
-class _Fp8Layer:
-    """What the impl reads from vLLM's attention layer: the per-layer scales (0-dim fp32 buffers)."""
+class _Fp8Layer(_Layer):
+    """What the impl reads from vLLM's attention layer: also the per-layer scales (0-dim fp32 buffers)."""
 
     def __init__(self):
         self._q_scale, self._k_scale, self._v_scale = (torch.tensor(s) for s in (Q_SCALE, K_SCALE, V_SCALE))
@@ -122,7 +133,7 @@ def _check_fp8(kernel, model_dtype, quantized_query, sparse_env, tol):
                           VLLM_SPARSE_KEEP_FIRST_COLUMNS="1", VLLM_SPARSE_KEEP_LAST_DIAGONALS="1",
                           VLLM_SPARSE_LAST_Q="32")
     gen = torch.Generator().manual_seed(4)
-    query, kv_cache, md, (h, hkv, d) = _step(torch.float32, gen)
+    query, kv_cache, md, (h, hkv, d) = _step(torch.float32, gen, settings)
     kv = kv_cache.permute(0, 2, 1, 3)  # physical [pages, page, Hkv, 2D]
     kv8 = torch.cat([kv[..., :d] / K_SCALE, kv[..., d:] / V_SCALE], -1).to(E4M3)
     kv_bytes = kv8.view(torch.uint8).permute(0, 2, 1, 3)  # the logical view vLLM hands the impl
@@ -141,7 +152,8 @@ def _check_fp8(kernel, model_dtype, quantized_query, sparse_env, tol):
     for r in md.sparse_rows:
         k, v = gather_paged_kv(k_deq, v_deq, md.block_table[r.row], r.ctx_len + r.q_len)
         q = q_ref[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q.float(), k.float(), r.ctx_len, impl.sparse_heads.heads, settings, d ** -0.5).index
+        idx = estimate_index(q.float(), k.float(), r.ctx_len, md.layer_heads[LAYER_NAME].heads, settings,
+                             d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol

@@ -21,7 +21,7 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 from vllm_sparse_backend.config import PatternName, SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.patterns import estimate_index
-from vllm_sparse_backend.plan import kv_group_share
+from vllm_sparse_backend.budgets import kv_group_share
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 

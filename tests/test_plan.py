@@ -49,7 +49,7 @@ def test_budget_density_by_hand():
 
     from vllm_sparse_backend.config import PatternName
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.plan import budget_density
+    from vllm_sparse_backend.budgets import budget_density
 
     s = SparseSettings(block_size=64, min_budget=256)
     vs = resolve_head(HeadPattern(pattern="vertical_slash", vertical_size=100, slash_size=300), s)
@@ -71,7 +71,7 @@ def test_budget_density_by_hand():
 
 def test_kv_group_share_needs_the_setting_and_uniform_groups():
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.plan import kv_group_share
+    from vllm_sparse_backend.budgets import kv_group_share
 
     on, off = SparseSettings(), SparseSettings(kv_group_shared=False)
     vs = resolve_head(None, on)
@@ -91,7 +91,7 @@ def test_budgets_growing_with_the_row():
     """vertical_share / slash_share raise a row's budgets to a share of its keys, never lower
     them, never past the keys; budget_density sees the same budgets."""
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.plan import budget_density, vs_budget, vs_budgets
+    from vllm_sparse_backend.budgets import budget_density, vs_budget, vs_budgets
 
     assert vs_budget(1000, None, 500_000) == 1000
     assert vs_budget(1000, 0.02, 10_000) == 1000  # the fixed budget is larger
@@ -111,7 +111,7 @@ def test_torch_estimator_with_shares_equals_explicit_budgets():
 
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.patterns import estimate_index
-    from vllm_sparse_backend.plan import vs_budgets
+    from vllm_sparse_backend.budgets import vs_budgets
 
     g = torch.Generator().manual_seed(0)
     q_len, ctx, h, hkv, d = 300, 500, 4, 2, 32
@@ -150,7 +150,7 @@ def test_budgets_cover_every_key_only_where_every_key_is_selected(head, settings
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
     from vllm_sparse_backend.index import count_pairs
     from vllm_sparse_backend.patterns import estimate_index
-    from vllm_sparse_backend.plan import budgets_cover_every_key
+    from vllm_sparse_backend.budgets import budgets_cover_every_key
     from vllm_sparse_backend.reference import causal_pairs
 
     s = SparseSettings(last_q=32, **settings_kw)

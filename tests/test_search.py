@@ -23,7 +23,7 @@ from vllm_sparse_backend.head_configs import load_head_config, resolve_head
 from vllm_sparse_backend.index import build_index, causal_block_mask, index_to_dense_mask
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from vllm_sparse_backend.plan import kv_group_share
+from vllm_sparse_backend.budgets import kv_group_share
 from vllm_sparse_backend.reference import kv_head_map
 from vllm_sparse_backend.tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_backend.tools.search import search_head, search_layer
@@ -266,9 +266,9 @@ def test_batched_search_tunes_every_unit_to_the_budget(share):
 @pytest.mark.parametrize("cap", [0.15, 0.3])
 def test_budget_cap_keeps_layers_under_the_backends_density_gate(cap):
     """With max_budget_density every candidate's budgets pass the CUDA backend's check
-    (plan.budget_density <= max_density at this length), so the layer is not routed dense; the
+    (budgets.budget_density <= max_density at this length), so the layer is not routed dense; the
     cap only lowers knobs (never raises tiles)."""
-    from vllm_sparse_backend.plan import budget_density
+    from vllm_sparse_backend.budgets import budget_density
 
     n, h, hkv, b = 2048, 8, 2, 64
     q, k, v = _gqa(n, h, hkv, seed=3)

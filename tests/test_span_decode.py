@@ -28,6 +28,8 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 
 from conftest import masked_attention_f64
 
+from vllm_sparse_backend.decode_spans import plan_span_segments
+
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 sd = kernel_module("span_decode")
@@ -95,7 +97,7 @@ def test_maps_and_division(page, n, h, hkv, d):
     gen = torch.Generator().manual_seed(n + page)
     q, k, _ = planted(n, h, hkv, d, gen, page)
     params = sd.SpanParams(segment_tokens=SEG)
-    segs = sd.plan_span_segments([0, n], [n], page, SEG, 64, DEV)
+    segs = plan_span_segments([0, n], [n], page, SEG, 64, DEV)
     dtype = torch.float32 if INTERPRET else torch.bfloat16
     qd, kd = q.to(dtype).to(DEV), k.to(dtype).to(DEV)
     maps, votes = sd.local_attention_maps(qd, kd, segs, page, d ** -0.5)
@@ -199,7 +201,7 @@ def test_nms_matches_reference():
 
 def test_plan_segments():
     # row 0: decode (skipped); row 1: chunk at positions 10..700 (first full page 1); row 2: 5 tokens
-    segs = sd.plan_span_segments([0, 1, 691, 696], [50, 700, 5], 16, 256, 64, "cpu")
+    segs = plan_span_segments([0, 1, 691, 696], [50, 700, 5], 16, 256, 64, "cpu")
     rows = segs.table.tolist()
     assert rows[0] == [1, 1 + 16 - 10, 256, 1, 16]   # tokens 16..271 of row 1 (batch index 7)
     assert rows[1] == [1, 7 + 256, 256, 17, 16]
@@ -211,7 +213,7 @@ def test_plan_segments():
     assert segs.persist_tok[1, :5].tolist() == list(range(691, 696))
     assert segs.persist_seq_len.tolist() == [700, 5]
     assert len(segs.page_lp) == 16 + 16 + 11 + 1
-    assert sd.plan_span_segments([0, 1, 2], [9, 9], 16, 256, 64, "cpu") is None  # decode only
+    assert plan_span_segments([0, 1, 2], [9, 9], 16, 256, 64, "cpu") is None  # decode only
 
 
 # ------------------------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def run_prefill(seq_len, chunks, page, h, hkv, d, dtype, seed, params, persist_p
         ks = k[start:end].to(DEV)
         slot = slots(table, range(start, end), page).to(DEV)
         sd.update_span_keys(key_cache, span_keys, flags, slot, params.min_index)
-        segs = sd.plan_span_segments([0, end - start], [end], page, params.segment_tokens, 64, DEV)
+        segs = plan_span_segments([0, end - start], [end], page, params.segment_tokens, 64, DEV)
         divisions.append((segs.table.cpu(), sd.build_span_keys(qs, ks, segs, span_keys, table, page, d ** -0.5,
                                                                params)))
         sd.mark_persistent_pages(qs, span_keys, flags, table, segs, page, sink_pages=sink, recent_pages=recent,
@@ -454,7 +456,7 @@ def test_backend_step_prefill_and_decode():
         query = torch.cat(qs + [torch.zeros(pad, h, d)]).to(dtype).to(DEV)
         key = torch.cat(ks + [torch.zeros(pad, hkv, d)]).to(dtype).to(DEV)
         index.update(key_cache, torch.cat(sl + [torch.full((pad,), -1, dtype=torch.int64)]).to(DEV))
-        segs = sd.plan_span_segments(qsl, seq_lens, page, SEG, cfg.last_q, DEV)  # the tests' segment size
+        segs = plan_span_segments(qsl, seq_lens, page, SEG, cfg.last_q, DEV)  # the tests' segment size
         planned = plan_step_segments(qsl, seq_lens, page, cfg, DEV)  # the backend's (1024-token segments)
         assert planned.persist_row.tolist() == segs.persist_row.tolist()
         if segs is not None:
@@ -524,7 +526,7 @@ def test_maps_stacked_heads(group, heads_per_program):
     page, hkv, d, n = 16, 2, 64, 200 if INTERPRET else 2000
     gen = torch.Generator().manual_seed(group)
     q, k, _ = planted(n, hkv * group, hkv, d, gen, page)
-    segs = sd.plan_span_segments([0, n], [n], page, SEG, 64, DEV)
+    segs = plan_span_segments([0, n], [n], page, SEG, 64, DEV)
     maps, votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, heads_per_program)
     one, one_votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, 1)
     assert torch.allclose(maps, one, rtol=1e-5, atol=1e-4) and torch.allclose(votes, one_votes, rtol=1e-5, atol=1e-4)

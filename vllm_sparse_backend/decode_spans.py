@@ -14,11 +14,11 @@ the algorithm):
    flagged pages plus the ``decode_budget_pages`` best others (one selection per KV head), with
    the top-k decode attention kernel.
 
-The segment plan of a step (:func:`plan_step_segments`) is built once on the host by the metadata
-builder and shared by the layers. Decode has fixed widths and no host reads, so it runs inside
-vLLM's CUDA graphs. The state lives beside vLLM's cache (:class:`SpanIndex`), indexed by physical
-page: one fp32 vector per page and KV head (1/16 of a bf16 KV cache at 16-token pages) and one
-flag byte.
+The segment plan of a step (:func:`plan_span_segments`, host planning over the step's lengths) is
+built once by the metadata builder (through :class:`SpanDecode`) and shared by the layers. Decode
+has fixed widths and no host reads, so it runs inside vLLM's CUDA graphs. The state lives beside
+vLLM's cache (:class:`SpanIndex`), indexed by physical page: one fp32 vector per page and KV head
+(1/16 of a bf16 KV cache at 16-token pages) and one flag byte.
 """
 
 from __future__ import annotations
@@ -48,10 +48,60 @@ def span_params(cfg: SparseSettings):
                       min_index=cfg.decode_span_min_index, max_index=cfg.decode_span_max_index)
 
 
+# Host planning over the step's lengths, copied to the device once per step; the kernels only read
+# the tables it builds (span_decode.SpanSegments).
+def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, segment_tokens: int,
+                       last_q: int, device) -> span_decode.SpanSegments | None:
+    """Segments of the rows with more than one query token (host lists of the step). Row ``r`` has
+    queries ``query_start_loc[r] .. [r + 1]`` at positions ``seq_lens[r] - q_len .. seq_lens[r]``.
+    Only whole pages written by this chunk are divided (plus its last, possibly partial, page): a
+    page begun by an earlier chunk has no queries here. None if no row qualifies."""
+    tables, n_tok = [], []
+    p_seg, p_idx, p_row, p_lp = [], [], [], []
+    per_seg = segment_tokens // page_size
+    persist_row, persist_tok, persist_weight, persist_len = [], [], [], []
+    for r in range(len(seq_lens)):
+        q0, q1 = query_start_loc[r], query_start_loc[r + 1]
+        q_len = q1 - q0
+        if q_len <= 1:
+            continue
+        c1 = seq_lens[r]
+        c0 = c1 - q_len
+        n_last = min(last_q, q_len)
+        persist_row.append(r)
+        persist_tok.append([q1 - n_last + min(i, n_last - 1) for i in range(last_q)])
+        persist_weight.append([1.0 if i < n_last else 0.0 for i in range(last_q)])
+        persist_len.append(c1)
+        first_page = -(-c0 // page_size)
+        end_page = -(-c1 // page_size)
+        for s in range(first_page, end_page, per_seg):
+            pages = min(per_seg, end_page - s)
+            tok_start = q0 + s * page_size - c0
+            tokens = min((s + pages) * page_size, c1) - s * page_size
+            seg = len(tables)
+            tables.append((r, tok_start, tokens, s, pages))
+            n_tok.append(tokens)
+            p_seg += [seg] * pages
+            p_idx += list(range(pages))
+            p_row += [r] * pages
+            p_lp += list(range(s, s + pages))
+    if not persist_row:
+        return None
+
+    def dev(x, dtype=torch.int64):
+        return torch.tensor(x, dtype=dtype).pin_memory().to(device, non_blocking=True) if str(device).startswith(
+            "cuda") else torch.tensor(x, dtype=dtype, device=device)
+
+    table = dev(tables or [[0] * span_decode.SEGMENT_COLUMNS], torch.int32)[: len(tables)]
+    return span_decode.SpanSegments(table, tuple(n_tok), dev(p_seg), dev(p_idx), dev(p_row), dev(p_lp),
+                                    dev(persist_row), dev(persist_tok), dev(persist_weight, torch.float32),
+                                    dev(persist_len, torch.int32), segment_tokens)
+
+
 def plan_step_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, cfg: SparseSettings,
                        device):
     """Host-side segment plan of a step's prefill rows (None when it has none)."""
-    return span_decode.plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens, cfg.last_q,
+    return plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens, cfg.last_q,
                               device)
 
 
@@ -93,3 +143,25 @@ class SpanIndex:
                                              persist_pages=b.persist_pages, num_pages_budget=b.budget_pages)
         return topk_decode.topk_decode_attention(query, key_cache, value_cache, block_table, seq_lens, selected,
                                                  counts, scale, out)
+
+
+class SpanDecode:
+    """decode_mode=spans as the backend drives it (backends/decode.py): the segments of each step's
+    prefill rows planned once for every layer (:func:`plan_step_segments`), :class:`SpanIndex` per
+    layer."""
+
+    name = "spans"
+    plans_steps = True
+
+    def __init__(self, cfg: SparseSettings):
+        self.cfg = cfg
+
+    def plan_step(self, query_start_loc: list[int], seq_lens: list[int], page_size: int,
+                  device) -> span_decode.SpanSegments | None:
+        return plan_step_segments(query_start_loc, seq_lens, page_size, self.cfg, device)
+
+    def unsupported_page_size(self, page_size: int) -> str | None:
+        return span_decode.unsupported_page_size(page_size)
+
+    def allocate(self, key_cache: torch.Tensor) -> SpanIndex:
+        return SpanIndex(key_cache, self.cfg)

@@ -66,6 +66,26 @@ class PageSummaries:
         return topk_decode(query, key_cache, value_cache, self, block_table, seq_lens, self.budget, scale, out)
 
 
+class TopkDecode:
+    """decode_mode=topk as the backend drives it (backends/decode.py): nothing to plan per step
+    (the summaries follow the written slots), :class:`PageSummaries` per layer."""
+
+    name = "topk"
+    plans_steps = False
+
+    def __init__(self, cfg: SparseSettings):
+        self.cfg = cfg
+
+    def plan_step(self, query_start_loc: list[int], seq_lens: list[int], page_size: int, device) -> None:
+        return None
+
+    def unsupported_page_size(self, page_size: int) -> str | None:
+        return None
+
+    def allocate(self, key_cache: torch.Tensor) -> PageSummaries:
+        return PageSummaries(key_cache, self.cfg)
+
+
 def topk_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 summaries: PageSummaries, block_table: torch.Tensor, seq_lens: torch.Tensor,
                 budget: TopkDecodeBudget, scale: float, out: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ batched call. The score passes run over all heads of the layer (their GQA mappin
 head order) and the group's heads are picked afterwards: with the usual one-pattern layers that
 is exactly the work needed.
 
-With ``kv_group_shared`` (and a layer that allows it, :func:`vllm_sparse_backend.plan.kv_group_share`)
+With ``kv_group_shared`` (and a layer that allows it, :func:`vllm_sparse_backend.budgets.kv_group_share`)
 the unit of selection is the KV group instead of the query head: scores are summed over each
 group's heads and the index holds one list per KV head (``PagedEstimate.heads_per_list`` = the
 group size), which the kernel runs with the group's heads stacked.
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .budgets import budget_density, vs_budget
 from .config import PatternName, SparseSettings
 from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
 from .kernels import estimate, vs_index
 from .patterns.vertical_slash import band_count, band_shift, slash_band_scores
-from .plan import budget_density, vs_budget
 
 
 @dataclass
@@ -57,7 +57,7 @@ class HeadGroups:
 
     @classmethod
     def from_heads(cls, heads: list[ResolvedHead], device, share: int = 1) -> "HeadGroups":
-        """``share``: from :func:`vllm_sparse_backend.plan.kv_group_share` (the heads of each
+        """``share``: from :func:`vllm_sparse_backend.budgets.kv_group_share` (the heads of each
         group of ``share`` are then identical, so one list per group stands for all of them)."""
         lists = heads[::share]
         by_pattern: dict[PatternName, list[int]] = {}
@@ -75,7 +75,7 @@ class HeadGroups:
         return cls(groups, len(heads), Counter(heads), share)
 
     def budget_density(self, q_len: int, ctx_len: int, settings: SparseSettings) -> float:
-        """:func:`vllm_sparse_backend.plan.budget_density` of this layer's heads."""
+        """:func:`vllm_sparse_backend.budgets.budget_density` of this layer's heads."""
         return budget_density(self.head_counts, q_len, ctx_len, settings)
 
 

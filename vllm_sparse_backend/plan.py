@@ -6,12 +6,12 @@ can call it without vLLM.
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
-from .config import ConfigError, PatternName, SparseSettings
+from .budgets import kv_group_share
+from .config import ConfigError, SparseSettings
 from .head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
 
@@ -36,22 +36,6 @@ class StepPlan:
         return bool(self.sparse_rows)
 
 
-def kv_group_share(heads: list[ResolvedHead], num_kv_heads: int, settings: SparseSettings) -> int:
-    """Query heads per shared key selection in a layer: the GQA group size when
-    ``settings.kv_group_shared`` is on and the layer allows it (every KV group's heads have the
-    same pattern and budgets, and none is FlexPrefill, whose per-head query-aware decision has
-    no group form), else 1. Heads are in vLLM's order: group g holds heads g*G .. g*G + G - 1."""
-    h = len(heads)
-    if not settings.kv_group_shared or num_kv_heads <= 0 or h % num_kv_heads or h == num_kv_heads:
-        return 1
-    g = h // num_kv_heads
-    for start in range(0, h, g):
-        first = heads[start]
-        if first.pattern is PatternName.FLEX_PREFILL or any(x != first for x in heads[start:start + g]):
-            return 1
-    return g
-
-
 def tp_local_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
     """(query heads, KV heads) of one tensor-parallel rank, by vLLM's column-parallel QKV layout
     (``QKVParallelLinear``): rank r holds query heads r*H/tp .. (r+1)*H/tp - 1 and, when
@@ -69,7 +53,7 @@ def tp_local_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int
 class RankHeads:
     """One attention layer's query heads on one tensor-parallel rank (all of them at TP=1): their
     patterns, in vLLM's head order, and ``share``, the query heads per shared key selection on
-    this rank (:func:`kv_group_share`, decided for the whole layer: see :func:`rank_heads`)."""
+    this rank (:func:`..budgets.kv_group_share`, decided for the whole layer: see :func:`rank_heads`)."""
 
     heads: list[ResolvedHead]
     share: int = 1
@@ -96,69 +80,6 @@ def rank_heads(cfg: HeadConfigFile | None, settings: SparseSettings, layer_index
     return RankHeads(heads, share)
 
 
-def vs_budget(size: int, share: float | None, kv_len: int) -> int:
-    """A vertical-slash budget for a row of ``kv_len`` keys: ``size``, or ``share`` of the keys
-    where that is more (``vertical_share`` / ``slash_share``), never more than the keys."""
-    budget = size if share is None else max(size, math.ceil(share * kv_len))
-    return min(budget, kv_len)
-
-
-def vs_budgets(vertical_size: int, slash_size: int, kv_len: int, settings: SparseSettings) -> tuple[int, int]:
-    """(vertical, slash) budgets of one head for a row of ``kv_len`` keys (see :func:`vs_budget`)."""
-    return (vs_budget(vertical_size, settings.vertical_share, kv_len),
-            vs_budget(slash_size, settings.slash_share, kv_len))
-
-
-def budget_density(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
-                   settings: SparseSettings) -> float:
-    """The share of a row's causal (query, key) pairs the heads' budgets alone would select,
-    were their keys as few as the budgets say (host arithmetic, nothing estimated).
-
-    The real index is never much sparser (block rounding only adds keys), so a row whose
-    budget density is above ``max_density`` would fall back to dense after estimation anyway;
-    it is sent dense without estimating. Keys per query, per head: vertical + slash sizes
-    (vertical-slash), top-k blocks (block-sparse), sink + window (A-shape), the minimum budget
-    (FlexPrefill), all (dense), with the row's budgets (:func:`vs_budgets`); over the mean
-    number of keys a query of the row can see, ``ctx_len + (q_len + 1) / 2``. ``heads``: the layer's heads, or a Counter of distinct heads.
-    """
-    counts = heads if isinstance(heads, Counter) else Counter(heads)
-    visible = ctx_len + (q_len + 1) / 2
-    total = 0.0
-    for h, n in counts.items():
-        keys = {PatternName.DENSE: visible,
-                PatternName.A_SHAPE: h.sink_tokens + h.local_window,
-                PatternName.VERTICAL_SLASH: sum(vs_budgets(h.vertical_size, h.slash_size, ctx_len + q_len, settings)),
-                PatternName.BLOCK_SPARSE: h.topk_blocks * settings.block_size,
-                PatternName.FLEX_PREFILL: settings.min_budget}[h.pattern]
-        total += n * min(1.0, keys / visible)
-    return total / sum(counts.values())
-
-
-def budgets_cover_every_key(heads: Counter[ResolvedHead] | Iterable[ResolvedHead], q_len: int, ctx_len: int,
-                            settings: SparseSettings) -> bool:
-    """True when every head's budgets alone select every key of the row, whatever the scores:
-    the sparse path then computes dense attention (and is counted as dense). Per head: dense;
-    vertical or slash budget (:func:`vs_budgets`) at least the row's keys (every column, or
-    every diagonal); sink + window at least the keys (A-shape); top-k blocks at least the
-    row's key blocks (block-sparse); FlexPrefill's minimum budget at least the keys (both its
-    vertical-slash lines and its query-aware blocks then keep everything). Sufficient, not
-    necessary: an estimate can still select every key of a row whose budgets are smaller
-    (scattered diagonals cost whole key blocks), which only measuring the index tells."""
-    kv_len = ctx_len + q_len
-    key_blocks = -(-kv_len // settings.block_size)
-    for h in (heads if isinstance(heads, Counter) else Counter(heads)):
-        if h.pattern is PatternName.VERTICAL_SLASH:
-            covered = max(vs_budgets(h.vertical_size, h.slash_size, kv_len, settings)) >= kv_len
-        else:
-            covered = {PatternName.DENSE: True,
-                       PatternName.A_SHAPE: h.sink_tokens + h.local_window >= kv_len,
-                       PatternName.BLOCK_SPARSE: h.topk_blocks >= key_blocks,
-                       PatternName.FLEX_PREFILL: settings.min_budget >= kv_len}[h.pattern]
-        if not covered:
-            return False
-    return True
-
-
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
               allow_context: bool = True, worth_estimating: Callable[[int, int], bool] | None = None) -> StepPlan:
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
@@ -167,7 +88,7 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
     sequence at least ``min_sparse_seq_len`` tokens. ``allow_context=False`` (the CPU twin, which
     cannot read vLLM's ISA-packed CPU cache) keeps rows that have cached context dense.
     ``worth_estimating(q_len, ctx_len)`` (optional) keeps long rows dense that no layer could
-    run sparse enough (see :func:`budget_density`). Rows with no queries (cudagraph padding)
+    run sparse enough (see :func:`..budgets.budget_density`). Rows with no queries (cudagraph padding)
     belong to no run.
     """
     n = len(seq_lens)

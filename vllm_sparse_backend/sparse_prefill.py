@@ -17,12 +17,13 @@ from typing import Callable
 
 import torch
 
+from .budgets import budgets_cover_every_key
 from .config import SparseSettings
 from .head_configs import ResolvedHead
 from .index import count_pairs, count_pairs_tensor, index_density
 from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
-from .plan import SparseRow, budgets_cover_every_key
+from .plan import SparseRow
 from .reference import causal_pairs, sparse_attention
 from .stats import STATS
 

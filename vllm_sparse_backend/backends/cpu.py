@@ -16,22 +16,27 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 
 from .._compat import current_vllm_config, sparse_backend_selected
 from ..sparse_prefill import run_sparse_rows
-from .common import (SparsePrefillMetadata, build_sparse_metadata, check_head_config_fits, count_dense_tokens,
-                     log_once, prepare_group, settings)
+from .common import (SparsePrefillMetadata, backend_settings, build_sparse_metadata, check_head_config_fits,
+                     count_dense_tokens, log_once, prepare_group)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.sparse_enabled = False
+        self._layer_heads = None
+        self.sparse_settings = None  # read only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
         if sparse_backend_selected(vllm_config):
-            cfg = settings()  # read and validated here: a bad config fails at start-up
+            self.sparse_settings = cfg = backend_settings()  # read and validated here: a bad config fails at start-up
             if not cfg.enabled:
                 log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense")
             elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
                 log_once("non-decoder or sliding-window layer group runs dense")
             else:
-                self.sparse_enabled = prepare_group(vllm_config, layer_names)
+                # this group's head patterns per layer (None: it runs dense), handed to the impls in
+                # the sparse steps' metadata
+                self._layer_heads = prepare_group(vllm_config, layer_names, cfg)
+                self.sparse_enabled = self._layer_heads is not None
             if cfg.decode_mode != "dense":
                 log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
                          "decode stays dense", cfg.decode_mode)
@@ -44,7 +49,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if self.sparse_enabled:
             md = build_sparse_metadata(
-                common_attn_metadata, allow_context=False,
+                common_attn_metadata, self.sparse_settings, self._layer_heads, allow_context=False,
                 dense_build=lambda sub, first: super(SparsePrefillCPUMetadataBuilder, self).build(0, sub, fast_build))
             if md is not None:
                 return md
@@ -52,14 +57,14 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
-    sparse_heads = None  # this rank's head patterns (RankHeads), set by the builder at start-up (prepare_group)
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Layers are built before the weights load: the earliest point the worker knows the model.
         vllm_config = current_vllm_config()
+        self.sparse_settings = None  # read only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
         if vllm_config is not None and sparse_backend_selected(vllm_config):
-            check_head_config_fits(vllm_config)
+            self.sparse_settings = backend_settings()
+            check_head_config_fits(vllm_config, self.sparse_settings)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -71,11 +76,11 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
             super().forward(layer, query[s], key[s], value[s], kv_cache, run.metadata, output[s],
                             output_scale, output_block_scale)
         count_dense_tokens(attn_metadata)
+        heads = attn_metadata.layer_heads[layer.layer_name]
         # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                        self.sparse_heads.heads, settings(), self.scale, float(self.logits_soft_cap or 0.0),
-                        self.sparse_heads.share)
+                        heads.heads, self.sparse_settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share)
         return output
 
 

@@ -7,6 +7,11 @@ long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the othe
 FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 
+Decode modes (setting ``decode_mode`` topk / spans) sit behind one interface (``decode.py``): the
+builder attaches the mode's plan of a step (spans: its prefill rows' segments; FlashAttention's
+metadata then arrives as its subclass ``DecodePlanMetadata``), and the impl's forward makes one
+call into the layer's :class:`LayerDecode`, which computes pure decode batches itself.
+
 Sparse rows, Triton path (setting ``kernel`` = auto/triton, where the kernel supports the layer):
 indices are estimated on the GPU straight from the paged cache and the block+column kernel reads
 K/V through the block table; no gather, no host sync. Rows whose budgets alone are denser than
@@ -40,17 +45,18 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from .. import kernels
-from .._compat import current_vllm_config, layer_kv_scales, seq_lens_host, sparse_backend_selected
-from ..decode_spans import SpanIndex, plan_step_segments
-from ..decode_topk import PageSummaries
+from .._compat import current_vllm_config, layer_kv_scales, sparse_backend_selected
+from ..budgets import budget_density
+from ..config import load_settings
 from ..paged_estimate import HeadGroups
-from ..plan import SparseRow, budget_density
+from ..plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
 from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
-from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, build_sparse_metadata,
+from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
-                     prepare_group, resolve_layer_heads, settings, unsupported_reason)
+                     prepare_group, resolve_layer_heads, unsupported_reason)
+from .decode import LayerDecode, decode_mode, with_step_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
@@ -71,9 +77,13 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        cfg = settings()  # validated at start-up: a malformed config fails here, naming the field
-        self.sparse_enabled = (cfg.enabled and sparse_backend_selected(vllm_config)
-                               and prepare_group(vllm_config, layer_names))
+        # this engine's settings, validated at start-up: a malformed config fails here, naming the field
+        self.sparse_settings = cfg = backend_settings()
+        # this group's head patterns per layer (None: the group runs dense), handed to the impls in
+        # the sparse steps' metadata
+        self._layer_heads = prepare_group(vllm_config, layer_names, cfg) \
+            if cfg.enabled and sparse_backend_selected(vllm_config) else None
+        self.sparse_enabled = self._layer_heads is not None
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
@@ -89,12 +99,13 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             if why is not None:  # auto: the reference would be far slower than FlashAttention
                 log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
                 self.sparse_enabled = False
+        # decode_mode topk / spans: the mode plans each step once for every layer of the group
+        self._decode_mode = decode_mode(cfg) if sparse_backend_selected(vllm_config) else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
-        self._plan_spans = cfg.decode_mode == "spans" and sparse_backend_selected(vllm_config)
         self._worth_estimating = None
         if self.sparse_enabled and cfg.max_density < 1.0:
-            head_sets = group_head_counts(vllm_config, layer_names)
+            head_sets = group_head_counts(self._layer_heads)
             self._worth_estimating = lambda q_len, ctx_len: any(
                 budget_density(h, q_len, ctx_len, cfg) <= cfg.max_density for h in head_sets)
 
@@ -111,19 +122,13 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
             # would overwrite the persistent scheduler buffer the first run's metadata points at.
             md = build_sparse_metadata(
-                common_attn_metadata, allow_context=True,
+                common_attn_metadata, self.sparse_settings, self._layer_heads, allow_context=True,
                 dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
                     0, sub, fast_build or not first),
-                with_fallback=settings().max_density < 1.0, worth_estimating=self._worth_estimating)
+                with_fallback=self.sparse_settings.max_density < 1.0, worth_estimating=self._worth_estimating)
         if md is None:
             md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        if self._plan_spans and common_attn_metadata.max_query_len > 1:
-            # decode_mode=spans: the step's prefill segments, planned once for every layer
-            cm = common_attn_metadata
-            md.span_segments = plan_step_segments(cm.query_start_loc_cpu[:cm.num_reqs + 1].tolist(),
-                                                  seq_lens_host(cm), self.kv_cache_spec.block_size, settings(),
-                                                  self.device)
-        return md
+        return with_step_plan(self._decode_mode, md, common_attn_metadata, self.kv_cache_spec.block_size, self.device)
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
@@ -139,24 +144,28 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
 class SparsePrefillImpl(FlashAttentionImpl):
     supports_dcp = False  # 0.26's default is True
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
-    sparse_heads = None  # this rank's head patterns (RankHeads), set by the builder at start-up (prepare_group)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
-    _head_groups: HeadGroups | None = None
+    _head_groups: HeadGroups | None = None  # this layer's heads by pattern, on the device (first sparse forward)
+    _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # this engine's settings (vLLM builds this impl only where the backend is selected)
+        self.sparse_settings = backend_settings()
+        mode = decode_mode(self.sparse_settings)
+        self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason())
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
-            check_head_config_fits(self._vllm_config)
+            check_head_config_fits(self._vllm_config, self.sparse_settings)
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
         """Profiling run (no metadata): run the sparse path once on the largest row a step can
         hold, so that vLLM's peak-memory measurement, which sizes the KV cache, sees its scratch.
         Once per process and head-pattern signature (layers with the same patterns share it)."""
         global _scratch_claim_failed
-        vc, cfg = self._vllm_config, settings()
+        vc, cfg = self._vllm_config, self.sparse_settings
         if (vc is None or _scratch_claim_failed is not None or not query.is_cuda or not cfg.enabled
                 or cfg.kernel == "torch" or not sparse_backend_selected(vc)
                 or unsupported_reason(self) is not None
@@ -166,7 +175,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
         if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
             return  # no step can hold a sparse row
-        heads = resolve_layer_heads(vc, layer.layer_name, self.num_heads, self.num_kv_heads)
+        heads = resolve_layer_heads(vc, cfg, layer.layer_name, self.num_heads, self.num_kv_heads)
         groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)
         # an fp8 layer's kernel variants, and the page size serving uses (the kernels specialise on
         # it: with 64-key pages the TMA variant), compile here rather than in the first request
@@ -190,14 +199,15 @@ class SparsePrefillImpl(FlashAttentionImpl):
         logger.info("sparse-prefill: profiling run included the sparse path's scratch for a %d-token chunk at "
                     "%d tokens of context (%s)", q_len, kv_len, layer.layer_name)
 
-    def _groups(self, device) -> HeadGroups:
+    def _groups(self, heads: RankHeads, device) -> HeadGroups:
+        """``heads``: this layer's, from the step's metadata (the same every step)."""
         if self._head_groups is None:
-            cfg = settings()
-            share = self.sparse_heads.share
+            cfg = self.sparse_settings
+            share = heads.share
             if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
                 log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
                          "heads, keep one selection per query head")
-            self._head_groups = HeadGroups.from_heads(self.sparse_heads.heads, device, share)
+            self._head_groups = HeadGroups.from_heads(heads.heads, device, share)
         return self._head_groups
 
     def _triton_kernel(self, query):
@@ -205,15 +215,12 @@ class SparsePrefillImpl(FlashAttentionImpl):
         start-up that the Triton path can run this group (kernel=triton fails there otherwise,
         auto keeps the group dense), so the impl only follows the setting."""
         if self._use_triton is None:
-            self._use_triton = settings().kernel != "torch"
+            self._use_triton = self.sparse_settings.kernel != "torch"
             if not self._use_triton:
                 log_once("sparse rows use the PyTorch reference attention: kernel=torch")
         if not self._use_triton:
             return None
         return kernels.sparse_attention.sparse_prefill_attention
-
-    _decode_index = None  # decode_mode topk: PageSummaries, spans: SpanIndex; allocated on first use
-    _decode_off: str | None = None  # why this layer's decode stays dense
 
     def _kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[pages, page, Hkv, D] key and value views of vLLM's FlashAttention cache (an fp8 cache,
@@ -236,58 +243,23 @@ class SparsePrefillImpl(FlashAttentionImpl):
             return query.to(output.dtype), k_scale * q_scale, v_scale
         return query, k_scale, v_scale
 
-    def _decode_state(self, key_cache: torch.Tensor, mode: str):
-        """This layer's state beside the cache for the decode mode, or None (decode stays dense)."""
-        if self._decode_index is not None and self._decode_index.key_cache_ptr == key_cache.data_ptr():
-            return self._decode_index
+    def _decode_unsupported_reason(self) -> str | None:
+        """Why this layer decodes dense whatever decode_mode says, or None."""
         reason = unsupported_reason(self) or ("logits soft-capping" if self.logits_soft_cap else None)
         if reason is None and self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
             reason = "an fp8 KV cache"
-        if reason is None and mode == "spans":
-            reason = kernels.span_decode.unsupported_page_size(key_cache.shape[1])
-        if reason is not None:
-            self._decode_off = reason  # decided once: the forward stops asking
-            log_once("decode_mode=%s: layers with %s decode dense", mode, reason)
-            return None
-        if torch.cuda.is_current_stream_capturing():  # vLLM warms up eagerly first; never allocate in a graph
-            log_once("decode_mode=%s: its state beside the cache is missing at CUDA-graph capture; that graph "
-                     "decodes dense", mode)
-            return None
-        try:
-            if mode == "spans":
-                self._decode_index = SpanIndex(key_cache, settings())
-            else:
-                self._decode_index = PageSummaries(key_cache, settings())
-        except torch.OutOfMemoryError:
-            self._decode_off = "no memory left for its state beside the cache"
-            log_once("decode_mode=%s: no GPU memory for its per-page state (1/%d of the KV cache); decode stays "
-                     "dense (lower gpu_memory_utilization to leave room)", mode, key_cache.shape[1])
-            return None
-        log_once("decode_mode=%s: per-page state takes %.2f GiB per layer beside the KV cache (1/%d of it), "
-                 "allocated after vLLM sized the cache", mode, self._decode_index.nbytes / 2**30, key_cache.shape[1])
-        return self._decode_index
+        return reason
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        mode = settings().decode_mode
-        if settings().stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            STATS.refresh(settings().stats_file)  # counts of earlier forwards the GPU has finished
+        cfg = self.sparse_settings
+        if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
+            STATS.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
-        elif mode != "dense" and output_scale is None and self._decode_off is None:
-            key_cache, value_cache = self._kv_views(kv_cache)
-            state = self._decode_state(key_cache, mode)
-            if state is not None:
-                # vLLM wrote this step's K/V before attention: follow them beside the cache
-                state.update(key_cache, attn_metadata.slot_mapping)
-                segments = getattr(attn_metadata, "span_segments", None)
-                if segments is not None and key is not None:
-                    state.prefill(query, key, segments, attn_metadata.block_table, self.scale)
-                if not isinstance(attn_metadata, SparsePrefillMetadata) and attn_metadata.max_query_len == 1:
-                    n = attn_metadata.num_actual_tokens  # one token per sequence
-                    state.decode(query[:n], key_cache, value_cache, attn_metadata.block_table[:n],
-                                 attn_metadata.seq_lens[:n], self.scale, output[:n])
-                    return output
+        elif self._decode is not None and self._decode.active and output_scale is None:
+            if self._decode.forward(query, key, *self._kv_views(kv_cache), attn_metadata, self.scale, output):
+                return output  # a pure decode batch, computed by the decode mode
         if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
@@ -298,6 +270,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
             super().forward(layer, query[s], None if key is None else key[s],
                             None if value is None else value[s], kv_cache, run.metadata, output[s])
         count_dense_tokens(attn_metadata)
+        heads = attn_metadata.layer_heads[layer.layer_name]
         key_cache, value_cache = self._kv_views(kv_cache)
         block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
@@ -307,14 +280,14 @@ class SparsePrefillImpl(FlashAttentionImpl):
         if kernel is not None:
             def dense_row(r: SparseRow) -> None:
                 log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
-                         "FlashAttention (counted in the stats' dense_reasons)", settings().max_density)
+                         "FlashAttention (counted in the stats' dense_reasons)", cfg.max_density)
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super(SparsePrefillImpl, self).forward(
                     layer, query[s], None if key is None else key[s], None if value is None else value[s],
                     kv_cache, attn_metadata.fallback[r.row], output[s])
 
             run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
-                                  self._groups(query.device), settings(), self.scale, softcap, kernel,
+                                  self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
                                   dense_row if attn_metadata.fallback else None, k_scale, v_scale)
             return output
 
@@ -324,8 +297,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, self.sparse_heads.heads, settings(),
-                        self.scale, softcap, self.sparse_heads.share)
+        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
+                        heads.share)
         return output
 
 
@@ -349,7 +322,7 @@ class SparsePrefillBackend(FlashAttentionBackend):
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         """Asked by vLLM only when --block-size is not given: pages of 64 keys on Hopper and
         later, where the kernel loads a 64-key page as one TMA box (setting kv_block_size)."""
-        cfg = settings()
+        cfg = load_settings()  # a class method: no engine object holds them here
         if cfg.kv_block_size == "auto":
             # decode_mode topk / spans count their budgets in pages measured at vLLM's default
             size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \

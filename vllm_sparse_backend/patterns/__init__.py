@@ -15,7 +15,7 @@ import torch
 from ..config import PatternName, SparseSettings
 from ..head_configs import ResolvedHead
 from ..index import SparseIndex, build_index, num_blocks
-from ..plan import kv_group_share, vs_budgets
+from ..budgets import kv_group_share, vs_budgets
 from ..reference import kv_head_map
 from .a_shape import a_shape_selection
 from .block_sparse import block_sparse_selection
@@ -37,7 +37,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
                    settings: SparseSettings, scale: float, share: int | None = None) -> Estimate:
     """q: [q_len, H, D] (the row's queries), k: [ctx_len + q_len, Hkv, D] (all keys of the row).
     ``share``: query heads per shared key selection (:attr:`..plan.RankHeads.share`, decided for
-    the whole layer under tensor parallelism); None: :func:`..plan.kv_group_share` of these heads."""
+    the whole layer under tensor parallelism); None: :func:`..budgets.kv_group_share` of these heads."""
     q_len, num_heads, _ = q.shape
     if len(heads) != num_heads:
         raise ValueError(f"{len(heads)} head patterns for {num_heads} query heads")

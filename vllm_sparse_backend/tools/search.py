@@ -44,7 +44,7 @@ from ..patterns import estimate_index
 from ..patterns.a_shape import a_shape_selection
 from ..patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from ..patterns.vertical_slash import slash_block_mask, slash_ranges
-from ..plan import budget_density, kv_group_share, vs_budgets
+from ..budgets import budget_density, kv_group_share, vs_budgets
 from ..reference import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
@@ -282,7 +282,7 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     selection per query head) or the GQA group size (one per KV head, from the group's summed
     scores, as the backend runs ``kv_group_shared``). ``max_budget_density``: also keep every
     candidate's budgets within this share of the keys a query sees on average
-    (:func:`vllm_sparse_backend.plan.budget_density`, the CUDA backend's check against
+    (:func:`vllm_sparse_backend.budgets.budget_density`, the CUDA backend's check against
     ``max_density``: a layer whose budgets are denser runs dense there)."""
     t0 = time.monotonic()
     n, h, _ = q.shape

@@ -5,7 +5,7 @@ transformers runs the model once on a real prompt with a custom attention functi
 each layer's post-RoPE Q, K, V (and the layer's own SDPA output) to a callback, on the device the
 model runs on. For every layer and every variant, the project's estimators
 (:func:`vllm_sparse_backend.patterns.estimate_index`, with the backend's own decision whether the
-heads of a KV group share one selection, :func:`vllm_sparse_backend.plan.kv_group_share`) build
+heads of a KV group share one selection, :func:`vllm_sparse_backend.budgets.kv_group_share`) build
 the sparse index from that Q/K exactly as the backend would, and against exact dense attention we
 measure
 
@@ -41,7 +41,7 @@ from ...head_configs import HeadConfigFile, layer_heads, load_head_config
 from ...index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
                      range_cover)
 from ...patterns import estimate_index
-from ...plan import budget_density, kv_group_share
+from ...budgets import budget_density, kv_group_share
 from ...reference import causal_pairs, kv_head_map
 from .rope import scaled_max_positions, yarn_parameters
 from .variants import Variant

@@ -1,0 +1,202 @@
+"""The decode modes' one interface (backends/decode.py), driven on CPU: what the CUDA builder
+attaches to a step and what the impl's forward hands the layer's decode state.
+
+A recording mode checks the routing (which metadata carries the step's plan, which calls reach
+the state, with which rows); the top-k mode through the impl's forward, under Triton's
+interpreter, must give exactly what its state's own calls give."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+
+cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
+decode = pytest.importorskip("vllm_sparse_backend.backends.decode")
+FlashAttentionMetadata = decode.FlashAttentionMetadata
+
+H, HKV, D, PAGE = 4, 2, 64, 16
+
+
+def _fa_metadata(query_lens, seq_lens, table, slot_mapping):
+    """FlashAttention's metadata as its builder fills the fields the decode modes read."""
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return FlashAttentionMetadata(num_actual_tokens=sum(query_lens), max_query_len=max(query_lens),
+                                  query_start_loc=qsl, max_seq_len=max(seq_lens),
+                                  seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table,
+                                  slot_mapping=slot_mapping)
+
+
+def _common(query_lens, seq_lens):
+    """The CommonAttentionMetadata fields the step plan reads (host copies)."""
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return SimpleNamespace(num_reqs=len(query_lens), max_query_len=max(query_lens), query_start_loc_cpu=qsl,
+                           seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32))
+
+
+class _Recorder:
+    """A decode state that records what reached it."""
+
+    nbytes = 0
+
+    def __init__(self, key_cache):
+        self.key_cache_ptr = key_cache.data_ptr()
+        self.calls = []
+
+    def update(self, key_cache, slot_mapping):
+        self.calls.append(("update", slot_mapping))
+
+    def prefill(self, query, key, plan, block_table, scale):
+        self.calls.append(("prefill", plan, query.shape[0], block_table, scale))
+
+    def decode(self, query, key_cache, value_cache, block_table, seq_lens, scale, out):
+        self.calls.append(("decode", query.shape[0], block_table, seq_lens, scale))
+        out.fill_(7.0)
+        return out
+
+
+class _RecordingMode:
+    name = "recording"
+    plans_steps = True
+
+    def __init__(self, page_limit=None):
+        self.page_limit = page_limit
+        self.planned = []
+
+    def plan_step(self, query_start_loc, seq_lens, page_size, device):
+        self.planned.append((query_start_loc, seq_lens, page_size))
+        return "PLAN"
+
+    def unsupported_page_size(self, page_size):
+        return None if self.page_limit is None or page_size <= self.page_limit else f"page size {page_size}"
+
+    def allocate(self, key_cache):
+        return _Recorder(key_cache)
+
+
+def _caches(num_pages=8):
+    kv = torch.zeros(num_pages, PAGE, HKV, 2 * D)
+    return kv[..., :D], kv[..., D:]
+
+
+def test_step_plan_rides_on_the_metadata_the_builder_returns():
+    mode = _RecordingMode()
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    fa = _fa_metadata([5, 1], [20, 9], table, torch.arange(6))
+    got = decode.with_step_plan(mode, fa, _common([5, 1], [20, 9]), PAGE, "cpu")
+    # FlashAttention's metadata as its subclass: every field kept, the plan beside them
+    assert isinstance(got, decode.DecodePlanMetadata) and isinstance(got, FlashAttentionMetadata)
+    assert got.decode_plan == "PLAN" and mode.planned == [([0, 5, 6], [20, 9], PAGE)]
+    for f in dataclasses.fields(fa):
+        assert getattr(got, f.name) is getattr(fa, f.name), f.name
+    ours = SparsePrefillMetadata(6, 5, [], [], table, slot_mapping=torch.arange(6))
+    assert decode.with_step_plan(mode, ours, _common([5, 1], [20, 9]), PAGE, "cpu").decode_plan == "PLAN"
+    assert ours.decode_plan is None  # a copy: the builder's own object is not written to
+    decode_step = _fa_metadata([1, 1], [20, 9], table, torch.arange(2))
+    assert decode.with_step_plan(mode, decode_step, _common([1, 1], [20, 9]), PAGE, "cpu") is decode_step
+    assert decode.with_step_plan(None, fa, _common([5, 1], [20, 9]), PAGE, "cpu") is fa
+    assert len(mode.planned) == 2  # decode steps and no mode plan nothing
+
+
+def test_layer_decode_routes_each_step():
+    key_cache, value_cache = _caches()
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    layer = decode.LayerDecode(_RecordingMode())
+    q, k = torch.randn(6, H, D), torch.randn(6, HKV, D)
+    out = torch.zeros(6, H, D)
+    prefill = decode.with_step_plan(layer.mode, _fa_metadata([5, 1], [20, 9], table, torch.arange(6)),
+                                    _common([5, 1], [20, 9]), PAGE, "cpu")
+    assert layer.forward(q, k, key_cache, value_cache, prefill, 0.125, out) is False  # the impl computes it
+    state = layer.state
+    assert [c[0] for c in state.calls] == ["update", "prefill"]
+    assert state.calls[1][1:] == ("PLAN", 6, table, 0.125)
+    assert not out.any()
+    state.calls.clear()
+    pure = _fa_metadata([1, 1], [21, 10], table, torch.tensor([3, 4]))
+    assert layer.forward(q, k, key_cache, value_cache, pure, 0.125, out) is True
+    assert [c[0] for c in state.calls] == ["update", "decode"]
+    _, n, bt, seq_lens, scale = state.calls[1]
+    assert n == 2 and torch.equal(bt, table[:2]) and seq_lens.tolist() == [21, 10] and scale == 0.125
+    assert (out[:2] == 7).all() and not out[2:].any()
+    state.calls.clear()
+    sparse_step = SparsePrefillMetadata(1, 1, [], [], table, slot_mapping=torch.arange(1))  # never decoded here
+    assert layer.forward(q, k, key_cache, value_cache, sparse_step, 0.125, out) is False
+    assert [c[0] for c in state.calls] == ["update"]
+    assert layer.state is state and layer.active
+
+
+def test_layer_decode_stays_dense_where_it_cannot_run():
+    key_cache, value_cache = _caches()
+    pure = _fa_metadata([1], [5], torch.zeros(1, 4, dtype=torch.int32), torch.tensor([4]))
+    q, out = torch.randn(1, H, D), torch.zeros(1, H, D)
+    for layer in (decode.LayerDecode(_RecordingMode(), why_dense="an fp8 KV cache"),
+                  decode.LayerDecode(_RecordingMode(page_limit=8))):  # pages of 16 are too large for it
+        assert layer.forward(q, None, key_cache, value_cache, pure, 1.0, out) is False
+        assert not layer.active and layer.state is None and not out.any()
+
+
+def test_decode_mode_is_selected_once_from_the_settings():
+    assert decode.decode_mode(SparseSettings()) is None
+    assert decode.decode_mode(SparseSettings(decode_mode="topk")).name == "topk"
+    spans = decode.decode_mode(SparseSettings(decode_mode="spans"))
+    assert spans.name == "spans" and spans.plans_steps
+
+
+@pytest.mark.kernels
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="needs triton's interpreter (CPU); run by make test with the kernel site")
+def test_topk_mode_through_the_impl_forward(monkeypatch):
+    """decode_mode=topk through SparsePrefillImpl.forward: a mixed step goes to FlashAttention
+    (stubbed) after the summaries followed its slots; a pure decode step is computed by the mode,
+    equal to the summaries' own calls on the same cache."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from vllm_sparse_backend.decode_topk import PageSummaries, TopkDecodeBudget, topk_decode
+
+    settings = SparseSettings(decode_mode="topk", decode_sink_pages=1, decode_recent_pages=1, decode_budget_pages=1)
+    gen = torch.Generator().manual_seed(5)
+    lens = [70, 45]
+    num_pages = 12
+    kv = torch.zeros(num_pages, PAGE, HKV, 2 * D)
+    table = torch.tensor([[3, 7, 1, 9, 0], [5, 2, 11, 4, 6]], dtype=torch.int32)
+    slots = [table[i, torch.arange(n) // PAGE].long() * PAGE + torch.arange(n) % PAGE for i, n in enumerate(lens)]
+    for i, n in enumerate(lens):
+        kv[slots[i] // PAGE, slots[i] % PAGE] = torch.randn(n, HKV, 2 * D, generator=gen)
+    kv_cache = kv.permute(0, 2, 1, 3)  # the logical view vLLM hands the impl
+    key_cache, value_cache = kv.split(D, -1)
+
+    impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
+    impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = H, D, D ** -0.5, 0.0
+    impl.num_kv_heads, impl.kv_cache_dtype, impl.sparse_settings = HKV, "auto", settings
+    impl._decode = decode.LayerDecode(decode.decode_mode(settings), impl._decode_unsupported_reason())
+    dense_calls = []
+    monkeypatch.setattr(cuda_backend.FlashAttentionImpl, "forward",
+                        lambda self, layer, query, *a, **k: dense_calls.append(query.shape[0]))
+
+    # a prefill step of both prompts (the cache already holds them, as after vLLM's update)
+    prefill = _fa_metadata(lens, lens, table, torch.cat(slots))
+    q = torch.randn(sum(lens), H, D, generator=gen)
+    impl.forward(None, q, None, None, kv_cache, prefill, torch.zeros(sum(lens), H, D))
+    assert dense_calls == [sum(lens)]
+    ref = PageSummaries(key_cache, settings)
+    ref.update(key_cache, torch.cat(slots))
+    assert torch.equal(impl._decode.state.min, ref.min) and torch.equal(impl._decode.state.max, ref.max)
+
+    # a pure decode step (one token per sequence, padding slots after them)
+    q = torch.randn(3, H, D, generator=gen)
+    out = torch.full((3, H, D), float("nan"))
+    pure = _fa_metadata([1, 1], lens, table, torch.tensor([slots[0][-1], slots[1][-1]]))
+    assert impl.forward(None, q, None, None, kv_cache, pure, out) is out
+    assert dense_calls == [sum(lens)]  # not FlashAttention
+    ref.update(key_cache, pure.slot_mapping)
+    want = torch.full((2, H, D), float("nan"))
+    topk_decode(q[:2], key_cache, value_cache, ref, table, pure.seq_lens, TopkDecodeBudget.from_settings(settings),
+                D ** -0.5, want)
+    assert torch.equal(out[:2], want) and torch.isnan(out[2:]).all()
