@@ -112,7 +112,6 @@ def main() -> dict:
     builder = SparsePrefillBackend.get_builder_cls()(spec, [x.layer_name for x in layers], config,
                                                      torch.device("cpu"))
     out["sparse_enabled"] = builder.sparse_enabled
-    out["heads_given_to_layers"] = [len(x.impl.sparse_heads.heads) for x in layers]
     out["cudagraph_support"] = builder.get_cudagraph_support(config, spec).name
     out["uniform_batch"] = AttentionCGSupport.UNIFORM_BATCH.name
 
@@ -121,6 +120,8 @@ def main() -> dict:
     out["metadata_type"] = type(md).__qualname__
     if isinstance(md, SparsePrefillMetadata):
         out["num_actual_tokens"] = md.num_actual_tokens
+        # each layer's heads travel in the step's metadata, looked up by the layer's name
+        out["heads_given_to_layers"] = [len(md.layer_heads[x.layer_name].heads) for x in layers]
         out["sparse_rows"] = [[r.row, r.tok_start, r.q_len, r.ctx_len] for r in md.sparse_rows]
         out["dense_runs"] = [{"tokens": [run.tok_start, run.tok_end], **_fa(run.metadata)} for run in md.dense_runs]
         out["fallback"] = {str(row): _fa(m) for row, m in sorted(md.fallback.items())}
