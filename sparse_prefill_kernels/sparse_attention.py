@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import BIG_KEY, BLOCK, LN2, LOG2E, MAX_START, NEG_INF
 from .index_format import SparseIndex
 from .kv_quant import check_kv_dtypes, scale_operand
 
@@ -58,11 +59,10 @@ try:  # host-side TMA descriptors (Triton >= 3.3)
 except ImportError:  # pragma: no cover - older Triton: the TMA path is unavailable
     TensorDescriptor = None
 
-BIG_KEY: tl.constexpr = tl.constexpr(2**30)  # past any key position
-
-# Columns of the per-query-block metadata table.
-META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = range(5)
-META_WIDTH = 5
+# Columns of the per-query-block metadata table (int32 [TQB, META_WIDTH]): block-table row, first
+# token in q/out, valid queries, absolute position of the first query, kv length of the row.
+META_BT_ROW, META_TOK, META_NQ, META_QPOS, META_KVLEN = (tl.constexpr(i) for i in range(5))
+META_WIDTH: tl.constexpr = tl.constexpr(5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _meta_table(rows: Sequence[Any], block_size: int, device) -> torch.Tensor:
         bt_row, tok, q_len, ctx = _row_fields(r)
         for s in range(0, q_len, block_size):
             entries.append((bt_row, tok + s, min(block_size, q_len - s), ctx + s, ctx + q_len))
-    meta = torch.tensor(entries, dtype=torch.int32).reshape(-1, META_WIDTH)
+    meta = torch.tensor(entries, dtype=torch.int32).reshape(-1, META_WIDTH.value)
     if torch.device(device).type == "cuda":
         meta = meta.pin_memory().to(device, non_blocking=True)
     return meta.to(device)
@@ -131,7 +131,7 @@ def _pad_last(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device=None,
-              block_size: int = 64, heads_per_list: int = 1) -> BatchedSparseIndex:
+              block_size: int = BLOCK.value, heads_per_list: int = 1) -> BatchedSparseIndex:
     """Build the batched index of ``rows`` (SparseRow-like: row, tok_start, q_len, ctx_len; or
     4-tuples in that order). ``indices=None`` gives the dense (full causal) variant.
     ``heads_per_list`` > 1: each index has one list per ``heads_per_list`` consecutive query heads
@@ -189,7 +189,7 @@ def merge_group_heads(bix: BatchedSparseIndex, heads_per_program: int) -> Batche
     dev = bix.block_index.device
     # Blocks: membership as bits over a dense key-block axis, then compact.
     bi = bix.block_index.view(lh, g, tqb, maxb).to(torch.int64)
-    nkb = int(bix.meta[:, META_KVLEN].max().item() + bix.block_size - 1) // bix.block_size \
+    nkb = int(bix.meta[:, META_KVLEN.value].max().item() + bix.block_size - 1) // bix.block_size \
         if bix.meta.numel() else 1  # one sync; merging is an offline / benchmark-side helper
     bits = torch.zeros(lh, tqb, nkb + 1, dtype=torch.int64, device=dev)
     for j in range(g):
@@ -261,12 +261,12 @@ def _online_softmax(acc, m_i, l_i, q, kt, v, allow, qk_scale, softcap, MASKED: t
     if SOFTCAP:
         # softcap * tanh(s * scale / softcap), tanh through exp2; then to the log2 domain
         x = s * (qk_scale / softcap)
-        e = tl.exp2(x * (2.0 * 1.4426950408889634))
-        s = softcap * (1.0 - 2.0 / (e + 1.0)) * 1.4426950408889634
+        e = tl.exp2(x * (2.0 * LOG2E))
+        s = softcap * (1.0 - 2.0 / (e + 1.0)) * LOG2E
     else:
-        s = s * (qk_scale * 1.4426950408889634)
+        s = s * (qk_scale * LOG2E)
     if MASKED:
-        s = tl.where(allow, s, float("-inf"))
+        s = tl.where(allow, s, NEG_INF)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -290,7 +290,7 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
 
 
 @triton.jit
-def _tile_page_slot(bt_row_ptr, kb, ok, PAGE: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_page_slot(bt_row_ptr, kb, ok, PAGE: tl.constexpr):
     """(page, first slot) of key block kb, whose BLOCK keys lie in one page (PAGE % BLOCK == 0)."""
     page = tl.load(bt_row_ptr + (kb * BLOCK) // PAGE, mask=ok, other=0)
     return page, (kb * BLOCK) % PAGE
@@ -325,7 +325,7 @@ def _sparse_fwd_kernel(
     qk_scale, softcap,
     GROUP: tl.constexpr,  # query heads per KV head
     GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
-    PAGE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
     KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr,
     KV_SCALED: tl.constexpr,  # dequantised K/V = stored * k_scale / v_scale (fp32 scalars on the device)
@@ -348,12 +348,12 @@ def _sparse_fwd_kernel(
     kvh_i = pid_h // LPK
     kvh = kvh_i.to(tl.int64)
 
-    mrow = meta_ptr + qb * 5
-    bt_row = tl.load(mrow + 0)
-    tok0 = tl.load(mrow + 1)
-    nq = tl.load(mrow + 2)
-    qpos0 = tl.load(mrow + 3)
-    kv_len = tl.load(mrow + 4)
+    mrow = meta_ptr + qb * META_WIDTH
+    bt_row = tl.load(mrow + META_BT_ROW)
+    tok0 = tl.load(mrow + META_TOK)
+    nq = tl.load(mrow + META_NQ)
+    qpos0 = tl.load(mrow + META_QPOS)
+    kv_len = tl.load(mrow + META_KVLEN)
     bt_row_ptr = bt_ptr + bt_row.to(tl.int64) * s_bt
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -379,7 +379,7 @@ def _sparse_fwd_kernel(
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :] * s_qd,
                 mask=row_ok[:, None], other=0.0)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], MAX_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if KV_SCALED:  # k_scale folds into the scores' scale, v_scale into the output
@@ -411,12 +411,12 @@ def _sparse_fwd_kernel(
     if TMA:
         # one page lookup per tile, a scalar; the next tile's is issued before this tile's math
         kb = _listed_block(blist, sub, sub < n_full_e, whole, DENSE, FALLBACK)
-        page, slot = _tile_page_slot(bt_row_ptr, kb, sub < n_full_e, PAGE, BLOCK)
+        page, slot = _tile_page_slot(bt_row_ptr, kb, sub < n_full_e, PAGE)
         for t in range(0, n_full_tiles):
             e_n = t + 1
             ok_n = e_n < n_full_e
             kb_n = _listed_block(blist, e_n, ok_n, whole, DENSE, FALLBACK)
-            page_n, slot_n = _tile_page_slot(bt_row_ptr, kb_n, ok_n, PAGE, BLOCK)
+            page_n, slot_n = _tile_page_slot(bt_row_ptr, kb_n, ok_n, PAGE)
             if MERGED:
                 bits = tl.load(bbits_ptr + lrow * maxb + t) + zero_n
                 allow = ((bits[None, :] >> head_bit[:, None]) & 1) != 0
@@ -472,7 +472,7 @@ def _sparse_fwd_kernel(
             bits = tl.load(bbits_ptr + lrow * maxb + e, mask=e_ok, other=0) + zero_n
             allow = allow & (((bits[None, :] >> head_bit[:, None]) & 1) != 0)
         if TMA:
-            page, slot = _tile_page_slot(bt_row_ptr, kb, e_ok, PAGE, BLOCK)
+            page, slot = _tile_page_slot(bt_row_ptr, kb, e_ok, PAGE)
             acc, m_i, l_i = _attend_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, page, slot, kvh_i, kv_ok, allow,
                                              qk_scale, softcap, BLOCK_N, HEAD_DIM, True, SOFTCAP)
         else:
@@ -524,7 +524,7 @@ def _sparse_fwd_kernel(
     tl.store(o_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :] * s_od,
              o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, NEG_INF)
         tl.store(lse_ptr + head.to(tl.int64) * s_lse_h + tok, lse, mask=row_ok)
 
 
@@ -592,10 +592,10 @@ def tma_unusable(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: in
     or later (or Triton's interpreter)."""
     if TensorDescriptor is None:
         return "this Triton has no host tensor descriptors"
-    if block_n != 64:
-        return f"key tiles of {block_n} (TMA tiles are one 64-key block)"
-    if key_cache.shape[1] % 64:
-        return f"pages of {key_cache.shape[1]} keys (need a multiple of 64)"
+    if block_n != BLOCK.value:
+        return f"key tiles of {block_n} (TMA tiles are one {BLOCK.value}-key block)"
+    if key_cache.shape[1] % BLOCK.value:
+        return f"pages of {key_cache.shape[1]} keys (need a multiple of {BLOCK.value})"
     for name, c in (("key", key_cache), ("value", value_cache)):
         if c.stride(-1) != 1 or c.data_ptr() % 16 or any(st * c.element_size() % 16 for st in c.stride()[:-1]):
             return f"the {name} cache's strides {tuple(c.stride())} are not 16-byte aligned with a contiguous head dim"
@@ -607,7 +607,7 @@ def tma_unusable(key_cache: torch.Tensor, value_cache: torch.Tensor, block_n: in
 def _cache_descriptor(cache: torch.Tensor):
     """4-D descriptor over a [pages, page, Hkv, D] cache view (any order of the first three
     strides, NHD or HND), one box = 64 keys of one page and one KV head."""
-    return TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, 64, 1, cache.shape[-1]])
+    return TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, BLOCK.value, 1, cache.shape[-1]])
 
 
 def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -676,9 +676,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
             index = [ix.repeat_heads(h // lists // per_list) for ix in index]
         index = pack_rows(rows, index, device=q.device, heads_per_list=per_list)
     bix = index
-    if bix.block_size != 64:
-        raise ValueError("the kernel is built for 64-wide blocks")
-    tma_why = tma_unusable(key_cache, value_cache, block_n or 64)  # once per launch ('' = usable)
+    if bix.block_size != BLOCK.value:
+        raise ValueError(f"the kernel is built for {BLOCK.value}-wide blocks")
+    tma_why = tma_unusable(key_cache, value_cache, block_n or BLOCK.value)  # once per launch ('' = usable)
     if tma and tma_why:
         raise ValueError(f"tma=True: {tma_why}")
     use_tma = (key_cache.is_cuda and not tma_why) if tma is None else tma
@@ -741,7 +741,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         block_table.stride(0), tqb, t if return_lse else 0,
         tqb, lists, maxb, maxc, maxr,
         float(scale), float(softcap) if softcap > 0 else 1.0,
-        GROUP=group, GH=gh, PAGE=page, BLOCK=64, BLOCK_N=bn, HEAD_DIM=d,
+        GROUP=group, GH=gh, PAGE=page, BLOCK_N=bn, HEAD_DIM=d,
         DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
         FALLBACK=fallback, KV_SCALED=ks is not None, TMA=use_tma,
         num_warps=warps, num_stages=stages,
