@@ -18,8 +18,13 @@ the row's kv length). The grid is flat: one program per (list owner, query block
 head first, then query blocks from the last (heaviest) to the first, then the heads of the group,
 so programs that read the same KV head run together and share its K/V in L2.
 
-``pack_rows(rows, None)`` is the dense variant of the same kernel: every causal key block, no
-lists materialised (a constexpr flag), for comparing against cuDNN / FlashAttention.
+Two kernels, built from the same ``@triton.jit`` helpers: :func:`_sparse_fwd_kernel` runs what
+serving launches (per-head or group-shared lists, rows flagged to run every causal key, fp8
+caches, soft-capping, TMA or gathered loads); :func:`_sparse_fwd_variants_kernel` adds the modes
+only tests and benchmarks use: the dense variant (``pack_rows(rows, None)``: every causal key
+block, no lists materialised, for comparing against cuDNN / FlashAttention), merged heads
+(:func:`merge_group_heads`), the LSE output, the other program order and no prefetch. The
+launcher :func:`sparse_prefill_attention` picks one from its arguments.
 
 GQA: a program may stack ``heads_per_program`` query heads of one KV group along M
 (BLOCK_M = heads_per_program * 64), so each K/V tile is loaded once for all of them. This needs
@@ -598,23 +603,74 @@ def _store_lse(lse_ptr, s_lse_h, m_i, l_i, tok, head, row_ok):
 # Lengths and list widths change from step to step: compile once for all of them (Triton would
 # otherwise specialise each int argument on divisibility by 16 and on == 1, and a new prompt
 # length could trigger a compile of several seconds in the middle of serving).
-@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc", "maxr"])
+@triton.jit(do_not_specialize=["s_lh", "num_qb", "maxb", "maxc", "maxr"])
 def _sparse_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
-    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr,
-    v_scale_ptr, k_desc, v_desc,
-    q_strides, o_strides, k_strides, v_strides,  # (T, H, D) and ([pages, page, Hkv, D]) strides
-    s_bt, s_lh, s_lse_h,  # block-table row stride, list owner stride (TQB), lse head stride
-    num_qb, num_lists, maxb, maxc, maxr,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, meta_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr, v_scale_ptr,
+    k_desc, v_desc,
+    q_strides, o_strides, k_strides, v_strides,  # [T, H, D] and [pages, page, Hkv, D] strides
+    s_bt, s_lh,  # block-table row stride, list owner stride of the lists (TQB)
+    num_qb, maxb, maxc, maxr,
     qk_scale, softcap,
     GROUP: tl.constexpr,  # query heads per KV head
     GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DENSE: tl.constexpr, MERGED: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    KV_MAJOR: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    FALLBACK: tl.constexpr,  # rows flagged in whole_ptr run every causal key block instead of their lists
     KV_SCALED: tl.constexpr,  # dequantised K/V = stored * k_scale / v_scale (fp32 scalars on the device)
     TMA: tl.constexpr,  # listed blocks loaded through k_desc / v_desc (needs BLOCK_N == BLOCK, PAGE % BLOCK == 0)
 ):
+    """The serving kernel: one program per (list owner, query block), KV-head-major order, the
+    next tile's list entries and page lookups prefetched. Per program: the listed key blocks, the
+    key ranges, the single columns, then the normalised output."""
+    BLOCK_M: tl.constexpr = GH * BLOCK
+    pid_h, qb = _program_ids(num_qb, None, (GROUP + GH - 1) // GH, True)
+    rows, keys, lanes, out_rows, nq, qpos0 = _program_rows(q_ptr, q_strides, meta_ptr, bt_ptr, s_bt, pid_h, qb,
+                                                           GROUP, GH, BLOCK_N, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], MAX_START, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if KV_SCALED:  # k_scale folds into the scores' scale, v_scale into the output
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    cache = (k_ptr, v_ptr, k_strides, v_strides, k_desc, v_desc)
+
+    lrow, blist, n_full, n_all, whole = _block_list(bcnt_ptr, bidx_ptr, whole_ptr, maxb, s_lh, pid_h, qb, qpos0, nq,
+                                                    False, FALLBACK)
+    m_i, l_i, acc = _block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blist, None,
+                                 n_full, n_all, whole, PAGE, BLOCK_N, HEAD_DIM, False, False, True, FALLBACK, SOFTCAP,
+                                 TMA)
+    rlist, n_rng = _list_row(rcnt_ptr, ridx_ptr, maxr, lrow, whole, FALLBACK)
+    m_i, l_i, acc = _range_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, rlist, n_rng,
+                                 PAGE, BLOCK_N, HEAD_DIM, SOFTCAP)
+    clist, n_col = _list_row(ccnt_ptr, cidx_ptr, maxc, lrow, whole, FALLBACK)
+    m_i, l_i, acc = _column_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, clist, n_col, None,
+                                  PAGE, BLOCK_N, HEAD_DIM, False, SOFTCAP)
+
+    tok, head, row_ok = out_rows
+    _store_rows(o_ptr, o_strides, acc, l_i, tok, head, row_ok, v_scale_ptr, HEAD_DIM, KV_SCALED)
+
+
+@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc", "maxr"])
+def _sparse_fwd_variants_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
+    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr,
+    v_scale_ptr, k_desc, v_desc,
+    q_strides, o_strides, k_strides, v_strides,
+    s_bt, s_lh, s_lse_h,  # ... and the lse head stride
+    num_qb, num_lists, maxb, maxc, maxr,
+    qk_scale, softcap,
+    GROUP: tl.constexpr, GH: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SOFTCAP: tl.constexpr, FALLBACK: tl.constexpr, KV_SCALED: tl.constexpr, TMA: tl.constexpr,
+    DENSE: tl.constexpr,  # no lists: every causal key block (benchmarks' dense baseline)
+    MERGED: tl.constexpr,  # merged lists of GH heads with a head bitmask per entry (bbits_ptr / cbits_ptr)
+    WRITE_LSE: tl.constexpr,  # also the natural-log LSE into lse_ptr [H, T]
+    KV_MAJOR: tl.constexpr,  # program order (False: list owners innermost over all KV heads)
+    PREFETCH: tl.constexpr,  # gathered tiles: the next tile's list entries and page lookups issued early
+):
+    """The serving kernel's modes for tests and benchmarks, from the same helpers: the dense
+    variant, merged heads, the LSE output, the other program order and no prefetch. With
+    DENSE = MERGED = WRITE_LSE = False and KV_MAJOR = PREFETCH = True it computes what
+    :func:`_sparse_fwd_kernel` computes."""
     BLOCK_M: tl.constexpr = GH * BLOCK
     pid_h, qb = _program_ids(num_qb, num_lists, (GROUP + GH - 1) // GH, KV_MAJOR)
     rows, keys, lanes, out_rows, nq, qpos0 = _program_rows(q_ptr, q_strides, meta_ptr, bt_ptr, s_bt, pid_h, qb,
@@ -622,7 +678,7 @@ def _sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], MAX_START, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if KV_SCALED:  # k_scale folds into the scores' scale, v_scale into the output
+    if KV_SCALED:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     cache = (k_ptr, v_ptr, k_strides, v_strides, k_desc, v_desc)
 
@@ -847,18 +903,22 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     else:
         k_desc, v_desc = key_cache, value_cache  # placeholders: not read without TMA
     grid = (lists * tqb,)
-    _sparse_fwd_kernel[grid](
-        q, key_cache, value_cache, out, lse, block_table, bix.meta,
-        bcnt, bidx, ccnt, cidx, bb, cb, whole, rcnt, ridx,
-        bcnt if ks is None else ks, bcnt if vs is None else vs,  # placeholders: not read unless KV_SCALED
-        k_desc, v_desc,
-        q.stride(), out.stride(), key_cache.stride(), value_cache.stride(),
-        block_table.stride(0), tqb, t if return_lse else 0,
-        tqb, lists, maxb, maxc, maxr,
-        float(scale), float(softcap) if softcap > 0 else 1.0,
-        GROUP=group, GH=gh, PAGE=page, BLOCK_N=bn, HEAD_DIM=d,
-        DENSE=bix.dense, MERGED=bix.merged, SOFTCAP=softcap > 0, WRITE_LSE=return_lse, KV_MAJOR=kvm, PREFETCH=pf,
-        FALLBACK=fallback, KV_SCALED=ks is not None, TMA=use_tma,
-        num_warps=warps, num_stages=stages,
-    )
+    args = (q, key_cache, value_cache, out)
+    lists_args = (bcnt, bidx, ccnt, cidx)
+    tail = (whole, rcnt, ridx,
+            bcnt if ks is None else ks, bcnt if vs is None else vs,  # placeholders: not read unless KV_SCALED
+            k_desc, v_desc, q.stride(), out.stride(), key_cache.stride(), value_cache.stride())
+    modes = dict(GROUP=group, GH=gh, PAGE=page, BLOCK_N=bn, HEAD_DIM=d, SOFTCAP=softcap > 0, FALLBACK=fallback,
+                 KV_SCALED=ks is not None, TMA=use_tma, num_warps=warps, num_stages=stages)
+    scales = (float(scale), float(softcap) if softcap > 0 else 1.0)
+    if bix.dense or bix.merged or return_lse or not kvm or not (pf or use_tma):
+        # the modes serving never runs (the TMA branch always prefetches)
+        _sparse_fwd_variants_kernel[grid](*args, lse, block_table, bix.meta, *lists_args, bb, cb, *tail,
+                                          block_table.stride(0), tqb, t if return_lse else 0,
+                                          tqb, lists, maxb, maxc, maxr, *scales,
+                                          DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse, KV_MAJOR=kvm,
+                                          PREFETCH=pf, **modes)
+    else:
+        _sparse_fwd_kernel[grid](*args, block_table, bix.meta, *lists_args, *tail,
+                                 block_table.stride(0), tqb, tqb, maxb, maxc, maxr, *scales, **modes)
     return (out, lse) if return_lse else out

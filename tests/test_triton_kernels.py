@@ -164,6 +164,13 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     res = sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, out,
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
+    if check_lse:
+        # the LSE comes from the tests' kernel (_sparse_fwd_variants_kernel); the same launch
+        # without it (the serving kernel, where the case is one serving runs) writes the same
+        # output bit for bit
+        again = torch.full_like(out, float("nan"))
+        sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, again, softcap=softcap, **kw)
+        torch.testing.assert_close(again, out, rtol=0, atol=0, equal_nan=True)
     if tol is None:
         tol = 1e-4 if dtype == torch.float32 and device == "cpu" else (3e-3 if dtype == torch.float32 else 1e-2)
     in_rows = torch.zeros(t, dtype=torch.bool)
@@ -322,6 +329,7 @@ def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
 
+
 # fp8 KV cache (vLLM's --kv-cache-dtype fp8): stored = value / scale with one scale per layer for
 # K and one for V; scales that are not powers of two, so that a scale applied twice or not at all
 # (or k's where v's belongs) shows. Reference: float64 attention over the dequantised K/V.
@@ -361,6 +369,43 @@ def test_interp_fp8_kv_cache_lse_softcap_whole_rows():
 def test_interp_fp8_kv_cache_without_scales_reads_stored_values():
     # no scales given: the stored values are the values (scale 1)
     run_case(SMALL[:2], 1, 2, 64, 16, torch.float32, seed=73, fp8=(E4M3, 1.0, 1.0))
+
+
+class _LaunchSpy:
+    """Stands in for one of the module's kernels and notes each launch (the launcher looks the
+    kernels up as module globals at every call)."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@cpu_only
+@pytest.mark.parametrize("case,kernels", [
+    (dict(), ["serving"]),  # per-head lists, the default launch
+    (dict(share=2, whole=[True], softcap=5.0, fp8=(E4M3, 0.5, 2.0)), ["serving"]),
+    (dict(page=64, tma=True), ["serving"]),
+    (dict(page=64, tma=True, prefetch=False), ["serving"]),  # the TMA branch prefetches anyway
+    (dict(block_n=128), ["serving"]),
+    (dict(prefetch=False), ["variants"]),
+    (dict(kv_major=False), ["variants"]),
+    (dict(mode="dense", merge=2), ["variants"]),
+    (dict(merge=2), ["variants"]),
+    (dict(check_lse=True), ["variants", "serving"]),  # the LSE launch, then run_case's same launch without
+])
+def test_interp_launcher_picks_the_serving_kernel(monkeypatch, case, kernels):
+    # the serving kernel has none of the modes serving never runs (dense, merged heads, LSE, the
+    # other program order, no prefetch): those launch _sparse_fwd_variants_kernel
+    log = []
+    for kind, name in (("serving", "_sparse_fwd_kernel"), ("variants", "_sparse_fwd_variants_kernel")):
+        monkeypatch.setattr(sa, name, _LaunchSpy(getattr(sa, name), kind, log))
+    case = dict(case)
+    page = case.pop("page", 16)
+    run_case([(70, 30)], 1, 2, 64, page, torch.float32, seed=81, **case)
+    assert log == kernels
 
 
 def test_fp8_query_is_refused():
