@@ -783,6 +783,94 @@ def _cache_descriptor(cache: torch.Tensor):
     return TensorDescriptor(cache, list(cache.shape), list(cache.stride()), [1, BLOCK.value, 1, cache.shape[-1]])
 
 
+HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes the kernels take (tl.arange over the head dim: powers of two)
+
+
+def _check_operands(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                    out: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Shapes, dtypes, devices and the strides the kernels assume, once per launch (the kernels
+    check nothing); returns (T, H, D, page_size, Hkv)."""
+    check_kv_dtypes(q, key_cache, value_cache)
+    if q.dim() != 3:
+        raise ValueError(f"q: [tokens, heads, head_dim] expected, got shape {tuple(q.shape)}")
+    if out.shape != q.shape:
+        raise ValueError(f"out: the query's shape {tuple(q.shape)} expected, got {tuple(out.shape)}")
+    if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"out: fp16, bf16 or fp32 expected, got {out.dtype}")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if c.dim() != 4:
+            raise ValueError(f"{name}: a [num_pages, page_size, kv_heads, head_dim] view expected, got shape "
+                             f"{tuple(c.shape)}")
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache: the key cache's shape {tuple(key_cache.shape)} and dtype {key_cache.dtype} "
+                         f"expected, got {tuple(value_cache.shape)} {value_cache.dtype}")
+    t, h, d = q.shape
+    page, hkv, dk = key_cache.shape[1:]
+    if dk != d:
+        raise ValueError(f"key_cache: head size {dk}, the query's is {d} (they must be equal)")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: head size {d} not supported (one of {HEAD_DIMS})")
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"key_cache: page size {page} must be a power of two")
+    if hkv < 1 or h % hkv:
+        raise ValueError(f"q: {h} query heads not a multiple of the caches' {hkv} KV heads")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table: int32 [num_reqs, max_pages] expected, got {block_table.dtype} of shape "
+                         f"{tuple(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table: a row's pages must be contiguous, got strides {tuple(block_table.stride())}")
+    for name, x in (("out", out), ("key_cache", key_cache), ("value_cache", value_cache), ("block_table", block_table)):
+        if x.device != q.device:
+            raise ValueError(f"{name} on {x.device}, q on {q.device}")
+    return t, h, d, page, hkv
+
+
+def _check_rows(rows: Sequence[Any], t: int, block_table: torch.Tensor, page: int) -> None:
+    """Each row's tokens inside q / out, its block-table row inside the table and wide enough for
+    its keys (host ints only)."""
+    n_reqs, max_pages = block_table.shape
+    for r in rows:
+        bt_row, tok, q_len, ctx = _row_fields(r)
+        if tok < 0 or q_len < 0 or tok + q_len > t or ctx < 0:
+            raise ValueError(f"rows: tokens {tok}..{tok + q_len - 1} (context {ctx}) outside the {t} of q / out")
+        if not 0 <= bt_row < n_reqs or -(-(ctx + q_len) // page) > max_pages:
+            raise ValueError(f"rows: block-table row {bt_row} with {ctx + q_len} keys, the table is {n_reqs} x "
+                             f"{max_pages} pages of {page}")
+
+
+def _check_index(bix: BatchedSparseIndex, lists: int, device: torch.device) -> None:
+    """The packed index as the kernels read it: int32, contiguous ([lists, TQB] counts and
+    [lists, TQB, width] entries: a program finds its row as owner * TQB + query block), on the
+    query's device, one list per program's stack of heads."""
+    tqb = bix.num_query_blocks
+    tensors = [("meta", bix.meta, (tqb, META_WIDTH.value))]
+    if not bix.dense:
+        tensors += [("block_count", bix.block_count, (lists, tqb)), ("column_count", bix.column_count, (lists, tqb)),
+                    ("block_index", bix.block_index, (lists, tqb, None)),
+                    ("column_index", bix.column_index, (lists, tqb, None))]
+        if bix.range_start is not None:
+            tensors += [("range_count", bix.range_count, (lists, tqb)),
+                        ("range_start", bix.range_start, (lists, tqb, None))]
+        if bix.merged:
+            tensors += [("block_bits", bix.block_bits, tuple(bix.block_index.shape)),
+                        ("column_bits", bix.column_bits, tuple(bix.column_index.shape))]
+    for name, x, shape in tensors:
+        if x is None or x.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, x.shape)):
+            want = " x ".join("width" if n is None else str(n) for n in shape)
+            got = None if x is None else tuple(x.shape)
+            raise ValueError(f"index.{name}: {want} expected ({lists} lists of {tqb} query blocks), got {got}")
+        if x.dtype != torch.int32 or not x.is_contiguous() or x.device != device:
+            raise ValueError(f"index.{name}: a contiguous int32 tensor on {device} expected, got {x.dtype} on "
+                             f"{x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+
+
+def _serving_launch(dense: bool, merged: bool, return_lse: bool, kv_major: bool, prefetch: bool, tma: bool) -> bool:
+    """Whether a launch runs :func:`_sparse_fwd_kernel` (else :func:`_sparse_fwd_variants_kernel`):
+    lists per head or per stack of a KV group, KV-head-major programs, the next tiles prefetched
+    (which the TMA branch always does), no LSE."""
+    return not (dense or merged or return_lse or not kv_major) and (prefetch or tma)
+
+
 def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              block_table: torch.Tensor, rows: Sequence[Any] | None,
                              index: BatchedSparseIndex | Sequence[SparseIndex] | None, scale: float,
@@ -803,6 +891,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     :func:`shared_stack`), or None for dense causal.
     Only the rows' tokens of ``out`` are written. Returns ``out``, or ``(out, lse)`` with lse
     fp32 [H, T] (natural log; -inf where a query selected nothing, whose output is zero).
+    Shapes, dtypes, devices and the strides the kernels rely on are checked once per launch
+    (:func:`_check_operands`, :func:`_check_rows`, :func:`_check_index`): a ``ValueError``
+    naming the argument, never a kernel reading out of bounds.
     ``heads_per_program`` (dense only), ``num_warps``, ``num_stages``, ``block_n`` (keys per tile:
     64, or 128 = two listed blocks per tile), ``kv_major`` (program order) and ``prefetch`` (issue
     the next tile's list/page lookups early) override :func:`default_config`.
@@ -819,21 +910,13 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     a GPU (1.04-1.28x the gathered loads at 128K, benchmarks/KERNEL_NOTES.md). Range and column
     tiles are gathered either way.
     """
-    check_kv_dtypes(q, key_cache, value_cache)
+    t, h, d, page, hkv = _check_operands(q, key_cache, value_cache, block_table, out)
+    if rows is not None:
+        _check_rows(rows, t, block_table, page)
     ks, vs = scale_operand(k_scale, q.device), scale_operand(v_scale, q.device)
     if (ks is None) != (vs is None):  # the kernel reads both or neither
         one = torch.ones(1, dtype=torch.float32, device=q.device)
         ks, vs = (one, vs) if ks is None else (ks, one)
-    t, h, d = q.shape
-    page, hkv, dk = key_cache.shape[1:]
-    if dk != d or value_cache.shape[-1] != d:
-        raise ValueError("key/value head size must equal the query head size")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head size {d} not supported")
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
-    if h % hkv:
-        raise ValueError(f"{h} query heads not a multiple of {hkv} KV heads")
     group = h // hkv
     if index is None or not isinstance(index, BatchedSparseIndex):
         if rows is None:
@@ -864,6 +947,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if gh & (gh - 1) or (bix.merged and group % gh):
         raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when merged)")
     lists = hkv * ((group + gh - 1) // gh)
+    _check_index(bix, lists, q.device)
     cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1, tma=use_tma)
     warps = num_warps or cfg["num_warps"]
     bn = block_n or cfg["block_n"]
@@ -877,7 +961,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if tqb == 0:
         return (out, lse) if return_lse else out
     if bix.dense:
-        bcnt = bidx = ccnt = cidx = bb = cb = rcnt = ridx = bix.meta
+        bcnt = bidx = ccnt = cidx = bb = cb = rcnt = ridx = bix.meta  # placeholders: no lists are read
         maxb = maxc = maxr = 1
     else:
         bcnt, bidx, ccnt, cidx = bix.block_count, bix.block_index, bix.column_count, bix.column_index
@@ -888,13 +972,13 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
             rcnt, ridx, maxr = torch.zeros_like(bcnt), bcnt, 1
         else:
             rcnt, ridx, maxr = bix.range_count, bix.range_start, bix.range_start.shape[-1]
-        if tuple(bcnt.shape) != (lists, tqb):
-            raise ValueError(f"index has {tuple(bcnt.shape)} lists, expected {(lists, tqb)}")
     whole = bcnt  # placeholder: not read without FALLBACK
     fallback = whole_rows is not None and not bix.dense
     if fallback:
         if bix.merged or rows is None or len(rows) != whole_rows.numel():
             raise ValueError("whole_rows needs one flag per row (of rows) and an index that is not merged")
+        if whole_rows.device != q.device:
+            raise ValueError(f"whole_rows on {whole_rows.device}, q on {q.device}")
         # one flag per packed query block (device ops only: no sync)
         per_qb = [whole_rows[i].view(1).expand(-(-_row_fields(r)[2] // bix.block_size)) for i, r in enumerate(rows)]
         whole = torch.cat(per_qb).to(torch.int32)
@@ -902,23 +986,21 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         k_desc, v_desc = _cache_descriptor(key_cache), _cache_descriptor(value_cache)
     else:
         k_desc, v_desc = key_cache, value_cache  # placeholders: not read without TMA
-    grid = (lists * tqb,)
-    args = (q, key_cache, value_cache, out)
-    lists_args = (bcnt, bidx, ccnt, cidx)
-    tail = (whole, rcnt, ridx,
-            bcnt if ks is None else ks, bcnt if vs is None else vs,  # placeholders: not read unless KV_SCALED
-            k_desc, v_desc, q.stride(), out.stride(), key_cache.stride(), value_cache.stride())
+    lists_ptrs = (bix.meta, bcnt, bidx, ccnt, cidx)
+    other_ptrs = (whole, rcnt, ridx, bcnt if ks is None else ks, bcnt if vs is None else vs,  # (not read unless
+                  k_desc, v_desc)                                                               # KV_SCALED / TMA)
+    strides = (q.stride(), out.stride(), key_cache.stride(), value_cache.stride())
+    scalars = (float(scale), float(softcap) if softcap > 0 else 1.0)
     modes = dict(GROUP=group, GH=gh, PAGE=page, BLOCK_N=bn, HEAD_DIM=d, SOFTCAP=softcap > 0, FALLBACK=fallback,
                  KV_SCALED=ks is not None, TMA=use_tma, num_warps=warps, num_stages=stages)
-    scales = (float(scale), float(softcap) if softcap > 0 else 1.0)
-    if bix.dense or bix.merged or return_lse or not kvm or not (pf or use_tma):
-        # the modes serving never runs (the TMA branch always prefetches)
-        _sparse_fwd_variants_kernel[grid](*args, lse, block_table, bix.meta, *lists_args, bb, cb, *tail,
-                                          block_table.stride(0), tqb, t if return_lse else 0,
-                                          tqb, lists, maxb, maxc, maxr, *scales,
+    grid = (lists * tqb,)
+    if _serving_launch(bix.dense, bix.merged, return_lse, kvm, pf, use_tma):
+        _sparse_fwd_kernel[grid](q, key_cache, value_cache, out, block_table, *lists_ptrs, *other_ptrs, *strides,
+                                 block_table.stride(0), tqb, tqb, maxb, maxc, maxr, *scalars, **modes)
+    else:
+        _sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs, bb, cb,
+                                          *other_ptrs, *strides, block_table.stride(0), tqb,
+                                          t if return_lse else 0, tqb, lists, maxb, maxc, maxr, *scalars,
                                           DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse, KV_MAJOR=kvm,
                                           PREFETCH=pf, **modes)
-    else:
-        _sparse_fwd_kernel[grid](*args, block_table, bix.meta, *lists_args, *tail,
-                                 block_table.stride(0), tqb, tqb, maxb, maxc, maxr, *scales, **modes)
     return (out, lse) if return_lse else out

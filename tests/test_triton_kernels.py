@@ -408,6 +408,65 @@ def test_interp_launcher_picks_the_serving_kernel(monkeypatch, case, kernels):
     assert log == kernels
 
 
+def _launch_args(d=64, page=16, t=70):
+    """A valid CPU launch (not run): one row of t queries, no context, per-head lists."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(t, 2, d, generator=gen)
+    cache = torch.zeros(8, page, 1, d)
+    ix = random_index(2, t, 0, 0.5, 4, gen, "cpu")
+    return dict(q=q, key_cache=cache, value_cache=cache.clone(), block_table=torch.zeros(1, 8, dtype=torch.int32),
+                rows=[(0, 0, t, 0)], index=[ix], scale=0.125, out=torch.empty_like(q))
+
+
+def _packed(args, **change):
+    import dataclasses
+    bix = sa.pack_rows(args["rows"], args["index"])
+    return dataclasses.replace(bix, **{k: f(getattr(bix, k)) for k, f in change.items()})
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"][:, 0]), r"q: \[tokens, heads, head_dim\] expected"),
+    (lambda a: a.update(out=a["out"][:, :, :32]), r"out: the query's shape \(70, 2, 64\) expected"),
+    (lambda a: a.update(out=a["out"].to(torch.int32)), "out: fp16, bf16 or fp32 expected"),
+    (lambda a: a.update(key_cache=a["key_cache"][0]), "key_cache: a .num_pages, page_size, kv_heads, head_dim. view"),
+    (lambda a: a.update(value_cache=a["value_cache"][:4]), "value_cache: the key cache's shape"),
+    (lambda a: a.update(key_cache=a["key_cache"][..., :32], value_cache=a["value_cache"][..., :32]),
+     "key_cache: head size 32, the query's is 64"),
+    (lambda a: a.update(q=a["q"][..., :48], out=a["out"][..., :48], key_cache=a["key_cache"][..., :48],
+                        value_cache=a["value_cache"][..., :48]), "q: head size 48 not supported"),
+    (lambda a: a.update(key_cache=a["key_cache"][:, :12], value_cache=a["value_cache"][:, :12]),
+     "key_cache: page size 12 must be a power of two"),
+    (lambda a: a.update(q=torch.zeros(70, 3, 64), out=torch.empty(70, 3, 64), key_cache=torch.zeros(8, 16, 2, 64),
+                        value_cache=torch.zeros(8, 16, 2, 64)),
+     "q: 3 query heads not a multiple of the caches' 2 KV heads"),
+    (lambda a: a.update(block_table=a["block_table"].long()), "block_table: int32 .num_reqs, max_pages. expected"),
+    (lambda a: a.update(block_table=torch.zeros(8, 2, dtype=torch.int32).t()), "block_table: a row's pages must be"),
+    (lambda a: a.update(rows=[(0, 10, 70, 0)]), "rows: tokens 10..79 .context 0. outside the 70 of q / out"),
+    (lambda a: a.update(rows=[(1, 0, 70, 0)]), "rows: block-table row 1 with 70 keys, the table is 1 x 8"),
+    (lambda a: a.update(rows=[(0, 0, 70, 100)]), "rows: block-table row 0 with 170 keys, the table is 1 x 8"),
+    (lambda a: a.update(index=_packed(a, block_count=lambda x: x.long())),
+     "index.block_count: a contiguous int32 tensor on cpu expected, got torch.int64"),
+    (lambda a: a.update(index=_packed(a, block_index=lambda x: x.transpose(0, 1).contiguous().transpose(0, 1))),
+     "index.block_index: a contiguous int32 .*not contiguous"),
+    (lambda a: a.update(index=_packed(a, column_count=lambda x: x[:1])),
+     r"index.column_count: 2 x 2 expected \(2 lists of 2 query blocks\), got \(1, 2\)"),
+    (lambda a: a.update(index=_packed(a, meta=lambda x: x[:, :4])), "index.meta: 2 x 5 expected"),
+])
+def test_launcher_checks_its_arguments(change, match):
+    # once per launch, before anything runs: a ValueError naming the argument
+    args = _launch_args()
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        sa.sparse_prefill_attention(**args)
+
+
+def test_launcher_checks_accept_a_valid_launch():
+    args = _launch_args()
+    sa._check_operands(args["q"], args["key_cache"], args["value_cache"], args["block_table"], args["out"])
+    sa._check_rows(args["rows"], 70, args["block_table"], 16)
+    sa._check_index(_packed(args), 2, args["q"].device)
+
+
 def test_fp8_query_is_refused():
     q = torch.zeros(64, 2, 64).to(E4M3)
     cache = torch.zeros(2, 16, 1, 64)
