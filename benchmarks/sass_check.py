@@ -117,9 +117,12 @@ def _launch(sa, d=128, h=8, hkv=2, page=64, kv=None, dense=False, shared=False, 
     index = None
     if not dense:
         lists, nqb = hkv if shared else h, -(-t // 64)
-        index = [SparseIndex(64, torch.ones(lists, nqb, dtype=torch.int32), torch.zeros(lists, nqb, 1, dtype=torch.int32),
-                             torch.zeros(lists, nqb, dtype=torch.int32), torch.full((lists, nqb, 1), -1, dtype=torch.int32),
-                             torch.zeros(lists, nqb, dtype=torch.int32), torch.full((lists, nqb, 1), -1, dtype=torch.int32))]
+        def full(shape, value):
+            return torch.full(shape, value, dtype=torch.int32)
+
+        # every query block lists key block 0, no ranges, no columns
+        index = [SparseIndex(64, full((lists, nqb), 1), full((lists, nqb, 1), 0), full((lists, nqb), 0),
+                             full((lists, nqb, 1), -1), full((lists, nqb), 0), full((lists, nqb, 1), -1))]
         if merge:
             index = sa.merge_group_heads(sa.pack_rows(rows, index), merge)
     sa.sparse_prefill_attention(q, kc, vc, table, rows, index, d ** -0.5, torch.empty_like(q), **kw)

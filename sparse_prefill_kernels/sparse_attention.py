@@ -402,10 +402,10 @@ def _program_rows(q_ptr, q_strides, meta_ptr, bt_ptr, s_bt, pid_h, qb,
 def _block_list(bcnt_ptr, bidx_ptr, whole_ptr, maxb, s_lh, pid_h, qb, qpos0, nq,
                 DENSE: tl.constexpr, FALLBACK: tl.constexpr):
     """(lrow, blist, n_full, n_all, whole): the program's row of the [lists, TQB(, width)] lists
-    (list owner pid_h, query block qb; s_lh = TQB), its list of key blocks, how many of the entries end at or
-    before the first query (no causal mask needed), how many there are, and whether the row runs
-    every causal key block instead of its list (FALLBACK: flagged in whole_ptr; in dense mode
-    there is no list and every causal block counts)."""
+    (list owner pid_h, query block qb; s_lh = TQB), its list of key blocks, how many of the
+    entries end at or before the first query (no causal mask needed), how many there are, and
+    whether the row runs every causal key block instead of its list (FALLBACK: flagged in
+    whole_ptr; in dense mode there is no list and every causal block counts)."""
     kb_full = (qpos0 + 1) // BLOCK  # key blocks kb < kb_full end at or before the first query
     lrow = pid_h.to(tl.int64) * s_lh + qb
     blist = bidx_ptr + lrow * maxb
@@ -789,12 +789,13 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # head sizes the kernels take (tl.arange ove
 def _check_operands(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                     out: torch.Tensor) -> tuple[int, int, int, int, int]:
     """Shapes, dtypes, devices and the strides the kernels assume, once per launch (the kernels
-    check nothing); returns (T, H, D, page_size, Hkv)."""
+    check nothing); returns (T, H, D, page_size, Hkv), T the tokens both q and out hold."""
     check_kv_dtypes(q, key_cache, value_cache)
     if q.dim() != 3:
         raise ValueError(f"q: [tokens, heads, head_dim] expected, got shape {tuple(q.shape)}")
-    if out.shape != q.shape:
-        raise ValueError(f"out: the query's shape {tuple(q.shape)} expected, got {tuple(out.shape)}")
+    if out.dim() != 3 or out.shape[1:] != q.shape[1:]:
+        raise ValueError(f"out: [tokens, {q.shape[1]}, {q.shape[2]}] expected (the query's heads and head size), "
+                         f"got {tuple(out.shape)}")
     if out.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"out: fp16, bf16 or fp32 expected, got {out.dtype}")
     for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -804,7 +805,7 @@ def _check_operands(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache: the key cache's shape {tuple(key_cache.shape)} and dtype {key_cache.dtype} "
                          f"expected, got {tuple(value_cache.shape)} {value_cache.dtype}")
-    t, h, d = q.shape
+    t, h, d = min(q.shape[0], out.shape[0]), q.shape[1], q.shape[2]
     page, hkv, dk = key_cache.shape[1:]
     if dk != d:
         raise ValueError(f"key_cache: head size {dk}, the query's is {d} (they must be equal)")
@@ -832,7 +833,7 @@ def _check_rows(rows: Sequence[Any], t: int, block_table: torch.Tensor, page: in
     for r in rows:
         bt_row, tok, q_len, ctx = _row_fields(r)
         if tok < 0 or q_len < 0 or tok + q_len > t or ctx < 0:
-            raise ValueError(f"rows: tokens {tok}..{tok + q_len - 1} (context {ctx}) outside the {t} of q / out")
+            raise ValueError(f"rows: tokens {tok}..{tok + q_len - 1} (context {ctx}) outside the {t} of q and out")
         if not 0 <= bt_row < n_reqs or -(-(ctx + q_len) // page) > max_pages:
             raise ValueError(f"rows: block-table row {bt_row} with {ctx + q_len} keys, the table is {n_reqs} x "
                              f"{max_pages} pages of {page}")
@@ -957,7 +958,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     kvm = cfg["kv_major"] if kv_major is None else kv_major
     pf = cfg["prefetch"] if prefetch is None else prefetch
     tqb = bix.num_query_blocks
-    lse = torch.empty(h, t, dtype=torch.float32, device=q.device) if return_lse else out
+    lse = torch.empty(h, q.shape[0], dtype=torch.float32, device=q.device) if return_lse else out
     if tqb == 0:
         return (out, lse) if return_lse else out
     if bix.dense:
@@ -1000,7 +1001,8 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     else:
         _sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs, bb, cb,
                                           *other_ptrs, *strides, block_table.stride(0), tqb,
-                                          t if return_lse else 0, tqb, lists, maxb, maxc, maxr, *scalars,
+                                          lse.stride(0) if return_lse else 0, tqb, lists, maxb, maxc, maxr,
+                                          *scalars,
                                           DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse, KV_MAJOR=kvm,
                                           PREFETCH=pf, **modes)
     return (out, lse) if return_lse else out

@@ -329,7 +329,6 @@ def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
 
 
-
 # fp8 KV cache (vLLM's --kv-cache-dtype fp8): stored = value / scale with one scale per layer for
 # K and one for V; scales that are not powers of two, so that a scale applied twice or not at all
 # (or k's where v's belongs) shows. Reference: float64 attention over the dequantised K/V.
@@ -426,7 +425,8 @@ def _packed(args, **change):
 
 @pytest.mark.parametrize("change,match", [
     (lambda a: a.update(q=a["q"][:, 0]), r"q: \[tokens, heads, head_dim\] expected"),
-    (lambda a: a.update(out=a["out"][:, :, :32]), r"out: the query's shape \(70, 2, 64\) expected"),
+    (lambda a: a.update(out=a["out"][:, :, :32]), r"out: \[tokens, 2, 64\] expected .the query's heads"),
+    (lambda a: a.update(out=a["out"][:60]), "rows: tokens 0..69 .context 0. outside the 60 of q and out"),
     (lambda a: a.update(out=a["out"].to(torch.int32)), "out: fp16, bf16 or fp32 expected"),
     (lambda a: a.update(key_cache=a["key_cache"][0]), "key_cache: a .num_pages, page_size, kv_heads, head_dim. view"),
     (lambda a: a.update(value_cache=a["value_cache"][:4]), "value_cache: the key cache's shape"),
@@ -441,7 +441,7 @@ def _packed(args, **change):
      "q: 3 query heads not a multiple of the caches' 2 KV heads"),
     (lambda a: a.update(block_table=a["block_table"].long()), "block_table: int32 .num_reqs, max_pages. expected"),
     (lambda a: a.update(block_table=torch.zeros(8, 2, dtype=torch.int32).t()), "block_table: a row's pages must be"),
-    (lambda a: a.update(rows=[(0, 10, 70, 0)]), "rows: tokens 10..79 .context 0. outside the 70 of q / out"),
+    (lambda a: a.update(rows=[(0, 10, 70, 0)]), "rows: tokens 10..79 .context 0. outside the 70 of q and out"),
     (lambda a: a.update(rows=[(1, 0, 70, 0)]), "rows: block-table row 1 with 70 keys, the table is 1 x 8"),
     (lambda a: a.update(rows=[(0, 0, 70, 100)]), "rows: block-table row 0 with 170 keys, the table is 1 x 8"),
     (lambda a: a.update(index=_packed(a, block_count=lambda x: x.long())),
