@@ -255,7 +255,8 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
             lines.append(f"    q_len {q_len}, {tag}: {ms:.3f} ms, {ms / pairs * 1e9:.3f} ms per G pairs")
             print(lines[-1], flush=True)
     lines.append("  compiled kernels:")
-    lines += register_report(sa._sparse_fwd_kernel, vsi._lastq_pass, vsi._lastq_skew_pass)
+    lines += register_report(sa._sparse_fwd_kernel, sa._sparse_fwd_variants_kernel, vsi._lastq_pass,
+                             vsi._lastq_skew_pass)
     del q, key_cache, value_cache, out, indices, sets
     torch.cuda.empty_cache()
     return lines

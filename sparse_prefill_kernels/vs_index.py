@@ -26,12 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .constants import BIG_KEY, MAX_START, NEG_INF
 from .index_format import SparseIndex, num_blocks
 from .kv_quant import check_kv_dtypes, scale_operand
 from .topk_select import topk_ascending
-
-_BIG = 2**30
-BIG_K: tl.constexpr = tl.constexpr(2**30)  # the same, for the kernels
 
 
 _ROW_COUNTS: dict[tuple, torch.Tensor] = {}
@@ -77,8 +75,8 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
         top = scores.topk(w, dim=-1, sorted=True).indices  # best first
         cnt = torch.as_tensor(count, device=dev).expand(h).clamp(max=w).to(torch.int32)
         keep = torch.arange(w, device=dev)[None, :] < cnt[:, None]
-        idx = torch.where(keep, top, torch.full_like(top, _BIG)).sort(-1).values
-        idx = torch.where(idx == _BIG, torch.full_like(idx, -1), idx).to(torch.int32)
+        idx = torch.where(keep, top, torch.full_like(top, BIG_KEY.value)).sort(-1).values
+        idx = torch.where(idx == BIG_KEY.value, torch.full_like(idx, -1), idx).to(torch.int32)
         if w < width:
             idx = torch.nn.functional.pad(idx, (0, width - w), value=-1)
         return idx.contiguous(), cnt.contiguous()
@@ -130,8 +128,8 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
         for j in range(0, ns, CH):
             i = j + lanes
             ok = i < ns
-            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
-            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)
+            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_KEY)
+            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_KEY)
             hit = d <= p1
             s = tl.maximum(p0 - d, 0)
             e = p1 - d
@@ -158,8 +156,8 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
         for j in range(0, ns, CH):
             i = j + lanes
             ok = i < ns
-            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_K)
-            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_K)  # the element before in this order
+            d = tl.load(s_row + (ns - 1 - i), mask=ok, other=BIG_KEY)
+            d_prev = tl.load(s_row + (ns - i), mask=ok & (i > 0), other=BIG_KEY)  # the element before in this order
             hit = d <= p1
             lo_b = tl.maximum(p0 - d, 0) // BLOCK
             hi_b = tl.where(hit, (p1 - d) // BLOCK, -1)
@@ -186,12 +184,12 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
             for _ in tl.static_range(LOG_R):  # first range starting after col
                 active = lo < hi
                 mid = (lo + hi) // 2
-                v = tl.load(r_out + mid, mask=active & ok, other=BIG_K)
+                v = tl.load(r_out + mid, mask=active & ok, other=BIG_KEY)
                 right = v <= col
                 lo = tl.where(active & right, mid + 1, lo)
                 hi = tl.where(active & (v > col), mid, hi)
             # the range before it starts at or before col; the next one starts after col
-            r_prev = tl.load(r_out + lo - 1, mask=ok & (lo >= 1), other=-BIG_K)
+            r_prev = tl.load(r_out + lo - 1, mask=ok & (lo >= 1), other=-BIG_KEY)
             keep = ok & (col >= r_prev + BLOCK)
         else:
             kb = col // BLOCK
@@ -201,11 +199,11 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
             for _ in tl.static_range(LOG_S):  # first kept diagonal >= lo_d
                 active = lo < hi
                 mid = (lo + hi) // 2
-                v = tl.load(s_row + mid, mask=active & ok, other=BIG_K)
+                v = tl.load(s_row + mid, mask=active & ok, other=BIG_KEY)
                 right = v < lo_d
                 lo = tl.where(active & right, mid + 1, lo)
                 hi = tl.where(active & (v >= lo_d), mid, hi)
-            dfirst = tl.load(s_row + lo, mask=ok & (lo < ns), other=BIG_K)
+            dfirst = tl.load(s_row + lo, mask=ok & (lo < ns), other=BIG_KEY)
             keep = ok & (dfirst > hi_d)
         k = keep.to(tl.int32)
         pos = ccount + tl.cumsum(k, 0) - k
@@ -425,7 +423,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
         m = tl.load(stats_ptr + head * 2 * BLOCK_Q + rq)
         inv_l = 1.0 / tl.load(stats_ptr + head * 2 * BLOCK_Q + BLOCK_Q + rq)
     else:
-        m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        m = tl.full([ROWS], MAX_START, dtype=tl.float32)
         l = tl.zeros([ROWS], dtype=tl.float32)
     k_end = tl.minimum(kv_len, (sp + 1) * split)
     j_mid = sp * split
@@ -442,7 +440,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
         kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, True).to(q.dtype)
         s = tl.dot(q, kt).to(tl.float32) * scale
         allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
-        s = tl.where(allow, s, float("-inf"))
+        s = tl.where(allow, s, NEG_INF)
         if SECOND:
             p = tl.where(allow, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
             _put_column_sums(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), k_ok, STACK == GROUP or not GROUP_SUM)
@@ -502,12 +500,12 @@ def _merge_row_stats(part_ptr, stats_ptr, n_split, BLOCK_Q: tl.constexpr, BLOCK_
     h = tl.program_id(0)
     rq = tl.arange(0, BLOCK_Q)
     base = part_ptr + h.to(tl.int64) * n_split * 2 * BLOCK_Q
-    m = tl.full([BLOCK_Q], -1.0e30, dtype=tl.float32)
+    m = tl.full([BLOCK_Q], MAX_START, dtype=tl.float32)
     l = tl.zeros([BLOCK_Q], dtype=tl.float32)
     for s0 in range(0, n_split, BLOCK_S):  # BLOCK_S key ranges at a time
         sp = s0 + tl.arange(0, BLOCK_S)
         ok = (sp < n_split)[:, None]
-        m_p = tl.load(base + sp[:, None] * 2 * BLOCK_Q + rq[None, :], mask=ok, other=-1.0e30)
+        m_p = tl.load(base + sp[:, None] * 2 * BLOCK_Q + rq[None, :], mask=ok, other=MAX_START)
         l_p = tl.load(base + sp[:, None] * 2 * BLOCK_Q + BLOCK_Q + rq[None, :], mask=ok, other=0.0)
         m_new = tl.maximum(m, tl.max(m_p, 0))
         l = l * tl.exp(m - m_new) + tl.sum(l_p * tl.exp(m_p - m_new[None, :]), 0)

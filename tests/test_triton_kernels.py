@@ -164,6 +164,13 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
     res = sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, out,
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
+    if check_lse:
+        # the LSE comes from the tests' kernel (_sparse_fwd_variants_kernel); the same launch
+        # without it (the serving kernel, where the case is one serving runs) writes the same
+        # output bit for bit
+        again = torch.full_like(out, float("nan"))
+        sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, bix, scale, again, softcap=softcap, **kw)
+        torch.testing.assert_close(again, out, rtol=0, atol=0, equal_nan=True)
     if tol is None:
         tol = 1e-4 if dtype == torch.float32 and device == "cpu" else (3e-3 if dtype == torch.float32 else 1e-2)
     in_rows = torch.zeros(t, dtype=torch.bool)
@@ -361,6 +368,103 @@ def test_interp_fp8_kv_cache_lse_softcap_whole_rows():
 def test_interp_fp8_kv_cache_without_scales_reads_stored_values():
     # no scales given: the stored values are the values (scale 1)
     run_case(SMALL[:2], 1, 2, 64, 16, torch.float32, seed=73, fp8=(E4M3, 1.0, 1.0))
+
+
+class _LaunchSpy:
+    """Stands in for one of the module's kernels and notes each launch (the launcher looks the
+    kernels up as module globals at every call)."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@cpu_only
+@pytest.mark.parametrize("case,kernels", [
+    (dict(), ["serving"]),  # per-head lists, the default launch
+    (dict(share=2, whole=[True], softcap=5.0, fp8=(E4M3, 0.5, 2.0)), ["serving"]),
+    (dict(page=64, tma=True), ["serving"]),
+    (dict(page=64, tma=True, prefetch=False), ["serving"]),  # the TMA branch prefetches anyway
+    (dict(block_n=128), ["serving"]),
+    (dict(prefetch=False), ["variants"]),
+    (dict(kv_major=False), ["variants"]),
+    (dict(mode="dense", merge=2), ["variants"]),
+    (dict(merge=2), ["variants"]),
+    (dict(check_lse=True), ["variants", "serving"]),  # the LSE launch, then run_case's same launch without
+])
+def test_interp_launcher_picks_the_serving_kernel(monkeypatch, case, kernels):
+    # the serving kernel has none of the modes serving never runs (dense, merged heads, LSE, the
+    # other program order, no prefetch): those launch _sparse_fwd_variants_kernel
+    log = []
+    for kind, name in (("serving", "_sparse_fwd_kernel"), ("variants", "_sparse_fwd_variants_kernel")):
+        monkeypatch.setattr(sa, name, _LaunchSpy(getattr(sa, name), kind, log))
+    case = dict(case)
+    page = case.pop("page", 16)
+    run_case([(70, 30)], 1, 2, 64, page, torch.float32, seed=81, **case)
+    assert log == kernels
+
+
+def _launch_args(d=64, page=16, t=70):
+    """A valid CPU launch (not run): one row of t queries, no context, per-head lists."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(t, 2, d, generator=gen)
+    cache = torch.zeros(8, page, 1, d)
+    ix = random_index(2, t, 0, 0.5, 4, gen, "cpu")
+    return dict(q=q, key_cache=cache, value_cache=cache.clone(), block_table=torch.zeros(1, 8, dtype=torch.int32),
+                rows=[(0, 0, t, 0)], index=[ix], scale=0.125, out=torch.empty_like(q))
+
+
+def _packed(args, **change):
+    import dataclasses
+    bix = sa.pack_rows(args["rows"], args["index"])
+    return dataclasses.replace(bix, **{k: f(getattr(bix, k)) for k, f in change.items()})
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"][:, 0]), r"q: \[tokens, heads, head_dim\] expected"),
+    (lambda a: a.update(out=a["out"][:, :, :32]), r"out: \[tokens, 2, 64\] expected .the query's heads"),
+    (lambda a: a.update(out=a["out"][:60]), "rows: tokens 0..69 .context 0. outside the 60 of q and out"),
+    (lambda a: a.update(out=a["out"].to(torch.int32)), "out: fp16, bf16 or fp32 expected"),
+    (lambda a: a.update(key_cache=a["key_cache"][0]), "key_cache: a .num_pages, page_size, kv_heads, head_dim. view"),
+    (lambda a: a.update(value_cache=a["value_cache"][:4]), "value_cache: the key cache's shape"),
+    (lambda a: a.update(key_cache=a["key_cache"][..., :32], value_cache=a["value_cache"][..., :32]),
+     "key_cache: head size 32, the query's is 64"),
+    (lambda a: a.update(q=a["q"][..., :48], out=a["out"][..., :48], key_cache=a["key_cache"][..., :48],
+                        value_cache=a["value_cache"][..., :48]), "q: head size 48 not supported"),
+    (lambda a: a.update(key_cache=a["key_cache"][:, :12], value_cache=a["value_cache"][:, :12]),
+     "key_cache: page size 12 must be a power of two"),
+    (lambda a: a.update(q=torch.zeros(70, 3, 64), out=torch.empty(70, 3, 64), key_cache=torch.zeros(8, 16, 2, 64),
+                        value_cache=torch.zeros(8, 16, 2, 64)),
+     "q: 3 query heads not a multiple of the caches' 2 KV heads"),
+    (lambda a: a.update(block_table=a["block_table"].long()), "block_table: int32 .num_reqs, max_pages. expected"),
+    (lambda a: a.update(block_table=torch.zeros(8, 2, dtype=torch.int32).t()), "block_table: a row's pages must be"),
+    (lambda a: a.update(rows=[(0, 10, 70, 0)]), "rows: tokens 10..79 .context 0. outside the 70 of q and out"),
+    (lambda a: a.update(rows=[(1, 0, 70, 0)]), "rows: block-table row 1 with 70 keys, the table is 1 x 8"),
+    (lambda a: a.update(rows=[(0, 0, 70, 100)]), "rows: block-table row 0 with 170 keys, the table is 1 x 8"),
+    (lambda a: a.update(index=_packed(a, block_count=lambda x: x.long())),
+     "index.block_count: a contiguous int32 tensor on cpu expected, got torch.int64"),
+    (lambda a: a.update(index=_packed(a, block_index=lambda x: x.transpose(0, 1).contiguous().transpose(0, 1))),
+     "index.block_index: a contiguous int32 .*not contiguous"),
+    (lambda a: a.update(index=_packed(a, column_count=lambda x: x[:1])),
+     r"index.column_count: 2 x 2 expected \(2 lists of 2 query blocks\), got \(1, 2\)"),
+    (lambda a: a.update(index=_packed(a, meta=lambda x: x[:, :4])), "index.meta: 2 x 5 expected"),
+])
+def test_launcher_checks_its_arguments(change, match):
+    # once per launch, before anything runs: a ValueError naming the argument
+    args = _launch_args()
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        sa.sparse_prefill_attention(**args)
+
+
+def test_launcher_checks_accept_a_valid_launch():
+    args = _launch_args()
+    sa._check_operands(args["q"], args["key_cache"], args["value_cache"], args["block_table"], args["out"])
+    sa._check_rows(args["rows"], 70, args["block_table"], 16)
+    sa._check_index(_packed(args), 2, args["q"].device)
 
 
 def test_fp8_query_is_refused():
