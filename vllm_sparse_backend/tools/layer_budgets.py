@@ -2,7 +2,7 @@
 
 One budget for every layer wastes pairs: on Qwen2.5-Coder-1.5B at 130K (attention_recall.py,
 16K chunks, library gating) vertical-slash 250 / 1000 keeps 92% of the softmax mass in layers
-7 and 18 but 77-82% in layers 14, 16 and 27. This tool takes a ``benchmarks/attention_recall.py``
+7 and 18 but 77-82% in layers 16, 17 and 27 (attention_recall_h200_qwen-coder-1.5b_served_2026-11-24). This tool takes a ``benchmarks/attention_recall.py``
 run over a ladder of vertical-slash budgets (and optionally ``dense``), measured the way the
 server runs them (chunks, gating), and picks one rung per layer: the per-layer choice that
 minimises the summed loss (relative output error, or lost softmax mass) while the mean measured
@@ -14,6 +14,10 @@ The result is an ordinary head-config file (``head_configs/README.md``): every h
 gets the layer's rung, so KV-group sharing is unaffected.
 
     vllm-sparse layer-budgets RECALL.json --model DIR --density 0.15 --out FILE.json
+
+Measured on that model at 130K (README, Accuracy): the per-layer files scored below one budget
+for every layer at a higher density; output error on a calibration prompt does not rank
+assignments by task score there.
 """
 
 from __future__ import annotations
