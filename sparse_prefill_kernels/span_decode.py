@@ -713,9 +713,12 @@ def reference_nms(x: list[int], y: list[int], score: list[float], iou: float) ->
 
 
 def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_size: int, num_heads: int,
-                     params: SpanParams) -> tuple[list[int], list[int]]:
+                     params: SpanParams, info: dict | None = None) -> tuple[list[int], list[int]]:
     """One segment, with loops: (span id of every page — its span's first page —, index token
-    positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS)."""
+    positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS).
+    ``info``, if given, receives diagnostics: ``theta``, ``kept`` (the NMS-kept page intervals),
+    ``in_kept`` (per page: inside a kept interval rather than a gap run) and per span id its
+    ``ratio`` (r_a) and index-token ``count``."""
     maps = maps.double().tolist()  # plain floats: the loops below index them millions of times
     n_pages = -(-n_tok // page_size)
     pt = [min(page_size, n_tok - a * page_size) for a in range(n_pages)]
@@ -757,6 +760,9 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
                 hi += 1
             span[a], interval[a] = lo, (lo, hi)
     selected = []
+    if info is not None:
+        info.update(theta=theta, kept=[tuple(c[1:3]) for c in kept], in_kept=[o is not None for o in owner],
+                    ratio={}, count={})
     for sid in sorted(set(span)):
         pages = [a for a in range(n_pages) if span[a] == sid]
         x, y = interval[pages[0]]
@@ -766,6 +772,8 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
         tokens = [t for a in pages for t in range(a * page_size, a * page_size + pt[a])]
         want = round(len(tokens) * math.exp(-params.lam * (1.0 - ratio)))
         count = min(max(want, params.min_index), params.max_index, len(tokens))
+        if info is not None:
+            info["ratio"][sid], info["count"][sid] = ratio, count
         vote = votes.double().tolist()
         ranked = sorted(tokens, key=lambda t: (-vote[t], t))
         selected += ranked[:count]
