@@ -60,7 +60,7 @@ class InfoSpansSelector(da.SpansSelector):
         maps, votes, lens = self.local_maps(q, k, scale)
         seg_pages = self.params.segment_tokens // self.page_size
         spans, index, info = [], [], {"span_ids": [], "in_kept": [], "index_tokens": [], "count": {},
-                                      "kept": [], "theta": []}
+                                      "kept": [], "theta": [], "votes": []}
         for s in range(lens.shape[0]):
             d: dict = {}
             span, chosen = self._spans.reference_divide(maps[s].double(), votes[s].double(), int(lens[s]),
@@ -74,6 +74,7 @@ class InfoSpansSelector(da.SpansSelector):
             info["count"].update({p0 + sid: c for sid, c in d["count"].items()})
             info["kept"] += [(p0 + x, p0 + y) for x, y in d["kept"]]
             info["theta"].append(d["theta"])
+            info["votes"].append(votes[s, :int(lens[s])].double())
         self.info[self._layer] = info
         return spans, index
 
@@ -121,7 +122,8 @@ class ProbeSelector:
             q, k, scale, self.page, self.needle_pages, self.needle_tokens, span_ids=info["span_ids"],
             in_kept=info["in_kept"], index_tokens=info["index_tokens"], span_count=info["count"],
             span_keys=sp._keys[layer], flags=sp._flags[layer], topk_bounds=bounds, spans_selected=s_sel[0],
-            topk_selected=t_sel[0], sink_pages=sp.sink_pages, recent_pages=sp.recent_pages)
+            topk_selected=t_sel[0], sink_pages=sp.sink_pages, recent_pages=sp.recent_pages,
+            votes=torch.cat(info["votes"]), summaries=(smin, smax))
         self.layers[layer]["kept_intervals"] = info["kept"]
         self.layers[layer]["theta"] = info["theta"]
         return da.exact_attention(q, k, v, scale).to(q.dtype)
@@ -174,7 +176,10 @@ def main(argv=None) -> int:
               "(summed over 7 query heads, so max 7); kept: needle page inside an NMS-kept interval (not a gap "
               "run); idx: a needle value token is an index token; spanpg/nidx: pages and index tokens of the "
               "needle's span; pers: needle page flagged persistent; selS/selT: selected by spans / topk; "
-              "spans, keptpg (share of pages in kept intervals), pg/span over the prompt"]
+              "spans, keptpg (share of pages in kept intervals), pg/span over the prompt; vote: rank of the best "
+              "needle token among its span's tokens by the division's votes (index tokens are the top 6..24); "
+              "spanbnd: what-if rank under a per-span Quest bound (min/max over all the span's keys); pidx1/pidx2: what-if rank if every page were indexed by its own 1 / 2 most-voted tokens, scored by "
+              "the best of them"]
     report = {"meta": {"command": command, "model": model_name, "task": args.task, "length": args.length,
                        "spans": spans_spec, "topk": topk_spec, "page": args.page, "date": date,
                        "torch": torch.__version__, "threads": torch.get_num_threads()}, "prompts": []}

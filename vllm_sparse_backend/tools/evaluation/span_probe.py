@@ -13,6 +13,16 @@ reports, per KV head, where the needle's pages stand:
 * ``span_mean``: rank under ``q . mean of the span's index keys``;
 * ``span_max``: rank under the best index token of the span, ``max_t q . k_t`` (the group's query
   heads summed before the dot product, as the other span scores);
+* with the division's votes (``votes``, per prompt token: the local maps' column sums, by which
+  a span picks its index tokens): ``vote_rank``, the rank of the best needle token among its span's
+  tokens by votes (the index count a span would need to index it), and two what-if scores at
+  token rather than span granularity, each page indexed by its own ``n`` most-voted tokens and
+  scored by the best of them (``page_idx1`` / ``page_idx2``: 1 or 2 tokens per page, the memory
+  of the span key / of the top-k mode's min and max);
+* with the top-k page summaries (``summaries``: min, max ``[pages, Hkv, D]``): ``span_bound``, the
+  rank under a per-span Quest bound (the min / max over every key of the span, each page scored
+  by its span's bound, ``topk_decode.reference_page_bounds``), the "per-span bounds instead of one
+  summed key" of the issue;
 * whether the needle pages are inside an NMS-kept interval (or a gap run), the length of their
   span, its index-token count, whether any needle token is an index token, whether a needle page
   is flagged persistent, and whether the spans / top-k selections contain a needle page.
@@ -65,7 +75,8 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
                 needle_tokens: list[int], *, span_ids: list[int], in_kept: list[bool], index_tokens: list[int],
                 span_count: dict[int, int], span_keys: torch.Tensor, flags: torch.Tensor,
                 topk_bounds: torch.Tensor, spans_selected: torch.Tensor, topk_selected: torch.Tensor,
-                sink_pages: int, recent_pages: int) -> dict:
+                sink_pages: int, recent_pages: int, votes: torch.Tensor | None = None,
+                summaries: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """Diagnostics of one layer's decode step (see the module doc). q ``[H, D]``, k ``[Hkv, L,
     D]`` (the cache, the step's key last); ``span_ids``/``in_kept`` per prompt page (global span
     id = its first page); ``index_tokens`` global positions; ``span_count`` index tokens per span
@@ -83,6 +94,17 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
     by_span: dict[int, list[int]] = {}
     for t in index_tokens:
         by_span.setdefault(span_ids[t // page_size], []).append(t)
+    span_bound = None
+    if summaries is not None:
+        from sparse_prefill_kernels import topk_decode  # imports triton
+
+        smin, smax = (x[:n_pages].double().clone() for x in summaries)
+        ids = torch.tensor(span_ids)
+        for sid in set(span_ids):
+            pages = (ids == sid).nonzero()[:, 0]
+            smin[pages] = smin[pages].amin(0)
+            smax[pages] = smax[pages].amax(0)
+        span_bound = topk_decode.reference_page_bounds(q, smin, smax, torch.arange(n_pages), group)  # [Hkv, P]
     heads = []
     for g in range(hkv):
         keys = span_keys[:n_pages, g].double()
@@ -96,7 +118,22 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
             toks = by_span.get(span_ids[p], [])
             s_max[p] = tok_scores[toks].max() if toks else float("-inf")
         needle_span = span_ids[needle_pages[0]]
-        heads.append({
+        extra = {}
+        if votes is not None:
+            span_tokens = [t for t in range(n_prompt_pages * page_size) if t < votes.shape[0]
+                           and span_ids[t // page_size] == needle_span]
+            order = sorted(span_tokens, key=lambda t: (-float(votes[t]), t))
+            extra["vote_rank"] = min(order.index(t) for t in needle_tokens)
+            for n_idx in (1, 2):
+                s_page = s_sum.clone()
+                for p in range(n_prompt_pages):
+                    toks = list(range(p * page_size, min((p + 1) * page_size, votes.shape[0])))
+                    best = sorted(toks, key=lambda t: (-float(votes[t]), t))[:n_idx]
+                    s_page[p] = tok_scores[best].max()
+                extra[f"page_idx{n_idx}_rank"] = best_rank(s_page, needle_pages, cand)
+        if span_bound is not None:
+            extra["span_bound_rank"] = best_rank(span_bound[g], needle_pages, cand)
+        heads.append({**extra,
             "exact_rank": best_rank(mass[g], needle_pages, cand),
             "exact_mass": float(mass[g, needle_pages].sum()),
             "topk_rank": best_rank(topk_bounds[g], needle_pages, cand),
@@ -125,19 +162,20 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
 def format_rows(layers: dict[int, dict]) -> list[str]:
     """One line per layer; per-head values joined by '/'."""
     def per_head(r, key, fmt="{}"):
-        return "/".join(fmt.format(h[key]) for h in r["heads"])
+        return "/".join(fmt.format(h[key]) if key in h else "-" for h in r["heads"])
 
     def flag(r, key):
         return "".join("y" if h[key] else "." for h in r["heads"])
 
     lines = [f"{'layer':>5} {'exact':>9} {'mass':>11} {'topk':>9} {'span_sum':>9} {'span_mean':>9} "
-             f"{'span_max':>9} {'kept':>4} {'idx':>3} {'spanpg':>7} {'nidx':>6} {'pers':>4} {'selS':>4} "
+             f"{'span_max':>9} {'spanbnd':>9} {'vote':>7} {'pidx1':>9} {'pidx2':>9} {'kept':>4} {'idx':>3} {'spanpg':>7} {'nidx':>6} {'pers':>4} {'selS':>4} "
              f"{'selT':>4} {'spans':>5} {'keptpg':>6} {'pg/span':>7}"]
     for layer, r in sorted(layers.items()):
         lines.append(
             f"{layer:>5} {per_head(r, 'exact_rank'):>9} {per_head(r, 'exact_mass', '{:.3f}'):>11} "
             f"{per_head(r, 'topk_rank'):>9} {per_head(r, 'span_sum_rank'):>9} {per_head(r, 'span_mean_rank'):>9} "
-            f"{per_head(r, 'span_max_rank'):>9} {'y' if r['needle_in_kept_span'] else '.':>4} "
+            f"{per_head(r, 'span_max_rank'):>9} {per_head(r, 'span_bound_rank'):>9} {per_head(r, 'vote_rank'):>7} "
+            f"{per_head(r, 'page_idx1_rank'):>9} {per_head(r, 'page_idx2_rank'):>9} {'y' if r['needle_in_kept_span'] else '.':>4} "
             f"{'y' if r['needle_token_is_index'] else '.':>3} {per_head(r, 'needle_span_pages'):>7} "
             f"{per_head(r, 'needle_span_index'):>6} {flag(r, 'persistent'):>4} {flag(r, 'spans_selected'):>4} "
             f"{flag(r, 'topk_selected'):>4} {r['spans']:>5} {r['kept_page_share']:>6.2f} {r['mean_span_pages']:>7.1f}")
