@@ -76,7 +76,7 @@ class InfoSpansSelector(da.SpansSelector):
             info["theta"].append(d["theta"])
             info["votes"].append(votes[s, :int(lens[s])].double())
         self.info[self._layer] = info
-        return spans, index
+        return spans, index, torch.cat([votes[s, :int(lens[s])] for s in range(len(lens))])
 
 
 class ProbeSelector:
