@@ -37,8 +37,9 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   ``persist`` pages flagged from the last 64 prompt queries, the fallback key of each page decode
   writes to, then ``reference_select_span_pages`` and the top-k attention reference. Keys
   ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``, ``score`` (``sum`` as the
-  backend, or ``mean``), ``index`` (``span`` as the backend, or ``page``: a what-if the backend does
-  not have, every page keyed by its own most-voted token; issue 24, ``benchmarks/decode_spans_probe.py``).
+  backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
+  ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
+  ``benchmarks/decode_spans_probe.py``).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -326,9 +327,9 @@ class SpansSelector:
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.persist_pages, self.budget_pages, self.page_size = persist_pages, budget_pages, page_size
         self.score = score  # "sum": q . (sum of index keys), Eq. 8 as written; "mean": q . their mean
-        # "span": every page holds its span's key (the backend); "page": what-if, NOT in the backend
-        # (issue 24's probe): every page holds the key of its own most-voted token (the division's
-        # votes, InfLLM's representative token at page granularity), scored q . k, decode pages mean key
+        # the backend's VLLM_SPARSE_DECODE_SPAN_INDEX: "span" (default), every page holds its span's
+        # key; "page" (issue 24's probe), every page holds the key of its own most-voted token (the
+        # division's votes, InfLLM's representative token at page granularity), decode pages 1 x mean key
         self.index = index
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q

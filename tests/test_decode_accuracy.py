@@ -277,7 +277,7 @@ def test_spans_selector(da, with_references):
 
 
 def test_spans_selector_page_index(da, with_references):
-    """spans:index=page (issue 24's what-if, not in the backend): every prompt page holds the key
+    """spans:index=page (the backend's decode_span_index=page, issue 24): every prompt page holds the key
     of its own most-voted token (float64 votes of an independent softmax), the page decode writes
     its mean key."""
     gen = torch.Generator().manual_seed(6)
