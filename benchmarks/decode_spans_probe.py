@@ -40,6 +40,8 @@ _spec.loader.exec_module(da)
 from vllm_sparse_backend.tools.evaluation import span_probe  # noqa: E402
 
 REPO = _HERE.parent
+# Qwen2.5-Coder-0.5B: layers 9-22 are where the decode query finds the needle (exact rank 0-1)
+SUMMARY_GROUPS = {"0-8": list(range(0, 9)), "9-22": list(range(9, 23)), "23": [23]}
 
 
 class InfoSpansSelector(da.SpansSelector):
@@ -145,7 +147,14 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
+    p.add_argument("--summarise", metavar="JSON", help="only print the per-layer-group summary of a result file")
     args = p.parse_args(argv)
+    if args.summarise:
+        report = json.loads(pathlib.Path(args.summarise).read_text())
+        budget = report["meta"]["spans"].get("budget", 48)
+        print(f"# {' '.join(sys.argv)}")
+        print("\n".join(span_probe.summarise(report["prompts"], SUMMARY_GROUPS, budget)))
+        return 0
     torch.set_num_threads(args.threads)
     spans_spec = da.parse_variant("spans:" + args.spans).params
     topk_spec = da.parse_variant("topk:" + args.topk).params

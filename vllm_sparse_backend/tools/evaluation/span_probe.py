@@ -180,3 +180,33 @@ def format_rows(layers: dict[int, dict]) -> list[str]:
             f"{per_head(r, 'needle_span_index'):>6} {flag(r, 'persistent'):>4} {flag(r, 'spans_selected'):>4} "
             f"{flag(r, 'topk_selected'):>4} {r['spans']:>5} {r['kept_page_share']:>6.2f} {r['mean_span_pages']:>7.1f}")
     return lines
+
+
+RANKS = ("exact_rank", "topk_rank", "span_sum_rank", "span_mean_rank", "span_max_rank", "span_bound_rank",
+         "page_idx1_rank", "page_idx2_rank", "vote_rank")
+
+
+def summarise(prompts: list[dict], groups: dict[str, list[int]], budget: int) -> list[str]:
+    """Per group of layers, over prompts and KV heads: median of each rank and the share below
+    ``budget``; shares of needle pages selected / persistent; needle span size."""
+    import statistics
+
+    lines = []
+    for name, layers in groups.items():
+        rows = [(p["layers"][str(layer)], h) for p in prompts for layer in layers if str(layer) in p["layers"]
+                for h in p["layers"][str(layer)]["heads"]]
+        if not rows:
+            continue
+        lines.append(f"layers {name} ({len(rows)} layer x head x prompt):")
+        for key in RANKS:
+            vals = [h[key] for _, h in rows if key in h]
+            if vals:
+                lines.append(f"  {key:<16} median {statistics.median(vals):6.1f}   below {budget}: "
+                             f"{sum(v < budget for v in vals) / len(vals):.2f}")
+        for key in ("spans_selected", "topk_selected", "persistent"):
+            lines.append(f"  {key:<16} share {sum(h[key] for _, h in rows) / len(rows):.2f}")
+        span = [h["needle_span_pages"] for _, h in rows]
+        lines.append(f"  needle span pages median {statistics.median(span)} (min {min(span)}, max {max(span)}); "
+                     f"needle in a kept span {sum(r['needle_in_kept_span'] for r, _ in rows) / len(rows):.2f}; "
+                     f"a needle token is an index token {sum(r['needle_token_is_index'] for r, _ in rows) / len(rows):.2f}")
+    return lines
