@@ -36,7 +36,10 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   (``span_decode.reference_divide``, which the GPU kernels are tested to equal) and span keys,
   ``persist`` pages flagged from the last 64 prompt queries, the fallback key of each page decode
   writes to, then ``reference_select_span_pages`` and the top-k attention reference. Keys
-  ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``.
+  ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``, ``score`` (``sum`` as the
+  backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
+  ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
+  ``benchmarks/decode_spans_probe.py``).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -310,12 +313,12 @@ class SpansSelector:
     decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
-                                         "share": float, "page": int, "score": str}
+                                         "share": float, "page": int, "score": str, "index": str}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
     _divided: ClassVar[dict[tuple, tuple[list, list]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum"):
+                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span"):
         from vllm_sparse_backend.decode_spans import span_params
         from sparse_prefill_kernels import span_decode, topk_decode
 
@@ -324,6 +327,10 @@ class SpansSelector:
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.persist_pages, self.budget_pages, self.page_size = persist_pages, budget_pages, page_size
         self.score = score  # "sum": q . (sum of index keys), Eq. 8 as written; "mean": q . their mean
+        # the backend's VLLM_SPARSE_DECODE_SPAN_INDEX: "span" (default), every page holds its span's
+        # key; "page" (issue 24's probe), every page holds the key of its own most-voted token (the
+        # division's votes, InfLLM's representative token at page granularity), decode pages 1 x mean key
+        self.index = index
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
         self.attended = AttendedShare()
@@ -332,7 +339,9 @@ class SpansSelector:
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score")})
+        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index")})
+        if params.get("index", "span") not in ("span", "page"):
+            raise ValueError(f"index must be span or page, got {params['index']}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
         if params.get("score", "sum") not in ("sum", "mean"):
@@ -347,7 +356,7 @@ class SpansSelector:
         return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
-                   score=params.get("score", "sum"))
+                   score=params.get("score", "sum"), index=params.get("index", "span"))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -370,13 +379,13 @@ class SpansSelector:
             lens.append(t)
         return torch.stack(maps), torch.stack(votes), torch.tensor(lens)
 
-    def divide(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[list, list]:
+    def divide(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[list, list, torch.Tensor]:
         """Per segment: the span id of each page and the index tokens (the division's loop
-        reference, which the GPU kernels are tested to equal)."""
+        reference, which the GPU kernels are tested to equal); and the votes of every prompt token."""
         maps, votes, lens = self.local_maps(q, k, scale)
         out = [self._spans.reference_divide(maps[s].double(), votes[s].double(), int(lens[s]), self.page_size,
                                             q.shape[0], self.params) for s in range(lens.shape[0])]
-        return [o[0] for o in out], [o[1] for o in out]
+        return [o[0] for o in out], [o[1] for o in out], torch.cat([votes[s, :int(lens[s])] for s in range(len(lens))])
 
     def prefill(self, layer, q, k, v) -> None:
         scale = q.shape[-1] ** -0.5  # the model's scaling is 1/sqrt(head_dim) (Qwen2, Llama)
@@ -388,10 +397,10 @@ class SpansSelector:
             self._divided.clear()  # a new prompt
         if cache_key not in self._divided:
             self._divided[cache_key] = self.divide(q, k, scale)
-        spans, index_tokens = self._divided[cache_key]
+        spans, index_tokens, votes = self._divided[cache_key]
         span_keys = torch.zeros(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
         keys = k.transpose(0, 1).double()  # [N, Hkv, D]
-        for s, (span, chosen) in enumerate(zip(spans, index_tokens)):
+        for s, (span, chosen) in enumerate(zip(spans, index_tokens) if self.index == "span" else ()):
             p0, t0 = s * seg // page, s * seg
             for sid in set(span):
                 tokens = [t0 + t for t in chosen if span[t // page] == sid]
@@ -399,6 +408,9 @@ class SpansSelector:
                 for a, owner in enumerate(span):
                     if owner == sid:
                         span_keys[p0 + a] = vector
+        if self.index == "page":  # what-if: each page's own most-voted key (ties: the first token)
+            for a in range(n_pages):
+                span_keys[a] = keys[a * page + int(votes[a * page:(a + 1) * page].double().argmax())]
         # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
@@ -419,7 +431,7 @@ class SpansSelector:
             keys = torch.cat([keys, torch.zeros(n_pages - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)])
             flags = torch.cat([flags, torch.zeros(n_pages - flags.shape[0], flags.shape[1], dtype=flags.dtype)])
         last = (length - 1) // self.page_size  # the page this step wrote: its fallback key
-        fallback = self.params.min_index if self.score == "sum" else 1
+        fallback = self.params.min_index if self.score == "sum" and self.index == "span" else 1
         keys[last] = fallback * k[:, last * self.page_size:length].double().mean(1)
         self._keys[layer], self._flags[layer] = keys, flags
         table = identity_block_table(n_pages)

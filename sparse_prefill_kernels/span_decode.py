@@ -35,7 +35,11 @@ management (freeing, preemption, prefix caching) without any per-request bookkee
    of one decode query is ``q . sum_m k_m``, so one dot product per page scores the span. Pages
    written by decode (no map) and pages before a chunk's first full page get a fallback vector,
    ``min_index`` times their mean key (:func:`update_span_keys`, run for every written slot before
-   the division overwrites the chunk's pages).
+   the division overwrites the chunk's pages). ``index="page"`` (:func:`page_top_keys`; issue 24)
+   keys every page by its own most-voted token instead (InfLLM's representative token at page
+   granularity; fallback: 1 x the mean key): measured on a real model
+   (``benchmarks/decode_spans_probe.py``), a needle sits inside a kept span of 4-32 pages whose
+   at most 24 index tokens miss it, so no span-level key ranks its page within the budget.
 4. **Persistent pages** (:func:`mark_persistent_pages`): the paper keeps the last prefill chunk's
    retrieval for the whole decode. Here the last ``last_q`` queries of each prefill chunk, summed,
    score the row's pages; the ``persist_pages`` best (sink and recent pages excluded) get a flag per
@@ -79,6 +83,16 @@ class SpanParams:
     min_index: int = 6
     max_index: int = 24
     segment_tokens: int = 1024
+    # "span": every page holds its span's key (the sum of the span's index keys, Eq. 8); "page":
+    # every page holds the key of its own most-voted token (Eq. 6 votes at page granularity; issue
+    # 24: spans of 4-32 pages keyed by at most 24 tokens never rank a needle's page within budget)
+    index: str = "span"
+
+    @property
+    def fallback_count(self) -> int:
+        """Multiple of a page's mean key that a page without a division (decode-written) holds:
+        min_index index keys' worth for summed span keys, 1 for page keys."""
+        return self.min_index if self.index == "span" else 1
 
     def __post_init__(self):
         if not 0.0 <= self.theta_quantile <= 1.0:
@@ -89,6 +103,8 @@ class SpanParams:
             raise ValueError(f"lam={self.lam} must be >= 0")
         if not 1 <= self.min_index <= self.max_index:
             raise ValueError(f"need 1 <= min_index ({self.min_index}) <= max_index ({self.max_index})")
+        if self.index not in ("span", "page"):
+            raise ValueError(f"index={self.index!r} must be 'span' or 'page'")
         if self.segment_tokens < TILE or self.segment_tokens % TILE:
             raise ValueError(f"segment_tokens={self.segment_tokens} must be a multiple of {TILE}")
 
@@ -542,6 +558,18 @@ def span_page_keys(keys: torch.Tensor, division: SpanDivision, page_size: int) -
         s_count, n, hkv, d)
 
 
+def page_top_keys(keys: torch.Tensor, votes: torch.Tensor, n_tokens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """fp32 ``[S, n, Hkv, D]``: for every page the key of its most-voted token (ties: the first),
+    ``index="page"``. keys ``[S, segment_tokens, Hkv, D]``, votes ``[S, segment_tokens]``, n_tokens
+    ``[S]`` (tokens past it are never chosen)."""
+    s_count, seg_tok, hkv, d = keys.shape
+    t = torch.arange(seg_tok, device=keys.device)
+    v = votes.float().masked_fill(t[None, :] >= n_tokens.to(keys.device)[:, None], float("-inf"))
+    best = v.view(s_count, seg_tok // page_size, page_size).argmax(-1)  # first maximum
+    tok = best + torch.arange(0, seg_tok, page_size, device=keys.device)[None, :]
+    return keys.gather(1, tok[:, :, None, None].expand(-1, -1, hkv, d)).float()
+
+
 def build_span_keys(query: torch.Tensor, key: torch.Tensor, segments: SpanSegments, span_keys: torch.Tensor,
                     block_table: torch.Tensor, page_size: int, scale: float, params: SpanParams) -> SpanDivision:
     """Divide the step's prefill segments and write their pages' span keys (after
@@ -553,7 +581,9 @@ def build_span_keys(query: torch.Tensor, key: torch.Tensor, segments: SpanSegmen
     seg_tok = segments.segment_tokens
     t = torch.arange(seg_tok, device=key.device)
     tok = (segments.table[:, 1].to(torch.int64)[:, None] + t).clamp(max=key.shape[0] - 1)  # [S, T]
-    page_keys = span_page_keys(key[tok.view(-1)].view(tok.shape[0], seg_tok, *key.shape[1:]), division, page_size)
+    seg_keys = key[tok.view(-1)].view(tok.shape[0], seg_tok, *key.shape[1:])
+    page_keys = (span_page_keys(seg_keys, division, page_size) if params.index == "span"
+                 else page_top_keys(seg_keys, votes, n_tok, page_size))
     phys = block_table[segments.page_row, segments.page_lp].to(torch.int64)
     span_keys[phys] = page_keys[segments.page_seg, segments.page_idx]
     return division
@@ -713,9 +743,12 @@ def reference_nms(x: list[int], y: list[int], score: list[float], iou: float) ->
 
 
 def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_size: int, num_heads: int,
-                     params: SpanParams) -> tuple[list[int], list[int]]:
+                     params: SpanParams, info: dict | None = None) -> tuple[list[int], list[int]]:
     """One segment, with loops: (span id of every page — its span's first page —, index token
-    positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS)."""
+    positions). Independent of :func:`divide_segments` (explicit triangle sums, Python NMS).
+    ``info``, if given, receives diagnostics: ``theta``, ``kept`` (the NMS-kept page intervals),
+    ``in_kept`` (per page: inside a kept interval rather than a gap run) and per span id its
+    ``ratio`` (r_a) and index-token ``count``."""
     maps = maps.double().tolist()  # plain floats: the loops below index them millions of times
     n_pages = -(-n_tok // page_size)
     pt = [min(page_size, n_tok - a * page_size) for a in range(n_pages)]
@@ -757,6 +790,9 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
                 hi += 1
             span[a], interval[a] = lo, (lo, hi)
     selected = []
+    if info is not None:
+        info.update(theta=theta, kept=[tuple(c[1:3]) for c in kept], in_kept=[o is not None for o in owner],
+                    ratio={}, count={})
     for sid in sorted(set(span)):
         pages = [a for a in range(n_pages) if span[a] == sid]
         x, y = interval[pages[0]]
@@ -766,6 +802,8 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
         tokens = [t for a in pages for t in range(a * page_size, a * page_size + pt[a])]
         want = round(len(tokens) * math.exp(-params.lam * (1.0 - ratio)))
         count = min(max(want, params.min_index), params.max_index, len(tokens))
+        if info is not None:
+            info["ratio"][sid], info["count"][sid] = ratio, count
         vote = votes.double().tolist()
         ranked = sorted(tokens, key=lambda t: (-vote[t], t))
         selected += ranked[:count]
@@ -775,7 +813,8 @@ def reference_divide(maps: torch.Tensor, votes: torch.Tensor, n_tok: int, page_s
 def reference_span_keys(q: torch.Tensor, k: torch.Tensor, page_size: int, scale: float,
                         params: SpanParams) -> tuple[torch.Tensor, list[int]]:
     """Span keys of one sequence's chunk that starts page-aligned: q ``[n, H, D]``, k ``[n, Hkv,
-    D]`` -> float64 ``[pages, Hkv, D]`` per page (sum of its span's index keys), and the span id
+    D]`` -> float64 ``[pages, Hkv, D]`` per page (sum of its span's index keys; ``index="page"``:
+    the key of the page's most-voted token), and the span id
     of every page (segment-local ids offset by the segment's first page)."""
     n_tok, h, _ = q.shape
     seg = params.segment_tokens
@@ -788,7 +827,11 @@ def reference_span_keys(q: torch.Tensor, k: torch.Tensor, page_size: int, scale:
         span, selected = reference_divide(maps, votes, s1 - s0, page_size, h, params)
         p0 = s0 // page_size
         for a, sid in enumerate(span):
-            toks = [t for t in selected if span[t // page_size] == sid]
+            if params.index == "page":
+                n_a = min(page_size, s1 - s0 - a * page_size)
+                toks = [max(range(a * page_size, a * page_size + n_a), key=lambda t: (float(votes[t]), -t))]
+            else:
+                toks = [t for t in selected if span[t // page_size] == sid]
             out[p0 + a] = k[[s0 + t for t in toks]].double().cpu().sum(0)
             span_ids.append(p0 + sid)
     return out, span_ids

@@ -274,3 +274,34 @@ def test_spans_selector(da, with_references):
                                  torch.ones(h, 1, n + 1, dtype=torch.bool), d ** -0.5)[0]
     torch.testing.assert_close(full.attend(0, qd, k2, v2, d ** -0.5).double(), dense, rtol=1e-5, atol=1e-6)
     assert full.attended.mean == 1.0
+
+
+def test_spans_selector_page_index(da, with_references):
+    """spans:index=page (the backend's decode_span_index=page, issue 24): every prompt page holds the key
+    of its own most-voted token (float64 votes of an independent softmax), the page decode writes
+    its mean key."""
+    gen = torch.Generator().manual_seed(6)
+    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+    q = torch.randn(h, n, d, generator=gen)
+    k = torch.randn(hkv, n, d, generator=gen)
+    v = torch.randn(hkv, n, d, generator=gen)
+    sel = da.build_selector(da.parse_variant("spans:persist=2,budget=3,index=page"), n)
+    sel.prefill(0, q, k, v)
+    votes = torch.zeros(n, dtype=torch.float64)  # column sums of each 1024-token segment's causal softmax
+    for s0 in range(0, n, 1024):
+        t = min(1024, n - s0)
+        for head in range(h):
+            sc = q[head, s0:s0 + t].double() @ k[head // 2, s0:s0 + t].double().T * d ** -0.5
+            votes[s0:s0 + t] += torch.softmax(sc.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
+                                                             float("-inf")), -1).sum(0)
+    n_pages = -(-n // page)
+    for a in range(n_pages):
+        best = a * page + int(votes[a * page:(a + 1) * page].argmax())
+        torch.testing.assert_close(sel._keys[0][a], k[:, best].double(), rtol=0, atol=0)
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    sel.attend(0, torch.randn(h, d, generator=gen), k2, v2, d ** -0.5)
+    last = n // page
+    torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
+    with pytest.raises(ValueError, match="index must be span or page"):
+        da.parse_variant("spans:index=token")

@@ -384,6 +384,9 @@ def test_bad_params_are_refused():
         sd.SpanParams(min_index=30, max_index=24)
     with pytest.raises(ValueError, match="segment_tokens"):
         sd.SpanParams(segment_tokens=100)
+    with pytest.raises(ValueError, match="index"):
+        sd.SpanParams(index="token")
+    assert sd.SpanParams().fallback_count == 6 and sd.SpanParams(index="page").fallback_count == 1
     assert sd.unsupported_page_size(16) is None and sd.unsupported_page_size(128) is not None
 
 
@@ -403,7 +406,10 @@ def check_flags(flagged, scores, n_pages, sink, recent, persist):
         assert worst >= max(float(scores[j]) for j in rest) - 1e-6 * max(1.0, abs(worst))
 
 
-def test_backend_step_prefill_and_decode():
+@pytest.mark.parametrize("index", ["span", "page"])
+def test_backend_step_prefill_and_decode(index):
+    """index="span": pages keyed by their span's index keys; "page" (issue 24): by their own
+    most-voted key, decode-written pages by their mean key."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.decode_spans import SpanIndex, plan_step_segments
 
@@ -411,7 +417,7 @@ def test_backend_step_prefill_and_decode():
     h = hkv * group
     dtype = torch.float32  # exact maps, as in test_span_keys_through_chunks
     cfg = SparseSettings(decode_mode="spans", decode_sink_pages=1, decode_recent_pages=1, decode_persist_pages=2,
-                         decode_budget_pages=3, last_q=16)
+                         decode_budget_pages=3, last_q=16, decode_span_index=index)
     gen = torch.Generator().manual_seed(4)
     prompt = [330, 290, 40]  # sequence 2 is short: already decoding when the others prefill
     chunks = [[0, 200, 330], [0, 170, 290]]
@@ -482,7 +488,7 @@ def test_backend_step_prefill_and_decode():
             want[p0:p0 + ref.shape[0]] = ref
             if start % page:
                 a = start // page
-                want[a] = params.min_index * k[a * page:(a + 1) * page].to(dtype).double().mean(0)
+                want[a] = params.fallback_count * k[a * page:(a + 1) * page].to(dtype).double().mean(0)
         tol = 1e-4 if INTERPRET else 2e-2
         assert torch.allclose(got, want, rtol=tol, atol=tol), (seq, (got - want).abs().max())
         q_last = q[prompt[seq] - cfg.last_q:prompt[seq]].to(dtype).double().sum(0)

@@ -151,6 +151,8 @@ class SparseSettings(BaseModel):
     decode_span_lambda: float = Field(3.0, ge=0.0, description="spans: lambda of the index-vector count (Eq. 7).")
     decode_span_min_index: int = Field(6, ge=1, description="spans: fewest index tokens per span.")
     decode_span_max_index: int = Field(24, ge=1, description="spans: most index tokens per span.")
+    decode_span_index: Literal["span", "page"] = Field(
+        "span", description="spans: page keys from the span's index tokens (span) or the page's most-voted token (page).")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":

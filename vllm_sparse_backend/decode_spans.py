@@ -45,7 +45,8 @@ class SpanDecodeBudget:
 
 def span_params(cfg: SparseSettings):
     return span_decode.SpanParams(theta_quantile=cfg.decode_span_theta, iou=cfg.decode_span_iou, lam=cfg.decode_span_lambda,
-                      min_index=cfg.decode_span_min_index, max_index=cfg.decode_span_max_index)
+                      min_index=cfg.decode_span_min_index, max_index=cfg.decode_span_max_index,
+                      index=cfg.decode_span_index)
 
 
 # Host planning over the step's lengths, copied to the device once per step; the kernels only read
@@ -122,7 +123,7 @@ class SpanIndex:
 
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After the cache update of a step: fallback keys for the written pages."""
-        span_decode.update_span_keys(key_cache, self.keys, self.flags, slot_mapping, self.params.min_index)
+        span_decode.update_span_keys(key_cache, self.keys, self.flags, slot_mapping, self.params.fallback_count)
 
     def prefill(self, query: torch.Tensor, key: torch.Tensor, segments, block_table: torch.Tensor,
                 scale: float) -> None:
