@@ -39,7 +39,8 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``, ``score`` (``sum`` as the
   backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
   ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
-  ``benchmarks/decode_spans_probe.py``).
+  ``benchmarks/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
+  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -330,7 +331,11 @@ class SpansSelector:
         # the backend's VLLM_SPARSE_DECODE_SPAN_INDEX: "span" (default), every page holds its span's
         # key; "page" (issue 24's probe), every page holds the key of its own most-voted token (the
         # division's votes, InfLLM's representative token at page granularity), decode pages 1 x mean key
+        # "page2" (harness-only what-if, no backend counterpart): each page holds the keys of its 2
+        # most-voted tokens (ties: the first tokens) and scores max(q . k1, q . k2), q summed over the
+        # KV head's query heads as the backend's score; decode pages hold their mean key twice
         self.index = index
+        self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
         self.attended = AttendedShare()
@@ -340,8 +345,8 @@ class SpansSelector:
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
         TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index")})
-        if params.get("index", "span") not in ("span", "page"):
-            raise ValueError(f"index must be span or page, got {params['index']}")
+        if params.get("index", "span") not in ("span", "page", "page2"):
+            raise ValueError(f"index must be span, page or page2, got {params['index']}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
         if params.get("score", "sum") not in ("sum", "mean"):
@@ -411,10 +416,21 @@ class SpansSelector:
         if self.index == "page":  # what-if: each page's own most-voted key (ties: the first token)
             for a in range(n_pages):
                 span_keys[a] = keys[a * page + int(votes[a * page:(a + 1) * page].double().argmax())]
+        second = None
+        if self.index == "page2":  # what-if: each page's 2 most-voted keys (ties: the first tokens)
+            second = torch.zeros_like(span_keys)
+            for a in range(n_pages):
+                v_page = votes[a * page:(a + 1) * page].double()
+                order = torch.sort(v_page, descending=True, stable=True).indices
+                span_keys[a] = keys[a * page + int(order[0])]
+                second[a] = keys[a * page + int(order[min(1, len(order) - 1)])]
         # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
         scores = torch.einsum("phd,hd->ph", span_keys, q_sum.view(k.shape[0], group, -1).sum(1))  # [pages, Hkv]
+        if second is not None:
+            scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_sum.view(k.shape[0], group, -1).sum(1)))
+            self._keys2[layer] = second
         j = torch.arange(n_pages)
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
         flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
@@ -427,6 +443,9 @@ class SpansSelector:
         key_cache, value_cache = paged_cache(k, self.page_size), paged_cache(v, self.page_size)
         n_pages = key_cache.shape[0]
         keys, flags = self._keys[layer], self._flags[layer]
+        if self.index == "page2" and self._keys2[layer].shape[0] < n_pages:
+            k2 = self._keys2[layer]
+            self._keys2[layer] = torch.cat([k2, torch.zeros(n_pages - k2.shape[0], *k2.shape[1:], dtype=k2.dtype)])
         if keys.shape[0] < n_pages:  # a page begun by decode
             keys = torch.cat([keys, torch.zeros(n_pages - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)])
             flags = torch.cat([flags, torch.zeros(n_pages - flags.shape[0], flags.shape[1], dtype=flags.dtype)])
@@ -434,10 +453,17 @@ class SpansSelector:
         fallback = self.params.min_index if self.score == "sum" and self.index == "span" else 1
         keys[last] = fallback * k[:, last * self.page_size:length].double().mean(1)
         self._keys[layer], self._flags[layer] = keys, flags
+        select_keys = keys
+        if self.index == "page2":  # the larger of q . k1, q . k2 per page and KV head: pass that key
+            self._keys2[layer][last] = keys[last]
+            k2 = self._keys2[layer]
+            qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]
+            pick = torch.einsum("phd,hd->ph", k2, qg) > torch.einsum("phd,hd->ph", keys, qg)
+            select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
         selected, counts = self._spans.reference_select_span_pages(
-            q[None], keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
+            q[None], select_keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
             recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
         out = self._ref.reference_topk_decode_attention(q[None], key_cache, value_cache, table, lens, selected,
                                                         counts, scale)

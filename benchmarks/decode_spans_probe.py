@@ -87,14 +87,16 @@ class ProbeSelector:
 
     label = "probe"
 
-    def __init__(self, n_tokens: int, needle_tokens: list[int], spans_spec: dict, topk_spec: dict, page: int):
+    def __init__(self, n_tokens: int, needles: list[list[int]], spans_spec: dict, topk_spec: dict, page: int):
+        """``needles``: the token positions of each needle value (one list per value; multi_value /
+        multi_query have several); each is probed at the same first decode step."""
         self.spans = InfoSpansSelector.build("spans", {**spans_spec, "page": page}, n_tokens)
         self.topk = da.TopkSelector.build("topk", {**topk_spec, "page": page}, n_tokens)
         self.page = page
-        self.needle_tokens = needle_tokens
-        self.needle_pages = sorted({t // page for t in needle_tokens})
+        self.needles = needles
+        self.needle_pages = [sorted({t // page for t in tokens}) for tokens in needles]
         self.attended = da.AttendedShare()
-        self.layers: dict[int, dict] = {}
+        self.layers: list[dict[int, dict]] = [{} for _ in needles]  # per needle, per layer
 
     def prefill(self, layer, q, k, v) -> None:
         self.spans.prefill(layer, q, k, v)
@@ -105,7 +107,7 @@ class ProbeSelector:
 
         length = k.shape[1]
         self.attended.add(length, length)
-        if layer in self.layers:
+        if layer in self.layers[0]:
             return da.exact_attention(q, k, v, scale).to(q.dtype)
         sp = self.spans
         sp.attend(layer, q, k, v, scale)  # the step's fallback key, as the harness does it
@@ -120,14 +122,15 @@ class ProbeSelector:
         smin, smax = self.topk.summaries(layer, key_cache, length)
         bounds = topk_decode.reference_page_bounds(q, smin, smax, torch.arange(n_pages), q.shape[0] // k.shape[0])
         info = sp.info[layer]
-        self.layers[layer] = span_probe.probe_layer(
-            q, k, scale, self.page, self.needle_pages, self.needle_tokens, span_ids=info["span_ids"],
-            in_kept=info["in_kept"], index_tokens=info["index_tokens"], span_count=info["count"],
-            span_keys=sp._keys[layer], flags=sp._flags[layer], topk_bounds=bounds, spans_selected=s_sel[0],
-            topk_selected=t_sel[0], sink_pages=sp.sink_pages, recent_pages=sp.recent_pages,
-            votes=torch.cat(info["votes"]), summaries=(smin, smax))
-        self.layers[layer]["kept_intervals"] = info["kept"]
-        self.layers[layer]["theta"] = info["theta"]
+        for pages, tokens, layers in zip(self.needle_pages, self.needles, self.layers):
+            layers[layer] = span_probe.probe_layer(
+                q, k, scale, self.page, pages, tokens, span_ids=info["span_ids"],
+                in_kept=info["in_kept"], index_tokens=info["index_tokens"], span_count=info["count"],
+                span_keys=sp._keys[layer], flags=sp._flags[layer], topk_bounds=bounds, spans_selected=s_sel[0],
+                topk_selected=t_sel[0], sink_pages=sp.sink_pages, recent_pages=sp.recent_pages,
+                votes=torch.cat(info["votes"]), summaries=(smin, smax))
+            layers[layer]["kept_intervals"] = info["kept"]
+            layers[layer]["theta"] = info["theta"]
         return da.exact_attention(q, k, v, scale).to(q.dtype)
 
 
@@ -138,7 +141,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen-coder")
     p.add_argument("--text", default="austen")
-    p.add_argument("--task", default="single_needle", choices=["single_needle", "multi_key"])
+    p.add_argument("--task", default="single_needle", choices=["single_needle", "multi_key", "multi_value", "multi_query"],
+                   help="multi_value / multi_query: every expected value is probed (one block per value)")
     p.add_argument("--length", type=int, default=8192)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--samples", type=int, default=2, help="depths as the harness spreads them for this many")
@@ -196,14 +200,13 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         depth = depths[seed % len(depths)]
         sample = TASKS[args.task](tok, text, args.length, seed, depth)
-        value = sample.expected[0]
-        value_ids = list(tok.tok.encode(value, add_special_tokens=False))
-        starts = span_probe.find_subsequence(sample.prompt_ids, value_ids)
-        if len(starts) != 1:
-            print(f"seed {seed}: value {value} found {len(starts)} times in the prompt; skipped", flush=True)
+        found, missing = span_probe.needle_positions(
+            sample.prompt_ids, sample.expected, lambda v: tok.tok.encode(v, add_special_tokens=False))
+        for value, count in missing:
+            print(f"seed {seed}: value {value} found {count} times in the prompt; skipped", flush=True)
+        if not found:
             continue
-        needle = list(range(starts[0], starts[0] + len(value_ids)))
-        probe = ProbeSelector(sample.n_tokens, needle, spans_spec, topk_spec, args.page)
+        probe = ProbeSelector(sample.n_tokens, [needle for _, needle in found], spans_spec, topk_spec, args.page)
         attention.prefill_selectors = [probe]
         t0 = time.monotonic()
         with torch.no_grad():
@@ -215,16 +218,19 @@ def main(argv=None) -> int:
             tokens = da.greedy_decode(model, res.past_key_values, first, 2, stop_ids)
             attention.selector = None
         n_pages = -(-sample.n_tokens // args.page)
-        title = (f"## seed {seed}, depth {depth}: {sample.n_tokens} tokens ({n_pages} pages), value {value} at "
-                 f"tokens {needle[0]}..{needle[-1]} (pages {probe.needle_pages}); dense first tokens "
-                 f"{tok.tok.decode(tokens)!r}; prefill+division {prefill_s:.0f} s")
-        print(title, flush=True)
-        rows = span_probe.format_rows(probe.layers)
-        print("\n".join(rows), flush=True)
-        lines += ["", title] + rows
-        report["prompts"].append({"seed": seed, "depth": depth, "n_tokens": sample.n_tokens, "value": value,
-                                  "needle_tokens": needle, "needle_pages": probe.needle_pages,
-                                  "first_tokens": tokens, "layers": probe.layers})
+        for j, ((value, needle), pages, layers) in enumerate(zip(found, probe.needle_pages, probe.layers)):
+            which = f" needle {j + 1}/{len(sample.expected)}," if len(sample.expected) > 1 else ""
+            title = (f"## seed {seed}, depth {depth},{which} {sample.n_tokens} tokens ({n_pages} pages), value {value} "
+                     f"at tokens {needle[0]}..{needle[-1]} (pages {pages}); dense first tokens "
+                     f"{tok.tok.decode(tokens)!r}; prefill+division {prefill_s:.0f} s")
+            print(title, flush=True)
+            rows = span_probe.format_rows(layers)
+            print("\n".join(rows), flush=True)
+            lines += ["", title] + rows
+            report["prompts"].append({"seed": seed, "depth": depth, "n_tokens": sample.n_tokens, "value": value,
+                                      "needle": j, "expected": list(sample.expected),
+                                      "needle_tokens": needle, "needle_pages": pages,
+                                      "first_tokens": tokens, "layers": layers})
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         out.with_suffix(".txt").write_text("\n".join(lines) + "\n")

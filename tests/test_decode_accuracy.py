@@ -303,5 +303,60 @@ def test_spans_selector_page_index(da, with_references):
     sel.attend(0, torch.randn(h, d, generator=gen), k2, v2, d ** -0.5)
     last = n // page
     torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
-    with pytest.raises(ValueError, match="index must be span or page"):
+    with pytest.raises(ValueError, match="index must be span, page or page2"):
         da.parse_variant("spans:index=token")
+
+
+def test_spans_selector_page2_index(da, with_references):
+    """spans:index=page2 (harness-only what-if): every prompt page holds the keys of its own 2
+    most-voted tokens (float64 votes of an independent softmax), pages are scored by the larger
+    q . k (q summed over the KV head's query heads) for the persistent flags and at decode, the page
+    decode writes holds its mean key; the output equals float64 attention over the pages so chosen."""
+    gen = torch.Generator().manual_seed(6)
+    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+    sink, recent, persist, budget = 1, 8, 2, 3
+    q = torch.randn(h, n, d, generator=gen)
+    k = torch.randn(hkv, n, d, generator=gen)
+    v = torch.randn(hkv, n, d, generator=gen)
+    sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
+                                             f"budget={budget},index=page2"), n)
+    sel.prefill(0, q, k, v)
+    votes = torch.zeros(n, dtype=torch.float64)  # column sums of each 1024-token segment's causal softmax
+    for s0 in range(0, n, 1024):
+        t = min(1024, n - s0)
+        for head in range(h):
+            sc = q[head, s0:s0 + t].double() @ k[head // 2, s0:s0 + t].double().T * d ** -0.5
+            votes[s0:s0 + t] += torch.softmax(sc.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
+                                                             float("-inf")), -1).sum(0)
+    n_pages = -(-n // page)
+    top2 = []
+    for a in range(n_pages):
+        toks = sorted(range(a * page, min((a + 1) * page, n)), key=lambda t: (-float(votes[t]), t))[:2]
+        top2.append(toks)
+        torch.testing.assert_close(sel._keys[0][a], k[:, toks[0]].double(), rtol=0, atol=0)
+        torch.testing.assert_close(sel._keys2[0][a], k[:, toks[1]].double(), rtol=0, atol=0)
+    # persistent flags: the last last_q prompt queries summed, the larger score of the 2 keys
+    q_last = q[:, -sel.last_q:].double().sum(1).view(hkv, h // hkv, d).sum(1)  # [Hkv, D]
+    n_new = n + 1
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    qd = torch.randn(h, d, generator=gen)
+    got = sel.attend(0, qd, k2, v2, d ** -0.5).double()
+    last = n // page  # the prompt's partial last page, now written by decode: its mean key
+    torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
+    pages_new = -(-n_new // page)
+    for g in range(hkv):
+        def score(a, qv):
+            if a == last:
+                return float(k2[g, last * page:].double().mean(0) @ qv)
+            return max(float(k[g, t].double() @ qv) for t in top2[a])
+        middle = [a for a in range(n_pages) if sink <= a < n_pages - recent]
+        flagged = sorted(middle, key=lambda a: (-max(float(k[g, t].double() @ q_last[g]) for t in top2[a]), a))[:persist]
+        forced = [a for a in range(pages_new) if a < sink or a >= pages_new - recent or a in flagged]
+        qg = qd[g * (h // hkv):(g + 1) * (h // hkv)].double().sum(0)
+        rest = sorted((a for a in range(pages_new) if a not in forced), key=lambda a: (-score(a, qg), a))
+        chosen = sorted(forced + rest[:budget])
+        toks = [t for a in chosen for t in range(a * page, min((a + 1) * page, n_new))]
+        for head in range(g * (h // hkv), (g + 1) * (h // hkv)):
+            p = torch.softmax(k2[g, toks].double() @ qd[head].double() * d ** -0.5, 0)
+            torch.testing.assert_close(got[head], p @ v2[g, toks].double(), rtol=1e-5, atol=1e-6)

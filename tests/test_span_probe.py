@@ -18,6 +18,14 @@ def test_find_subsequence():
     assert span_probe.find_subsequence([1, 2, 3], [4]) == []
 
 
+def test_needle_positions_every_value():
+    """multi_value / multi_query: each expected value's positions; values found 0 or 2+ times listed apart."""
+    enc = {"12": [1, 2], "34": [3, 4], "5": [5], "7": [7]}
+    found, missing = span_probe.needle_positions([9, 3, 4, 9, 1, 2, 5, 0, 5], ["12", "34", "5", "7"], enc.__getitem__)
+    assert found == [("12", [4, 5]), ("34", [1, 2])]
+    assert missing == [("5", 2), ("7", 0)]
+
+
 def test_best_rank_excludes_forced_and_breaks_ties_low():
     score = torch.tensor([9.0, 1.0, 5.0, 5.0, 7.0, 8.0])
     cand = span_probe.candidate_mask(6, 1, 1)  # pages 1..4

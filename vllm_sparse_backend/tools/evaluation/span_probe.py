@@ -123,7 +123,8 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
             span_tokens = [t for t in range(n_prompt_pages * page_size) if t < votes.shape[0]
                            and span_ids[t // page_size] == needle_span]
             order = sorted(span_tokens, key=lambda t: (-float(votes[t]), t))
-            extra["vote_rank"] = min(order.index(t) for t in needle_tokens)
+            # a needle crossing a span boundary: its tokens in the first needle page's span
+            extra["vote_rank"] = min(order.index(t) for t in needle_tokens if span_ids[t // page_size] == needle_span)
             for n_idx in (1, 2):
                 s_page = s_sum.clone()
                 for p in range(n_prompt_pages):
@@ -184,6 +185,20 @@ def format_rows(layers: dict[int, dict]) -> list[str]:
 
 RANKS = ("exact_rank", "topk_rank", "span_sum_rank", "span_mean_rank", "span_max_rank", "span_bound_rank",
          "page_idx1_rank", "page_idx2_rank", "vote_rank")
+
+
+def needle_positions(prompt_ids: list[int], values: list[str], encode) -> tuple[list, list]:
+    """Token positions of each expected value in the prompt: ``[(value, [positions])]`` for the values
+    found exactly once (in ``values``' order), and ``[(value, count)]`` for those found 0 or 2+ times."""
+    found, missing = [], []
+    for value in values:
+        ids = list(encode(value))
+        starts = find_subsequence(prompt_ids, ids)
+        if len(starts) == 1:
+            found.append((value, list(range(starts[0], starts[0] + len(ids)))))
+        else:
+            missing.append((value, len(starts)))
+    return found, missing
 
 
 def summarise(prompts: list[dict], groups: dict[str, list[int]], budget: int) -> list[str]:
