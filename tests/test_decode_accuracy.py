@@ -276,6 +276,21 @@ def test_spans_selector(da, with_references):
     assert full.attended.mean == 1.0
 
 
+def segment_votes_f64(q: torch.Tensor, k: torch.Tensor, segment: int = 1024) -> torch.Tensor:
+    """Per token, the column sums of each ``segment``-token block's causal softmax over every query
+    head (float64): the votes the spans index tokens are chosen by, computed independently."""
+    h, n, d = q.shape
+    group = h // k.shape[0]
+    votes = torch.zeros(n, dtype=torch.float64)
+    for s0 in range(0, n, segment):
+        t = min(segment, n - s0)
+        causal_mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        for head in range(h):
+            sc = q[head, s0:s0 + t].double() @ k[head // group, s0:s0 + t].double().T * d ** -0.5
+            votes[s0:s0 + t] += torch.softmax(sc.masked_fill(causal_mask, float("-inf")), -1).sum(0)
+    return votes
+
+
 def test_spans_selector_page_index(da, with_references):
     """spans:index=page (the backend's decode_span_index=page, issue 24): every prompt page holds the key
     of its own most-voted token (float64 votes of an independent softmax), the page decode writes
@@ -287,13 +302,7 @@ def test_spans_selector_page_index(da, with_references):
     v = torch.randn(hkv, n, d, generator=gen)
     sel = da.build_selector(da.parse_variant("spans:persist=2,budget=3,index=page"), n)
     sel.prefill(0, q, k, v)
-    votes = torch.zeros(n, dtype=torch.float64)  # column sums of each 1024-token segment's causal softmax
-    for s0 in range(0, n, 1024):
-        t = min(1024, n - s0)
-        for head in range(h):
-            sc = q[head, s0:s0 + t].double() @ k[head // 2, s0:s0 + t].double().T * d ** -0.5
-            votes[s0:s0 + t] += torch.softmax(sc.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
-                                                             float("-inf")), -1).sum(0)
+    votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     for a in range(n_pages):
         best = a * page + int(votes[a * page:(a + 1) * page].argmax())
@@ -321,13 +330,7 @@ def test_spans_selector_page2_index(da, with_references):
     sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
                                              f"budget={budget},index=page2"), n)
     sel.prefill(0, q, k, v)
-    votes = torch.zeros(n, dtype=torch.float64)  # column sums of each 1024-token segment's causal softmax
-    for s0 in range(0, n, 1024):
-        t = min(1024, n - s0)
-        for head in range(h):
-            sc = q[head, s0:s0 + t].double() @ k[head // 2, s0:s0 + t].double().T * d ** -0.5
-            votes[s0:s0 + t] += torch.softmax(sc.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1),
-                                                             float("-inf")), -1).sum(0)
+    votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     top2 = []
     for a in range(n_pages):
