@@ -108,3 +108,15 @@ def test_bad_inputs_name_what_is_wrong(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="not an attention_recall JSON"):
         lb.run(str(bad), str(tmp_path), 0.3, str(tmp_path / "o.json"))
+
+
+def test_a_run_of_another_models_layer_count_is_refused(tmp_path):
+    run_path = tmp_path / "recall.json"
+    run_path.write_text(json.dumps(recall_run(TABLE)))  # 4 layers measured
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 5, "num_attention_heads": 6, "num_key_value_heads": 2}))
+    with pytest.raises(ConfigError, match="num_layers"):
+        lb.run(str(run_path), str(model), 0.3, str(tmp_path / "o.json"))
+    assert not (tmp_path / "o.json").exists()

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import ConfigError, SparseSettings
-from ..head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, save_head_config
+from ..head_configs import (FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, check_fits_model, read_model_shape,
+                            save_head_config)
 
 # Override keys a ladder rung may carry; anything else (bands, shares, other patterns) changes
 # more than the budget and cannot be written as a per-head budget.
@@ -193,16 +194,11 @@ def run(recall_path: str, model_dir: str, density: float, out: str, *, labels: S
         raise ConfigError(f"{recall_path}: cannot read the attention_recall JSON: {e}") from None
     if "layers" not in recall or "meta" not in recall:
         raise ConfigError(f"{recall_path}: not an attention_recall JSON (no 'meta' / 'layers')")
-    try:
-        hf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--model {model_dir}: cannot read config.json: {e}") from None
-    heads = int(hf["num_attention_heads"])
-    cfg, picks = build_head_config(recall, density=density, num_heads=heads,
-                                   num_kv_heads=int(hf.get("num_key_value_heads", heads)),
+    shape = read_model_shape(model_dir)
+    cfg, picks = build_head_config(recall, density=density, num_heads=shape.num_heads,
+                                   num_kv_heads=shape.num_kv_heads,
                                    model=name or Path(model_dir).resolve().name, labels=labels,
                                    objective=objective, lengths=lengths, source=Path(recall_path).name)
-    if cfg.num_layers != int(hf["num_hidden_layers"]):
-        raise ConfigError(f"{recall_path} measured {cfg.num_layers} layers; the model has {hf['num_hidden_layers']}")
+    check_fits_model(cfg, shape, out)  # what the server checks at start-up: layers measured = model's
     save_head_config(cfg, out)
     return picks
