@@ -100,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
                    "accuracy_<device>_<model>_<date>)")
     p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--triton-cache-report", action="store_true",
+                   help="give each server an empty Triton cache of its own and report the kernels it "
+                        "compiled after it was ready (warm-up, measured prompts): a compile while "
+                        "serving is a slow first request")
     p.add_argument("--resume", action="store_true",
                    help="keep the results already in <out>.json (same prompts) and run only the "
                         "variants missing there; its other variants stay in the table")
@@ -220,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(v, rope, [s for s in samples if rope_of[s.key] == rope])
             for v in variants if not any(r.variant == v.label for r in results) for rope in max_lens]
     todo = [t for t in todo if t[2]]
-    kw = dict(workdir=workdir, cuda=cuda, max_num_batched_tokens=args.max_num_batched_tokens, **gating)
+    kw = dict(workdir=workdir, cuda=cuda, max_num_batched_tokens=args.max_num_batched_tokens,
+              own_triton_cache=args.triton_cache_report, **gating)
     started: dict[tuple[str, str], acc.Launched] = {}
     if args.parallel_servers and cuda:
         t1 = time.monotonic()
@@ -239,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 ready = wait_ready(server.handle, args.start_timeout)
                 log(f"[{v.label}/{rope}] server ready ({ready:.0f} s more)")
-                acc.measure(server, group, log=log, into=results)
+                compiles = meta.setdefault("triton_compiles", {}).setdefault(f"{v.label}/{rope}", {}) \
+                    if args.triton_cache_report else None
+                acc.measure(server, group, log=log, into=results, compiles=compiles)
             except (ServerError, OSError) as e:  # a dead server: record it, go on with the rest
                 acc.report_failure(server, log)
                 log(f"[{v.label}/{rope}] FAILED: {e}")

@@ -305,6 +305,83 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     assert STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) - before == int(to_flash)
 
 
+@cpu_only
+def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
+    """``estimated_dense_rows="auto"`` with the layer's DenseRowHistory: the first call reads its
+    flags on the host (nothing known yet); after a call without flagged rows the next one leaves
+    the flags on the device (the kernel gets them and runs a flagged row in its dense mode, no
+    dense_row), copies whether any was flagged back, and the call after that reads again."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import DenseRowHistory, run_sparse_rows_paged
+
+    q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
+    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
+    rows = [SparseRow(0, 0, q_len, ctx)]  # its estimated index covers 0.36 of the causal pairs
+    history = DenseRowHistory()
+
+    def call(max_density):
+        settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 2, "slash_size": 2,
+                                               "estimated_dense_rows": "auto"})
+        heads = [resolve_head(None, settings)] * (hkv * group)
+        sent_dense, launched = [], []
+        run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
+                              HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                              lambda *args, **kw: launched.append(kw.get("whole_rows")), sent_dense.append,
+                              history=history)
+        whole = [None if w is None else w.tolist() for w in launched]
+        return sent_dense, whole
+
+    assert history.read_on_host()
+    assert call(0.5) == ([], [None])  # read: nothing flagged, the kernel runs the row sparse
+    assert not history.read_on_host()
+    assert call(0.1) == ([], [[True]])  # not read: the kernel's dense mode takes the flagged row
+    assert history.read_on_host()  # the copied-back flag says a row was flagged
+    assert call(0.1) == (rows, [])  # read: the flagged row goes to dense_row (FlashAttention)
+    assert history.read_on_host()
+    assert call(0.5) == ([], [None])
+    assert not history.read_on_host()
+
+
+@gpu
+def test_gpu_dense_row_history_copies_back_without_waiting():
+    """On CUDA the flags' summary comes back through pinned memory and an event: not read until
+    the GPU has written it, and then read without a sync."""
+    from vllm_sparse_backend.sparse_prefill import DenseRowHistory
+
+    for flags, expect in (([False, False], False), ([False, True], True)):
+        history = DenseRowHistory()
+        history.observed([not expect])
+        torch.cuda._sleep(50_000_000)  # the copy waits behind this on the stream
+        history.watch(torch.tensor(flags, device="cuda"))
+        assert history.read_on_host() is (not expect)  # not yet copied back: the older answer
+        torch.cuda.synchronize()
+        assert history.read_on_host() is expect
+
+
+@cpu_only
+@pytest.mark.parametrize("mode,variants", [("flash", [False]), ("kernel", [False, True]),
+                                           ("auto", [False, True])])
+def test_worst_case_row_compiles_the_kernels_dense_mode_where_it_can_run(mode, variants):
+    """The profiling-run claim launches the kernel variants serving will: with rows flagged on
+    the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
+    that it compiles at start-up, not in the first request that has a flagged row."""
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
+    heads = [resolve_head(None, settings)] * 4
+    q = torch.randn(150, 4, 64)
+    out = torch.full_like(q, float("nan"))
+    launched = []
+
+    def kernel(*args, **kwargs):
+        launched.append(kwargs.get("whole_rows") is not None)  # the variant that reads the flags
+        return sparse_prefill_attention(*args, **kwargs)
+
+    run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), settings, 0.125, 0.0, kernel)
+    assert launched == variants and torch.isfinite(out).all()
+
+
 @gpu
 def test_gpu_density_fallback():
     check_density_fallback(0.1, True, "cuda", torch.bfloat16, 1e-2)

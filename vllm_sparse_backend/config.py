@@ -98,11 +98,12 @@ class SparseSettings(BaseModel):
     # sparse row gains little or loses. 1.0 = never fall back.
     max_density: float = Field(0.4, gt=0.0, le=1.0, description="Rows denser than this run dense (CUDA).")
     # Rows whose estimated index is denser than max_density (decided on the GPU): "flash" reads
-    # the flags on the host (one sync per layer, the estimation has to finish anyway before the
-    # kernel) and runs those rows on FlashAttention; "kernel" runs them in the Triton kernel's
-    # dense mode with no host read (1.21x cuDNN's time at 128K on an H200). Under CUDA-graph
-    # capture "kernel" is used whatever this says.
-    estimated_dense_rows: Literal["flash", "kernel"] = Field(
+    # the flags on the host (one sync per layer: the GPU queue drains) and runs those rows on
+    # FlashAttention; "kernel" runs them in the Triton kernel's dense mode with no host read
+    # (1.21x cuDNN's time at 128K on an H200); "auto" reads on the host only while the layer's
+    # previous call had flagged rows (sparse_prefill.DenseRowHistory). Under CUDA-graph capture
+    # "kernel" is used whatever this says.
+    estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field(
         "flash", description="Where rows whose estimated index is too dense run (CUDA): FlashAttention or the kernel.")
     # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
     # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on

@@ -8,7 +8,8 @@ Backend-agnostic glue between a planned step and the math. Two paths:
 * :func:`run_sparse_rows_paged`: the GPU path. Estimation reads K through the block table
   (:mod:`vllm_sparse_backend.paged_estimate`) and the Triton kernel reads K/V the same way;
   nothing is gathered, and nothing waits for the GPU except the one read of the rows' density
-  flags per layer that sends too-dense rows to FlashAttention (``estimated_dense_rows="flash"``).
+  flags per layer that sends too-dense rows to FlashAttention (``estimated_dense_rows="flash"``,
+  or ``"auto"`` where the layer's previous call had such rows: :class:`DenseRowHistory`).
 """
 
 from __future__ import annotations
@@ -74,11 +75,57 @@ def _record(row: SparseRow, num_heads: int, computed: int | None, head_patterns)
 PagedKernel = Callable[..., object]
 
 
+class DenseRowHistory:
+    """One layer's memory for ``estimated_dense_rows="auto"``: did the layer's previous sparse
+    call have rows whose estimated index came out denser than ``max_density``?
+
+    Reading the flags on the host costs one sync per layer (the GPU queue drains, and the next
+    launches are exposed: 0.18 s of a 1.6 s prefill at 130K on Qwen2.5-Coder-1.5B); not reading
+    them runs flagged rows in the kernel's dense mode, ~1.2x FlashAttention's time. Which pays
+    depends on how many rows get flagged, and that changes slowly from one call of a layer to
+    the next (the same prompt's next chunk, with a little more context). So: read on the host
+    (and send flagged rows to FlashAttention) while the previous call had flagged rows or
+    nothing is known yet; otherwise let the kernel decide, and copy whether anything was
+    flagged back to the host without waiting, to be looked at on the next call. A wrong guess
+    costs time only: both ways compute the same attention."""
+
+    def __init__(self) -> None:
+        self._flagged: bool | None = None  # the last known call's answer; None: read
+        self._pending: tuple[torch.Tensor, object] | None = None  # (host copy, its CUDA event)
+
+    def read_on_host(self) -> bool:
+        """Whether this call should read its flags on the host. Never waits: a copy the GPU has
+        not finished yet leaves the older answer in force."""
+        if self._pending is not None:
+            host, done = self._pending
+            if done is None or done.query():
+                self._flagged, self._pending = bool(host.item()), None
+        return self._flagged is not False
+
+    def observed(self, flags: list[bool]) -> None:
+        """The flags this call read on the host."""
+        self._flagged, self._pending = any(flags), None
+
+    def watch(self, whole: torch.Tensor) -> None:
+        """Flags left on the device (the kernel ran flagged rows in its dense mode): copy whether
+        any row was flagged to pinned host memory, without waiting."""
+        flagged = whole.any().view(1)
+        if not whole.is_cuda:
+            self._pending = (flagged.clone(), None)
+            return
+        host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        host.copy_(flagged, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (host, done)
+
+
 def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow],
                           key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                           groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
                           kernel: PagedKernel, dense_row: Callable[[SparseRow], None] | None = None,
-                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                          history: DenseRowHistory | None = None) -> None:
     """Estimate every row on the paged cache, then one kernel launch for all rows.
 
     key_cache / value_cache: [pages, page, Hkv, D] views, of the query's dtype or fp8 with the
@@ -92,7 +139,9 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     * rows whose estimated index covers more than ``max_density`` of their causal pairs are
       flagged on the GPU. With ``estimated_dense_rows="flash"`` (the default) the flags are read
       on the host (one sync per layer) and those rows go to ``dense_row``, counted as dense rows
-      like the budget fallback's. With ``"kernel"`` (and always under CUDA-graph capture) the
+      like the budget fallback's. ``"auto"`` does that where ``history`` (the layer's
+      :class:`DenseRowHistory`; without one, every call) says the previous call had flagged rows,
+      else what ``"kernel"`` does. With ``"kernel"`` (and always under CUDA-graph capture) the
       kernel runs them in its dense mode (every causal key): no host read decides it, so the
       layer never waits for the GPU; they stay counted as sparse rows (they ran on the sparse
       path) and are also counted under ``dense_reasons`` when the flags are next read
@@ -101,7 +150,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
       with ``max_density`` 1) run the sparse path but are counted as dense rows
       (:data:`EVERY_KEY_REASON`).
 
-    Apart from the flag read of ``estimated_dense_rows="flash"``, nothing here waits for the GPU,
+    Apart from that flag read, nothing here waits for the GPU,
     also with ``settings.stats_file`` set: every row's counts are
     then read back later like a sampled forward's and the file catches up as they arrive
     (:meth:`SparseStats.refresh`). On the forwards the stage timer samples
@@ -134,9 +183,12 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         dens = [index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]
         dens = dens[0].view(1) if len(dens) == 1 else torch.stack(dens)
         whole = dens > settings.max_density
-        if settings.estimated_dense_rows == "flash" and not _capturing(query):
+        mode, capturing = settings.estimated_dense_rows, _capturing(query)
+        if not capturing and (mode == "flash" or (mode == "auto" and (history is None or history.read_on_host()))):
             timing.lap("estimate")
             flags = whole.tolist()  # the one host read of the layer
+            if history is not None:
+                history.observed(flags)
             for row, flagged in zip(rows, flags):
                 if flagged:
                     dense_row(row)
@@ -147,6 +199,8 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
             timing.mark()  # the dense rows are not ours to time
         else:
             STATS.defer_dense_rows(DENSE_MODE_REASON, whole)
+            if history is not None and mode == "auto" and not capturing:
+                history.watch(whole)
     timing.lap("estimate")
     if exact_stats:
         STATS.flush_deferred(wait=False)
@@ -228,7 +282,12 @@ def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: 
         one = torch.ones(1, dtype=torch.float32, device=query.device)
         scales = {"k_scale": one, "v_scale": one}
     est = estimate_index_paged(query[:q_len], key_cache, block_table[0], row.ctx_len, groups, settings, scale, one)
-    index_density(est.index, row.q_len, row.ctx_len)  # the density fallback's temporaries
+    dens = index_density(est.index, row.q_len, row.ctx_len)  # the density fallback's temporaries
     count_pairs(est.index, row.q_len, row.ctx_len)  # and a stats / sampled forward's
     kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap, **scales)
+    if settings.max_density < 1.0 and settings.estimated_dense_rows != "flash":
+        # rows flagged on the device run in the kernel's dense mode, another variant of it:
+        # compiled here too, not in the first request that has such a row
+        kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap,
+               whole_rows=(dens > settings.max_density).view(1), **scales)
     return row

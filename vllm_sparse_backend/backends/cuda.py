@@ -51,7 +51,7 @@ from ..config import load_settings
 from ..paged_estimate import HeadGroups
 from ..plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
-from ..sparse_prefill import run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
+from ..sparse_prefill import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
 from ..stats import STATS
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
@@ -152,6 +152,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
         super().__init__(*args, **kwargs)
         # this engine's settings (vLLM builds this impl only where the backend is selected)
         self.sparse_settings = backend_settings()
+        # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows
+        self._dense_rows = DenseRowHistory()
         mode = decode_mode(self.sparse_settings)
         self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason())
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
@@ -288,7 +290,8 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
             run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
                                   self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
-                                  dense_row if attn_metadata.fallback else None, k_scale, v_scale)
+                                  dense_row if attn_metadata.fallback else None, k_scale, v_scale,
+                                  self._dense_rows)
             return output
 
         def kv_for_row(r: SparseRow):

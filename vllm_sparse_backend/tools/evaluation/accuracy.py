@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
 from .rope import scaled_max_positions, yarn_parameters
 from .tasks import Sample, score
+from .triton_cache import compiled_since, describe, snapshot
 from .variants import Variant
 
 
@@ -185,18 +186,21 @@ class Launched:
     cfg: dict
     max_model_len: int
     max_num_batched_tokens: int | None
+    triton_cache: pathlib.Path | None = None  # the server's own TRITON_CACHE_DIR (see measure)
 
 
 def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.PathLike, max_model_len: int,
            min_sparse_query_len: int | None, max_density: float | None = 1.0, cuda: bool = False,
            rope: str = "native", max_num_batched_tokens: int | None = None,
-           shared_gpu: bool = False) -> Launched:
+           shared_gpu: bool = False, own_triton_cache: bool = False) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
     library's default (what ``vllm serve`` does). The accuracy runs used to force the sparse
     path on (1024, 1.0) so that a pattern's effect on answers shows; a run that reports time to
-    first token next to the answers keeps the defaults."""
+    first token next to the answers keeps the defaults. ``own_triton_cache``: the server gets an
+    empty Triton cache of its own, so that :func:`measure` can name the kernels it compiled
+    while serving (each server then compiles everything it runs)."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -209,6 +213,11 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     env = {"TMPDIR": str(server_tmp),
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                                                  "7200")}
+    triton_cache = None
+    if own_triton_cache:
+        triton_cache = workdir / f"{label}-triton-cache"
+        triton_cache.mkdir(exist_ok=True)
+        env["TRITON_CACHE_DIR"] = str(triton_cache)
     if not variant.dense:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
@@ -217,7 +226,7 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu), env, workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
-                    max_num_batched_tokens)
+                    max_num_batched_tokens, triton_cache)
 
 
 def settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
@@ -232,11 +241,14 @@ def settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
 
 
 def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str], None] = print,
-            into: list[Result] | None = None) -> list[Result]:
+            into: list[Result] | None = None, compiles: dict | None = None) -> list[Result]:
     """Run every sample through a ready server, one at a time (warm-up first). Results are
     appended to ``into`` (returned) as they come, so a caller keeps the prompts that finished
-    when a later one fails."""
+    when a later one fails. With the server's own Triton cache (``launch(own_triton_cache=True)``)
+    the kernels compiled by the warm-up and by the measured prompts are logged and put in
+    ``compiles`` ({"warm-up": [...], "prompts": [...]}, see :func:`.triton_cache.compiled_since`)."""
     handle, variant, cfg = server.handle, server.variant, server.cfg
+    seen = None if server.triton_cache is None else snapshot(server.triton_cache)
     results = [] if into is None else into
     num_layers = cfg["num_hidden_layers"]
     model = handle.model()
@@ -247,6 +259,8 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
     warm = longest[: max(64, min(len(longest), 2 * chunk + 64, server.max_model_len - 16))]
     stream_completion(handle.host, handle.port, {"model": model, "prompt": list(warm), "max_tokens": 2,
                                                  "temperature": 0})
+    if seen is not None:
+        seen = _log_compiles(server, seen, "warm-up", log, compiles)
     before = settled_stats(server.stats_path)
     for s in samples:
         text, ttft, total, usage = stream_completion(handle.host, handle.port, {
@@ -276,7 +290,19 @@ def measure(server: Launched, samples: Sequence[Sample], *, log: Callable[[str],
         dens = "" if r.density_all is None or variant.dense else f" density {r.density_all:.3f}"
         log(f"[{variant.label}/{server.rope}] {s.key} ({s.n_tokens} tok, depth {s.depth}): score "
             f"{r.score:.2f}, ttft {ttft:.2f} s{dens}; {text.strip()[:80]!r}")
+    if seen is not None:
+        _log_compiles(server, seen, "prompts", log, compiles)
     return results
+
+
+def _log_compiles(server: Launched, seen: set[str], stage: str, log: Callable[[str], None],
+                  compiles: dict | None) -> set[str]:
+    new = compiled_since(server.triton_cache, seen)
+    log(f"[{server.variant.label}/{server.rope}] Triton kernels compiled by the {stage}: "
+        + describe(new).replace("\n", "; "))
+    if compiles is not None:
+        compiles[stage] = compiles.get(stage, []) + new
+    return snapshot(server.triton_cache)
 
 
 def run_variant(model_dir: str | os.PathLike, variant: Variant, samples: Sequence[Sample], *,
