@@ -63,7 +63,7 @@ _PASSES = 4
 _BLOCK = 4096          # elements per tile on a GPU
 _WARPS = 8
 _PROGRAMS_PER_SM = 2   # target number of programs (rows x chunks) per SM
-_MAX_CHUNKS = 256      # chunks per row (the compaction loads one count per chunk)
+_MAX_CHUNKS = 256      # chunks per row (the compaction loads one count per chunk; a power of two)
 _sm_count: dict[int, int] = {}
 
 
@@ -99,6 +99,11 @@ def _row_state(hist_ptr, rowk_ptr, r, R, k_eff, NPASS: tl.constexpr, HAS_ROWK: t
     return prefix, rem
 
 
+# One compile must serve every row length: the profiling run's (max_model_len) and every real
+# request's. So the launch arguments that follow the length (N, chunk, ...) are unspecialised,
+# no constexpr depends on it, and the rows' stride is always a multiple of 16 elements
+# (:func:`aligned_rows`): specialised, it keeps the loads 16-byte aligned. A stride not divisible
+# by 16 compiled new variants of both kernels in the first long request (~0.2 s each).
 @triton.jit(do_not_specialize=["N", "chunk", "k_eff", "R", "n_chunks"])
 def _hist_kernel(x_ptr, stride_x, hist_ptr, cnt_ptr, rowk_ptr, N, chunk, k_eff, R, n_chunks,
                  PASS: tl.constexpr, HAS_ROWK: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr):
@@ -193,6 +198,12 @@ def _programs_target(device: torch.device) -> int:
     return _PROGRAMS_PER_SM * _sm_count[i]
 
 
+def aligned_rows(rows: int, n: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """An empty ``[rows, n]`` tensor whose row stride is ``n`` rounded up to a multiple of 16
+    elements: what :func:`topk_ascending` selects from without a copy (see the kernels' note)."""
+    return torch.empty(rows, -(-n // 16) * 16, dtype=dtype, device=device)[:, :n]
+
+
 def topk_ascending(scores: torch.Tensor, k: int, width: int | None = None, *, row_k: torch.Tensor | None = None,
                    return_values: bool = False, block: int | None = None, num_chunks: int | None = None):
     """Column indices of the k largest scores of each row, ascending.
@@ -224,9 +235,9 @@ def topk_ascending(scores: torch.Tensor, k: int, width: int | None = None, *, ro
         raise ValueError(f"width {width} < k {k}")
     if scores.dtype != torch.float32:
         scores = scores.float()
-    if scores.shape[1] > 1 and scores.stride(1) != 1:
-        scores = scores.contiguous()
     R, N = scores.shape
+    if N > 1 and (scores.stride(1) != 1 or (R > 1 and scores.stride(0) % 16)):
+        scores = aligned_rows(R, N, device=scores.device).copy_(scores)
     dev = scores.device
     k_eff = max(0, min(k, N))
     idx = torch.empty(R, width, dtype=torch.int32, device=dev)
@@ -269,5 +280,5 @@ def topk_ascending(scores: torch.Tensor, k: int, width: int | None = None, *, ro
     _compact_kernel[grid](scores, scores.stride(0), hist, counts, rk, idx, vals if return_values else idx, cnt,
                           N, chunk, k_eff, R, n_chunks, width,
                           HAS_ROWK=has_rowk, VALUES=return_values, BINS=_BINS,
-                          CHUNKS_P2=max(2, triton.next_power_of_2(n_chunks)), BLOCK=blk, num_warps=_WARPS)
+                          CHUNKS_P2=_MAX_CHUNKS, BLOCK=blk, num_warps=_WARPS)
     return (idx, cnt, vals) if return_values else (idx, cnt)

@@ -29,7 +29,7 @@ import triton.language as tl
 from .constants import BIG_KEY, MAX_START, NEG_INF
 from .index_format import SparseIndex, num_blocks
 from .kv_quant import check_kv_dtypes, scale_operand
-from .topk_select import topk_ascending
+from .topk_select import aligned_rows, topk_ascending
 
 
 _ROW_COUNTS: dict[tuple, torch.Tensor] = {}
@@ -84,8 +84,10 @@ def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor |
     wv, ws = min(max_v, kv_len), min(max_s, kv_len)
     if radix and isinstance(v_count, int) and isinstance(s_count, int) and v_count >= wv and s_count >= ws:
         # both selections in one radix select with per-row counts: half the launches of two
-        idx, cnt = topk_ascending(torch.cat([vertical, slash]), max(wv, ws), max(max_v, max_s),
-                                  row_k=_row_counts(h, wv, ws, dev))
+        both = aligned_rows(2 * h, kv_len, device=dev)  # the concatenation, rows 16-aligned
+        both[:h].copy_(vertical)
+        both[h:].copy_(slash)
+        idx, cnt = topk_ascending(both, max(wv, ws), max(max_v, max_s), row_k=_row_counts(h, wv, ws, dev))
         return idx[:h, :max_v].contiguous(), cnt[:h], idx[h:, :max_s].contiguous(), cnt[h:]
     v_idx, v_cnt = pick(vertical, v_count, max_v)
     s_idx, s_cnt = pick(slash, s_count, max_s)

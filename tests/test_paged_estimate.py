@@ -350,9 +350,12 @@ def test_gpu_dense_row_history_copies_back_without_waiting():
 
     for flags, expect in (([False, False], False), ([False, True], True)):
         history = DenseRowHistory()
+        whole = torch.tensor(flags, device="cuda")  # (a pageable upload would wait for the sleep)
+        history.watch(whole)  # the first watch allocates the pinned buffer (which may sync)
+        torch.cuda.synchronize()
         history.observed([not expect])
-        torch.cuda._sleep(50_000_000)  # the copy waits behind this on the stream
-        history.watch(torch.tensor(flags, device="cuda"))
+        torch.cuda._sleep(200_000_000)  # the copy back waits behind this on the stream
+        history.watch(whole)
         assert history.read_on_host() is (not expect)  # not yet copied back: the older answer
         torch.cuda.synchronize()
         assert history.read_on_host() is expect

@@ -158,6 +158,42 @@ def test_interp_single_tile_rows():
 # GPU
 # ----------------------------------------------------------------------------------------------
 
+@cpu_only
+def test_interp_one_compile_serves_every_length(monkeypatch):
+    """What Triton specialises a compile on must not follow the row length: the serving path's
+    first request must reuse what the profiling run (max_model_len) compiled. So every
+    constexpr of both kernels is the same for rows of any length, the lengths are left
+    unspecialised, and the row stride the kernels get is a multiple of 16 whatever the length
+    (rows that are not are copied to aligned ones, as the estimation allocates them)."""
+    launches = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                assert args[1] % 16 == 0  # stride_x
+                launches.setdefault(self.name, set()).add(tuple(sorted(kwargs.items())))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_hist_kernel", "_compact_kernel"):
+        monkeypatch.setattr(ts, name, Recorder(name, getattr(ts, name)))
+    gen = torch.Generator().manual_seed(3)
+    for n in (1000, 1007, 2900):  # strides 1000 / 1007 / 2900: 16 divides none, and 2 or 12 chunks
+        scores = torch.randn(2, n, generator=gen)
+        idx, cnt = ts.topk_ascending(scores, 40, block=256)
+        check(scores, 40, idx, cnt)
+    assert len(launches["_compact_kernel"]) == 1
+    assert len(launches["_hist_kernel"]) == ts._PASSES  # one per radix pass, whatever the length
+    for name in ("_hist_kernel", "_compact_kernel"):
+        unspecialised = getattr(ts, name).kernel.kwargs["do_not_specialize"]
+        assert {"N", "chunk", "n_chunks"} <= set(unspecialised)
+    aligned = ts.aligned_rows(3, 1007)
+    assert aligned.shape == (3, 1007) and aligned.stride() == (1008, 1)
+
+
 @gpu
 @pytest.mark.parametrize("R,N,k", [(8, 131072 + 7, 6096), (8, 131072 + 7, 1000), (256, 8192, 170),
                                    (32, 65536, 6096), (8, 524288, 6096)])

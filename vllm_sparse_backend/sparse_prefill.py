@@ -92,6 +92,7 @@ class DenseRowHistory:
     def __init__(self) -> None:
         self._flagged: bool | None = None  # the last known call's answer; None: read
         self._pending: tuple[torch.Tensor, object] | None = None  # (host copy, its CUDA event)
+        self._pinned: torch.Tensor | None = None  # allocated once: a pinned allocation can sync
 
     def read_on_host(self) -> bool:
         """Whether this call should read its flags on the host. Never waits: a copy the GPU has
@@ -113,7 +114,9 @@ class DenseRowHistory:
         if not whole.is_cuda:
             self._pending = (flagged.clone(), None)
             return
-        host = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        if self._pinned is None:
+            self._pinned = torch.empty(1, dtype=torch.bool, pin_memory=True)
+        host = self._pinned  # a later copy into it is queued behind this one on the stream
         host.copy_(flagged, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
