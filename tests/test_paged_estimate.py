@@ -281,15 +281,15 @@ def test_density_fallback(max_density, expect_dense):
 @cpu_only
 @pytest.mark.parametrize("max_density,to_flash", [(1.0, False), (0.1, True)])
 def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
-    """The default ``estimated_dense_rows="flash"``: the flags are read on the host and a row
+    """``estimated_dense_rows="flash"``: the flags are read on the host and a row
     whose estimated index is too dense goes to dense_row (FlashAttention in the backend), counted
     as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
 
-    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16})
-    assert settings.estimated_dense_rows == "flash"
+    settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
+                                           "estimated_dense_rows": "flash"})
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
     heads = [resolve_head(None, settings)] * (hkv * group)

@@ -101,10 +101,12 @@ class SparseSettings(BaseModel):
     # the flags on the host (one sync per layer: the GPU queue drains) and runs those rows on
     # FlashAttention; "kernel" runs them in the Triton kernel's dense mode with no host read
     # (1.21x cuDNN's time at 128K on an H200); "auto" reads on the host only while the layer's
-    # previous call had flagged rows (sparse_prefill.DenseRowHistory). Under CUDA-graph capture
-    # "kernel" is used whatever this says.
+    # previous call had flagged rows (sparse_prefill.DenseRowHistory), measured as fast as the
+    # faster of the two at both ends (README, Accuracy). Under CUDA-graph capture "kernel" is
+    # used whatever this says.
     estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field(
-        "flash", description="Where rows whose estimated index is too dense run (CUDA): FlashAttention or the kernel.")
+        "auto", description="Where rows whose estimated index is too dense run (CUDA): FlashAttention, the kernel, "
+                            "or auto (FlashAttention while the layer's previous call had such rows).")
     # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
     # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on
     # K/V gathered out of the cache; slow, for debugging), or "auto" (triton where the kernel
