@@ -147,13 +147,13 @@ class SparsePrefillImpl(FlashAttentionImpl):
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _head_groups: HeadGroups | None = None  # this layer's heads by pattern, on the device (first sparse forward)
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
+    # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
+    _dense_rows: DenseRowHistory | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # this engine's settings (vLLM builds this impl only where the backend is selected)
         self.sparse_settings = backend_settings()
-        # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows
-        self._dense_rows = DenseRowHistory()
         mode = decode_mode(self.sparse_settings)
         self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason())
         # Only the profiling-run claim needs these; the builders get the config from vLLM.
@@ -280,6 +280,9 @@ class SparsePrefillImpl(FlashAttentionImpl):
         # the dense rows above got the query as vLLM passed it (quantized for FlashAttention 3)
         q, k_scale, v_scale = self._sparse_operands(layer, query, output)
         if kernel is not None:
+            if self._dense_rows is None:
+                self._dense_rows = DenseRowHistory()
+
             def dense_row(r: SparseRow) -> None:
                 log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
                          "FlashAttention (counted in the stats' dense_reasons)", cfg.max_density)
