@@ -705,7 +705,7 @@ async def exercise(report: Report, text: str, args: argparse.Namespace, inputs: 
         # comes out too dense runs on FlashAttention or in the Triton kernel's dense mode,
         # depending on the layer's previous call (estimated_dense_rows=auto): the same attention
         # with other rounding, so a near tie may break the other way (seen on the H200, gap 0).
-        verdicts = [compare_greedy(b, a, near_tie=args.near_tie if report.sparse else 0.0)
+        verdicts = [compare_greedy(b, a, near_tie=args.near_tie if report.target.sparse else 0.0)
                     for b, a in zip(report.before, after)]
         report.check(all(ok for ok, _ in verdicts),
                      f"reference prompts after the load: {sum(ok for ok, _ in verdicts)}/{len(verdicts)} give the "

@@ -497,8 +497,9 @@ def test_worst_case_row_of_an_fp8_layer():
     row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0, kernel,
                              kv_dtype=torch.float8_e4m3fn)
     assert (row.q_len, row.ctx_len) == (150, 350) and torch.isfinite(out).all()
-    (dtype, k_scale, v_scale), = seen
-    assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
+    assert seen  # (two launches where the kernel's dense mode can run: see the next test)
+    for dtype, k_scale, v_scale in seen:
+        assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
 
 
 @pytest.mark.gpu
