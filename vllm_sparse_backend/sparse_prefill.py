@@ -140,9 +140,9 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
       arithmetic) go to ``dense_row`` without being estimated;
     * rows whose estimated index covers more than ``max_density`` of their causal pairs are
-      flagged on the GPU. With ``estimated_dense_rows="flash"`` (the default) the flags are read
+      flagged on the GPU. With ``estimated_dense_rows="flash"`` the flags are read
       on the host (one sync per layer) and those rows go to ``dense_row``, counted as dense rows
-      like the budget fallback's. ``"auto"`` does that where ``history`` (the layer's
+      like the budget fallback's. ``"auto"`` (the default) does that where ``history`` (the layer's
       :class:`DenseRowHistory`; without one, every call) says the previous call had flagged rows,
       else what ``"kernel"`` does. With ``"kernel"`` (and always under CUDA-graph capture) the
       kernel runs them in its dense mode (every causal key): no host read decides it, so the
