@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                         "measure them one after another")
     p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
                    "accuracy_<device>_<model>_<date>)")
+    p.add_argument("--kv-cache-dtype", default=None,
+                   help="vLLM's --kv-cache-dtype for every server (e.g. fp8; CUDA), default: the model's dtype")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--triton-cache-report", action="store_true",
                    help="give each server an empty Triton cache of its own and report the kernels it "
@@ -167,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     "use another --out")
         for field, now in (("min_sparse_query_len", gating["min_sparse_query_len"]),
                            ("max_density", gating["max_density"]), ("yarn", args.yarn),
-                           ("max_num_batched_tokens", args.max_num_batched_tokens)):
+                           ("max_num_batched_tokens", args.max_num_batched_tokens),
+                           ("kv_cache_dtype", args.kv_cache_dtype)):
             if old["meta"].get(field) != now:
                 p.error(f"{out}.json was run with {field} {old['meta'].get(field)}, not {now}")
         done = list(dict.fromkeys(r.variant for r in kept))
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "host": platform.node(), "date": date, "tasks": args.tasks, "lengths": args.lengths,
             "samples": args.samples, "seed": args.seed,
             **gating, "max_model_len": max_lens, "yarn": args.yarn,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
             "variants": {v.label: v.overrides for v in variants},
             "commands": [" ".join(sys.argv)]}
     if args.resume and results:
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             {"meta": meta, "rows": rows, "by_length": lengths, "overall": summary,
              "results": acc.results_json(results)}, indent=1) + "\n")
         lines = [f"# {model_name} on {device}, {date}: {args.samples} prompt(s) per task and "
-                 f"length, text {text_name}; needle depths spread over the prompt",
+                 f"length, text {text_name}; needle depths spread over the prompt"
+                 + (f"; KV cache {args.kv_cache_dtype} on every server" if args.kv_cache_dtype else ""),
                  "# acc = mean score (share of expected values in the greedy answer); dens = "
                  "computed share of all the prompt's causal attention pairs (rows that ran dense "
                  "count whole); ttft = mean time to first token; spd = first variant's TTFT / "
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             for v in variants if not any(r.variant == v.label for r in results) for rope in max_lens]
     todo = [t for t in todo if t[2]]
     kw = dict(workdir=workdir, cuda=cuda, max_num_batched_tokens=args.max_num_batched_tokens,
-              own_triton_cache=args.triton_cache_report, **gating)
+              own_triton_cache=args.triton_cache_report, kv_cache_dtype=args.kv_cache_dtype, **gating)
     started: dict[tuple[str, str], acc.Launched] = {}
     if args.parallel_servers and cuda:
         t1 = time.monotonic()

@@ -156,6 +156,10 @@ def test_server_args_and_kv_cache_size(tmp_path):
     assert long_gpu[long_gpu.index("--kv-cache-memory-bytes") + 1] == str(acc.kv_cache_bytes(cfg, 131072, 2))
     assert acc.server_args(tmp_path, 8192, dense=False, cuda=False)[:2] == \
         ["--attention-backend", "sparse-prefill"]
+    assert "--kv-cache-dtype" not in long_gpu
+    for dense in (True, False):  # an fp8 KV cache for dense and sparse servers alike
+        fp8 = acc.server_args(tmp_path, 131072, dense=dense, cuda=True, shared_gpu=True, kv_cache_dtype="fp8")
+        assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8"
 
 
 def _result(variant, task, seed, score, density=None, output="x"):

@@ -83,10 +83,12 @@ GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend
 
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
-                shared_gpu: bool = False) -> list[str]:
+                shared_gpu: bool = False, kv_cache_dtype: str | None = None) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
     CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for one sequence
-    instead of a share of the GPU's memory, so that several servers can start side by side."""
+    instead of a share of the GPU's memory, so that several servers can start side by side.
+    ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
+    sparse alike; None leaves vLLM's default (the model's dtype)."""
     if dense:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
@@ -98,6 +100,8 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
              "--enforce-eager", "--max-model-len", str(max_model_len),
              "--max-num-batched-tokens", str(max_num_batched_tokens), "--no-enable-prefix-caching",
              "--max-num-seqs", "4", "--seed", "0"]
+    if kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", kv_cache_dtype]
     if not cuda:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_config(model_dir), max_model_len))]
     elif shared_gpu:
@@ -192,7 +196,7 @@ class Launched:
 def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.PathLike, max_model_len: int,
            min_sparse_query_len: int | None, max_density: float | None = 1.0, cuda: bool = False,
            rope: str = "native", max_num_batched_tokens: int | None = None,
-           shared_gpu: bool = False, own_triton_cache: bool = False) -> Launched:
+           shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -224,7 +228,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
         env.update(variant.env(stats_file=str(stats_path), **gating))
     handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
-                                                 shared_gpu=shared_gpu), env, workdir / f"{label}.log")
+                                                 shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype), env,
+                         workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)
 
