@@ -781,10 +781,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"total {timings['total_s']:.0f} s; torch {torch.__version__}, transformers "
                      f"{transformers.__version__}")
         meta.update(dense_vs_sdpa_max_per_layer=attention.dense_check, prefill_row_check_max=attention.prefill_check)
-        out.with_suffix(".json").write_text(json.dumps(
+        out.with_name(out.name + ".json").write_text(json.dumps(
             {"meta": meta, "rows": rows, "overall": summary, "relative_to_dense": relative,
              "results": [asdict(r) for r in results]}, indent=1) + "\n")
-        out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
         return lines
 
     for sample in samples:

@@ -232,8 +232,8 @@ def main(argv=None) -> int:
                                       "needle_tokens": needle, "needle_pages": pages,
                                       "first_tokens": tokens, "layers": layers})
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-        out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+        out.with_name(out.name + ".json").write_text(json.dumps(report, indent=1) + "\n")
+        out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
     print(f"wrote {out}.json and {out}.txt")
     return 0
 

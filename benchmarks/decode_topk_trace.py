@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             "capture_max_rel_diff": cap.max_diff, "timings_s": timings,
             "generated_text": tok.decode(generated), "eos_masked": eos,
             "scale": cap.scale, "command": " ".join(sys.argv)}
-    out.with_suffix(".json").write_text(dump_json(
+    out.with_name(out.name + ".json").write_text(dump_json(
         {"meta": meta,
          "results": {str(f): {str(ps): r for ps, r in per.items()} for f, per in results.items()}}))
 
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_layer:
         for f in args.fractions:
             lines += ["", format_layers(results, f, args.page_sizes[0])]
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"generated: {meta['generated_text']!r}")
     print(f"wrote {out}.json and {out}.txt")
