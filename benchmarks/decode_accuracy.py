@@ -40,7 +40,9 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
   ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
   ``benchmarks/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
-  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k).
+  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k), ``next``
+  (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
+  the same width, so ``budget // (1 + next)`` pages are chosen by score).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -314,12 +316,12 @@ class SpansSelector:
     decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
-                                         "share": float, "page": int, "score": str, "index": str}
+                                         "share": float, "page": int, "score": str, "index": str, "next": int}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
     _divided: ClassVar[dict[tuple, tuple[list, list]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span"):
+                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0):
         from vllm_sparse_backend.decode_spans import span_params
         from sparse_prefill_kernels import span_decode, topk_decode
 
@@ -335,6 +337,10 @@ class SpansSelector:
         # most-voted tokens (ties: the first tokens) and scores max(q . k1, q . k2), q summed over the
         # KV head's query heads as the backend's score; decode pages hold their mean key twice
         self.index = index
+        # "next" (harness-only what-if, no backend counterpart): every page chosen by score brings
+        # the next_pages pages after it (a value's tokens cut by a page boundary), out of the same
+        # width: budget // (1 + next_pages) pages are chosen by score
+        self.next_pages = next_pages
         self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
@@ -344,7 +350,9 @@ class SpansSelector:
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index")})
+        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index", "next")})
+        if params.get("next", 0) < 0:
+            raise ValueError(f"next must be >= 0, got {params['next']}")
         if params.get("index", "span") not in ("span", "page", "page2"):
             raise ValueError(f"index must be span, page or page2, got {params['index']}")
         if params.get("persist", 0) < 0:
@@ -361,7 +369,8 @@ class SpansSelector:
         return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
-                   score=params.get("score", "sum"), index=params.get("index", "span"))
+                   score=params.get("score", "sum"), index=params.get("index", "span"),
+                   next_pages=params.get("next", 0))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -462,15 +471,43 @@ class SpansSelector:
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
+        by_score = self.budget_pages // (1 + self.next_pages)
         selected, counts = self._spans.reference_select_span_pages(
             q[None], select_keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
-            recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
+            recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=by_score)
+        if self.next_pages:
+            width = self.sink_pages + self.recent_pages + self.persist_pages + self.budget_pages
+            selected, counts = with_next_pages(selected, counts, flags, n_pages, self.sink_pages, self.recent_pages,
+                                               self.next_pages, width)
         out = self._ref.reference_topk_decode_attention(q[None], key_cache, value_cache, table, lens, selected,
                                                         counts, scale)
         keys_attended = [attended_keys(selected[0, s, :int(counts[0, s])], length, self.page_size, 0, 0, 0)
                          for s in range(selected.shape[1])]
         self.attended.add(sum(keys_attended) / len(keys_attended), length)
         return out[0].to(q.dtype)
+
+
+def with_next_pages(selected: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, n_pages: int, sink: int,
+                    recent: int, next_pages: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans' ``next`` what-if: the pages chosen by score (not sink, recent or flagged persistent
+    ones) each bring the ``next_pages`` pages after them (below ``n_pages``); selections of one
+    sequence ([1, Hkv, w] with counts [1, Hkv], flags [pages, Hkv]) widened to ``width``, sorted."""
+    hkv = selected.shape[1]
+    out = torch.full((1, hkv, width), -1, dtype=torch.int32)
+    out_counts = torch.zeros(1, hkv, dtype=torch.int32)
+    for g in range(hkv):
+        chosen = [int(p) for p in selected[0, g, :int(counts[0, g])]]
+        keep = set(chosen)
+        for p in chosen:
+            if p < sink or p >= n_pages - recent or bool(flags[p, g]):
+                continue
+            keep.update(range(p + 1, min(p + 1 + next_pages, n_pages)))
+        pages = sorted(keep)
+        if len(pages) > width:
+            raise ValueError(f"{len(pages)} pages for a width of {width}")
+        out[0, g, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        out_counts[0, g] = len(pages)
+    return out, out_counts
 
 
 SELECTORS: dict[str, type] = {"dense": DenseSelector, "topk": TopkSelector, "spans": SpansSelector}

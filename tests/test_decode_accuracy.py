@@ -291,6 +291,24 @@ def segment_votes_f64(q: torch.Tensor, k: torch.Tensor, segment: int = 1024) -> 
     return votes
 
 
+def test_with_next_pages(da):
+    # pages chosen by score bring their next pages; sink (0), recent (last 2) and flagged ones do not
+    flags = torch.zeros(20, 2, dtype=torch.uint8)
+    flags[9, 1] = 1
+    selected = torch.tensor([[[0, 4, 9, 12, 18, 19, -1, -1], [0, 9, 15, 18, 19, -1, -1, -1]]], dtype=torch.int32)
+    counts = torch.tensor([[6, 5]], dtype=torch.int32)
+    out, n = da.with_next_pages(selected, counts, flags, 20, sink=1, recent=2, next_pages=1, width=10)
+    assert n.tolist() == [[9, 6]]
+    assert out[0, 0, :9].tolist() == [0, 4, 5, 9, 10, 12, 13, 18, 19]
+    assert out[0, 1, :6].tolist() == [0, 9, 15, 16, 18, 19] and (out[0, 1, 6:] == -1).all()
+    # a page next to the end stays inside the sequence
+    out, n = da.with_next_pages(torch.tensor([[[16, 17]]], dtype=torch.int32), torch.tensor([[2]], dtype=torch.int32),
+                                flags[:, :1], 18, sink=0, recent=0, next_pages=2, width=4)
+    assert out[0, 0, :int(n[0, 0])].tolist() == [16, 17]
+    with pytest.raises(ValueError, match="width"):
+        da.with_next_pages(selected, counts, flags, 20, sink=1, recent=2, next_pages=1, width=8)
+
+
 def test_spans_selector_page_index(da, with_references):
     """spans:index=page (the backend's decode_span_index=page, issue 24): every prompt page holds the key
     of its own most-voted token (float64 votes of an independent softmax), the page decode writes
