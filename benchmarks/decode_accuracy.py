@@ -42,7 +42,7 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   ``benchmarks/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
   counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k), ``next``
   (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
-  the same width, so ``budget // (1 + next)`` pages are chosen by score).
+  the same budget).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -339,7 +339,7 @@ class SpansSelector:
         self.index = index
         # "next" (harness-only what-if, no backend counterpart): every page chosen by score brings
         # the next_pages pages after it (a value's tokens cut by a page boundary), out of the same
-        # width: budget // (1 + next_pages) pages are chosen by score
+        # budget (select_with_next)
         self.next_pages = next_pages
         self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
         self.params = span_params(SparseSettings())
@@ -471,14 +471,16 @@ class SpansSelector:
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
-        by_score = self.budget_pages // (1 + self.next_pages)
-        selected, counts = self._spans.reference_select_span_pages(
-            q[None], select_keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
-            recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=by_score)
         if self.next_pages:
-            width = self.sink_pages + self.recent_pages + self.persist_pages + self.budget_pages
-            selected, counts = with_next_pages(selected, counts, flags, n_pages, self.sink_pages, self.recent_pages,
-                                               self.next_pages, width)
+            qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D], as the reference scores
+            score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
+            page_ids = torch.arange(n_pages)[:, None]
+            forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)
+            selected, counts = select_with_next(score, forced, self.budget_pages, self.next_pages)
+        else:
+            selected, counts = self._spans.reference_select_span_pages(
+                q[None], select_keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
+                recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
         out = self._ref.reference_topk_decode_attention(q[None], key_cache, value_cache, table, lens, selected,
                                                         counts, scale)
         keys_attended = [attended_keys(selected[0, s, :int(counts[0, s])], length, self.page_size, 0, 0, 0)
@@ -487,27 +489,33 @@ class SpansSelector:
         return out[0].to(q.dtype)
 
 
-def with_next_pages(selected: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, n_pages: int, sink: int,
-                    recent: int, next_pages: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spans' ``next`` what-if: the pages chosen by score (not sink, recent or flagged persistent
-    ones) each bring the ``next_pages`` pages after them (below ``n_pages``); selections of one
-    sequence ([1, Hkv, w] with counts [1, Hkv], flags [pages, Hkv]) widened to ``width``, sorted."""
-    hkv = selected.shape[1]
-    out = torch.full((1, hkv, width), -1, dtype=torch.int32)
-    out_counts = torch.zeros(1, hkv, dtype=torch.int32)
+def select_with_next(score: torch.Tensor, forced: torch.Tensor, budget: int, next_pages: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans' ``next`` what-if, one sequence: per KV head the forced pages (sink, recent, flagged
+    persistent; ``forced`` bool [pages, Hkv]) plus ``budget`` more, taken in order of ``score``
+    ([pages, Hkv], ties to the lower page), each bringing the ``next_pages`` pages after it while
+    the budget lasts. Returns selected [1, Hkv, width] (sorted, -1 padded) and counts [1, Hkv]."""
+    n_pages, hkv = score.shape
+    rows = []
     for g in range(hkv):
-        chosen = [int(p) for p in selected[0, g, :int(counts[0, g])]]
-        keep = set(chosen)
-        for p in chosen:
-            if p < sink or p >= n_pages - recent or bool(flags[p, g]):
-                continue
-            keep.update(range(p + 1, min(p + 1 + next_pages, n_pages)))
-        pages = sorted(keep)
-        if len(pages) > width:
-            raise ValueError(f"{len(pages)} pages for a width of {width}")
-        out[0, g, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        out_counts[0, g] = len(pages)
-    return out, out_counts
+        fixed = [j for j in range(n_pages) if bool(forced[j, g])]
+        taken = set(fixed)
+        extra: list[int] = []
+        for j in sorted(range(n_pages), key=lambda j: (-float(score[j, g]), j)):
+            for p in range(j, min(j + 1 + next_pages, n_pages)):
+                if len(extra) < budget and p not in taken:
+                    taken.add(p)
+                    extra.append(p)
+            if len(extra) >= budget:
+                break
+        rows.append(sorted(fixed + extra))
+    width = max(1, max(len(r) for r in rows))
+    selected = torch.full((1, hkv, width), -1, dtype=torch.int32)
+    counts = torch.zeros(1, hkv, dtype=torch.int32)
+    for g, r in enumerate(rows):
+        selected[0, g, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        counts[0, g] = len(r)
+    return selected, counts
 
 
 SELECTORS: dict[str, type] = {"dense": DenseSelector, "topk": TopkSelector, "spans": SpansSelector}

@@ -291,22 +291,51 @@ def segment_votes_f64(q: torch.Tensor, k: torch.Tensor, segment: int = 1024) -> 
     return votes
 
 
-def test_with_next_pages(da):
-    # pages chosen by score bring their next pages; sink (0), recent (last 2) and flagged ones do not
-    flags = torch.zeros(20, 2, dtype=torch.uint8)
-    flags[9, 1] = 1
-    selected = torch.tensor([[[0, 4, 9, 12, 18, 19, -1, -1], [0, 9, 15, 18, 19, -1, -1, -1]]], dtype=torch.int32)
-    counts = torch.tensor([[6, 5]], dtype=torch.int32)
-    out, n = da.with_next_pages(selected, counts, flags, 20, sink=1, recent=2, next_pages=1, width=10)
-    assert n.tolist() == [[9, 6]]
-    assert out[0, 0, :9].tolist() == [0, 4, 5, 9, 10, 12, 13, 18, 19]
-    assert out[0, 1, :6].tolist() == [0, 9, 15, 16, 18, 19] and (out[0, 1, 6:] == -1).all()
-    # a page next to the end stays inside the sequence
-    out, n = da.with_next_pages(torch.tensor([[[16, 17]]], dtype=torch.int32), torch.tensor([[2]], dtype=torch.int32),
-                                flags[:, :1], 18, sink=0, recent=0, next_pages=2, width=4)
-    assert out[0, 0, :int(n[0, 0])].tolist() == [16, 17]
-    with pytest.raises(ValueError, match="width"):
-        da.with_next_pages(selected, counts, flags, 20, sink=1, recent=2, next_pages=1, width=8)
+def test_select_with_next(da):
+    # 12 pages, 2 KV heads; forced: sink page 0, recent page 11, head 1's flagged page 5
+    score = torch.tensor([[0.0, 0.0]] * 12, dtype=torch.float64)
+    score[3, 0], score[7, 0], score[8, 0] = 9.0, 8.0, 7.0  # head 0: 3 brings 4, then 7 brings 8 (8 once)
+    score[4, 1], score[10, 1] = 9.0, 8.0  # head 1: 4 brings 5 (forced already: not twice), 10 brings 11 (forced)
+    forced = torch.zeros(12, 2, dtype=torch.bool)
+    forced[0], forced[11] = True, True
+    forced[5, 1] = True
+    sel, n = da.select_with_next(score, forced, budget=4, next_pages=1)
+    assert n.tolist() == [[6, 7]]  # equal forced counts would give equal counts; here head 1 has one more
+    assert sel[0, 0, :6].tolist() == [0, 3, 4, 7, 8, 11] and sel[0, 0, 6] == -1
+    # head 1: 4, then 10 (11 forced), then the best remaining by score with ties to the lower page: 1, 2
+    assert sel[0, 1, :7].tolist() == [0, 1, 2, 4, 5, 10, 11]
+    # the budget cuts a group short
+    sel, n = da.select_with_next(score, forced, budget=1, next_pages=3)
+    assert sel[0, 0, :int(n[0, 0])].tolist() == [0, 3, 11]
+
+
+def test_spans_selector_next_pages(da, with_references):
+    """spans:next=1 at decode: every KV head attends to the same number of pages (the attention
+    reference takes one count per sequence), and the output is float64 attention over them."""
+    gen = torch.Generator().manual_seed(8)
+    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+    q = torch.randn(h, n, d, generator=gen)
+    k = torch.randn(hkv, n, d, generator=gen)
+    v = torch.randn(hkv, n, d, generator=gen)
+    sel = da.build_selector(da.parse_variant("spans:sink=1,recent=8,persist=2,budget=6,index=page,next=1"), n)
+    sel.prefill(0, q, k, v)
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    qd = torch.randn(h, d, generator=gen)
+    out = sel.attend(0, qd, k2, v2, d ** -0.5)
+    assert torch.isfinite(out).all()
+    n_pages = -(-(n + 1) // page)
+    qg = qd.double().view(hkv, -1, d).sum(1)
+    score = torch.einsum("phd,hd->ph", sel._keys[0][:n_pages], qg)
+    ids = torch.arange(n_pages)[:, None]
+    forced = (ids < 1) | (ids >= n_pages - 8) | (sel._flags[0][:n_pages] != 0)
+    chosen, counts = da.select_with_next(score, forced, 6, 1)
+    assert counts[0, 0] == counts[0, 1] == 1 + 8 + 2 + 6
+    for hq in range(h):
+        g = hq // (h // hkv)
+        keys = torch.cat([torch.arange(p * page, min((p + 1) * page, n + 1)) for p in chosen[0, g].tolist()])
+        w = torch.softmax((k2[g, keys].double() @ qd[hq].double()) * d ** -0.5, 0)
+        torch.testing.assert_close(out[hq].double(), w @ v2[g, keys].double(), rtol=1e-5, atol=1e-6)
 
 
 def test_spans_selector_page_index(da, with_references):
