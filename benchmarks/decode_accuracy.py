@@ -318,7 +318,7 @@ class SpansSelector:
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
                                          "share": float, "page": int, "score": str, "index": str, "next": int}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
-    _divided: ClassVar[dict[tuple, tuple[list, list]]] = {}
+    _divided: ClassVar[dict[tuple, tuple[torch.Tensor, tuple]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
                  page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0):
@@ -406,12 +406,13 @@ class SpansSelector:
         seg, page = self.params.segment_tokens, self.page_size
         n_tok = k.shape[1]
         n_pages = -(-n_tok // page)
+        # keyed by the prompt's k tensor, which the entry keeps alive (so its address cannot be
+        # reused by another prompt's k while the entry exists)
         cache_key = (layer, k.data_ptr(), n_tok, seg, page)
-        if cache_key not in self._divided:
+        if cache_key not in self._divided or self._divided[cache_key][0] is not k:
             self._divided.clear()  # a new prompt
-        if cache_key not in self._divided:
-            self._divided[cache_key] = self.divide(q, k, scale)
-        spans, index_tokens, votes = self._divided[cache_key]
+            self._divided[cache_key] = (k, self.divide(q, k, scale))
+        spans, index_tokens, votes = self._divided[cache_key][1]
         span_keys = torch.zeros(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
         keys = k.transpose(0, 1).double()  # [N, Hkv, D]
         for s, (span, chosen) in enumerate(zip(spans, index_tokens) if self.index == "span" else ()):

@@ -309,16 +309,23 @@ def test_select_with_next(da):
     assert sel[0, 0, :int(n[0, 0])].tolist() == [0, 3, 11]
 
 
-def test_spans_selector_next_pages(da, with_references):
-    """spans:next=1 at decode: every KV head attends to the same number of pages (the attention
-    reference takes one count per sequence), and the output is float64 attention over them."""
-    gen = torch.Generator().manual_seed(8)
-    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+def _prefilled_spans(da, spec: str, seed: int, h: int = 4, hkv: int = 2, d: int = 16, n: int = 1100):
+    """A spans selector of ``spec`` after the prefill of random q / k / v (layer 0); returns the
+    selector, the generator (for the decode step's tensors) and q, k, v."""
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(h, n, d, generator=gen)
     k = torch.randn(hkv, n, d, generator=gen)
     v = torch.randn(hkv, n, d, generator=gen)
-    sel = da.build_selector(da.parse_variant("spans:sink=1,recent=8,persist=2,budget=6,index=page,next=1"), n)
+    sel = da.build_selector(da.parse_variant(spec), n)
     sel.prefill(0, q, k, v)
+    return sel, gen, q, k, v
+
+
+def test_spans_selector_next_pages(da, with_references):
+    """spans:next=1 at decode: every KV head attends to the same number of pages (the attention
+    reference takes one count per sequence), and the output is float64 attention over them."""
+    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+    sel, gen, q, k, v = _prefilled_spans(da, "spans:sink=1,recent=8,persist=2,budget=6,index=page,next=1", 8)
     k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
     v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
     qd = torch.randn(h, d, generator=gen)
@@ -342,13 +349,8 @@ def test_spans_selector_page_index(da, with_references):
     """spans:index=page (the backend's decode_span_index=page, issue 24): every prompt page holds the key
     of its own most-voted token (float64 votes of an independent softmax), the page decode writes
     its mean key."""
-    gen = torch.Generator().manual_seed(6)
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
-    q = torch.randn(h, n, d, generator=gen)
-    k = torch.randn(hkv, n, d, generator=gen)
-    v = torch.randn(hkv, n, d, generator=gen)
-    sel = da.build_selector(da.parse_variant("spans:persist=2,budget=3,index=page"), n)
-    sel.prefill(0, q, k, v)
+    sel, gen, q, k, v = _prefilled_spans(da, "spans:persist=2,budget=3,index=page", 6)
     votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     for a in range(n_pages):
