@@ -464,16 +464,15 @@ class SpansSelector:
         keys[last] = fallback * k[:, last * self.page_size:length].double().mean(1)
         self._keys[layer], self._flags[layer] = keys, flags
         select_keys = keys
+        qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]: the reference's page-score query
         if self.index == "page2":  # the larger of q . k1, q . k2 per page and KV head: pass that key
             self._keys2[layer][last] = keys[last]
             k2 = self._keys2[layer]
-            qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]
             pick = torch.einsum("phd,hd->ph", k2, qg) > torch.einsum("phd,hd->ph", keys, qg)
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
         if self.next_pages:
-            qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D], as the reference scores
             score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
             page_ids = torch.arange(n_pages)[:, None]
             forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)
