@@ -16,6 +16,11 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
   token timestamps (mean inter-token time of the request whose first token came last);
 * mixed (``--mixed``): one long request (the largest length) with 7 short ones (1K) in one
   batch; time and whether the short requests' tokens equal the first variant's.
+* prefix cache (``--prefix-cache``): vLLM's prefix caching on; every measurement above gets its own
+  ``cache_salt`` (so none hits the cache), and per length (up to ``--tokens-max-len``) a prompt A
+  is computed, then B = the first half of A + new tokens, 8 greedy tokens: B's rows run with half
+  of their context read from cached blocks. Reports vLLM's count of cached tokens and whether the
+  tokens equal the first variant's.
 * ``--server``: the same prompts through the OpenAI-compatible HTTP server
   (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token.
 * ``--profile-lengths N ...`` (with ``--profile-variants``): one more prefill of each such length
@@ -55,6 +60,7 @@ multicast objects.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -215,7 +221,8 @@ def worker(args) -> None:
     llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_batched_tokens=args.chunk, enable_prefix_caching=False, gpu_memory_utilization=0.85,
+              max_num_batched_tokens=args.chunk, enable_prefix_caching=args.prefix_cache,
+              gpu_memory_utilization=0.85,
               seed=0, max_num_seqs=max([8] + args.decode_batch),
               disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
     emit("startup", seconds=time.perf_counter() - t0)
@@ -223,7 +230,12 @@ def worker(args) -> None:
         emit("structure", workers=llm.collective_rpc(plant_band))
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
 
+    salts = itertools.count()
+
     def timed(prompts, params):
+        if args.prefix_cache:  # a fresh salt per call: the timed measurements never hit the cache
+            salt = f"e2e-{next(salts)}"
+            prompts = [{**p, "cache_salt": salt} for p in prompts]
         t = time.perf_counter()
         out = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t, out
@@ -278,6 +290,17 @@ def worker(args) -> None:
                   [{"prompt_token_ids": prompt_ids(1024, 2000 + i)} for i in range(7)]
         t, out = timed(prompts, greedy(8))
         emit("mixed", long=long_n, short=7, seconds=t, tokens=[list(o.outputs[0].token_ids) for o in out])
+    if args.prefix_cache:
+        for n in (n for n in args.lengths if n <= args.tokens_max_len):
+            # one salt for A and B: B's first half is a hit on A's blocks
+            a = {"prompt_token_ids": prompt_ids(n, 50000 + n), "cache_salt": f"prefix-{n}"}
+            b = {"prompt_token_ids": a["prompt_token_ids"][:n // 2] + prompt_ids(n - n // 2, 60000 + n),
+                 "cache_salt": f"prefix-{n}"}
+            llm.generate([a], greedy(1), use_tqdm=False)
+            t = time.perf_counter()
+            out = llm.generate([b], greedy(8), use_tqdm=False)[0]
+            emit("prefix", n=n, seconds=time.perf_counter() - t, cached=out.num_cached_tokens,
+                 tokens=list(out.outputs[0].token_ids))
     stats_file = os.environ.get("VLLM_SPARSE_STATS_FILE")
     if stats_file and os.path.exists(stats_file):  # written by the engine process
         emit("stats", **json.loads(Path(stats_file).read_text()))
@@ -367,6 +390,8 @@ def main() -> None:
     ap.add_argument("--decode-len", type=int, nargs="+", default=[32768], help="context of each decode measurement")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--mixed", action="store_true")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="prefix caching on, with a prompt whose first half is cached (see the module doc)")
     ap.add_argument("--server", action="store_true", help="measure TTFT through the HTTP server instead")
     ap.add_argument("--cudagraphs", action="store_true", help="default CUDA-graph mode instead of --enforce-eager")
     ap.add_argument("--profile-lengths", type=int, nargs="*", default=[],
@@ -389,6 +414,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    if args.server and args.prefix_cache:
+        raise SystemExit("--prefix-cache measures through the offline engine; it does not combine with --server")
     specs = decode_specs(args)  # checks the two lists fit together
     args.max_len = max(args.max_model_len, max([max(args.lengths)] + [n for _, n in specs]) + 128)
     args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
@@ -417,7 +444,8 @@ def main() -> None:
                "--lengths", *map(str, args.lengths)] + \
               (["--profile-lengths", *map(str, args.profile_lengths)]
                if args.profile_variants is None or label in args.profile_variants else []) + \
-              (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else [])
+              (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else []) + \
+              (["--prefix-cache"] if args.prefix_cache else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
         log.write_text(proc.stderr)
@@ -442,7 +470,8 @@ def main() -> None:
           f"shape, {args.layers} layers, bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
           f"{args.tensor_parallel_size}, "
           f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
-          f"prefix caching off, structure {structure}; variants: {args.variants}")
+          f"prefix caching {'on' if args.prefix_cache else 'off'}, structure {structure}; "
+          f"variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]
 
@@ -498,6 +527,16 @@ def main() -> None:
                 eq_s = m0 and m["tokens"][1:] == m0["tokens"][1:]
                 eq_l = m0 and m["tokens"][0] == m0["tokens"][0]
                 print(f"| {label} | {m['seconds']:.3f} | {eq_s} | {eq_l} |")
+    if args.prefix_cache:
+        print("\nprefix cache: first half of the prompt cached from an earlier one, 8 tokens; cached tokens "
+              "(vLLM's count) / tokens equal first")
+        print("| n | " + " | ".join(labels) + " |")
+        print("|---" * (1 + len(labels)) + "|")
+        for n in (n for n in args.lengths if n <= args.tokens_max_len):
+            rs = [get(label, "prefix", n=n) for label in labels]
+            print(f"| {n} | " + " | ".join("-" if r is None else
+                                           f"{r['cached']} / {rs[0] is not None and r['tokens'] == rs[0]['tokens']}"
+                                           for r in rs) + " |")
     for label in labels:
         for pr in (r for r in results.get(label, []) if r["kind"] == "profile"):
             if "error" in pr:

@@ -362,8 +362,12 @@ def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     args = SimpleNamespace(profile_lengths=[], label="tp", model="m", backend="sparse-prefill", max_len=4096,
                            cudagraphs=False, chunk=2048, decode_batch=[0], tensor_parallel_size=2,
-                           kv_cache_dtype="fp8")
+                           kv_cache_dtype="fp8", prefix_cache=False)
     with pytest.raises(Stop):
         e2e.worker(args)
     assert seen["tensor_parallel_size"] == 2 and seen["attention_backend"] == "sparse-prefill"
-    assert seen["kv_cache_dtype"] == "fp8"
+    assert seen["kv_cache_dtype"] == "fp8" and seen["enable_prefix_caching"] is False
+    args.prefix_cache = True
+    with pytest.raises(Stop):
+        e2e.worker(args)
+    assert seen["enable_prefix_caching"] is True
