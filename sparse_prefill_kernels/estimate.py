@@ -62,7 +62,8 @@ DEFAULT_MAX_COLUMNS = 4096
 # Pooled keys
 # --------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["kv_len"])
+# bt_ptr: one block-table row, not always 16-byte aligned (see vs_index._lastq_pass)
+@triton.jit(do_not_specialize=["kv_len"], do_not_specialize_on_alignment=["bt_ptr"])
 def _pool_kernel(k_ptr, bt_ptr, out_ptr, k_scale_ptr, s_kp, s_kt, s_kh, s_oh, s_ob, kv_len,
                  PAGE: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, HEAD_DIM: tl.constexpr,
                  K_SCALED: tl.constexpr):

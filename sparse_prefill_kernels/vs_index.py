@@ -335,7 +335,8 @@ def _head_rows(q_ptr, stats_ptr, s_qt, s_qh, head, rq, q_ok, offs_d, BLOCK_Q: tl
     return q, m, inv_l
 
 
-@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "split", "skew_w"])
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "split", "skew_w"],
+            do_not_specialize_on_alignment=["bt_ptr"])  # as _lastq_pass
 def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr, k_scale_ptr,
                      s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, split, skew_w,
                      GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
@@ -391,7 +392,10 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr, k_scal
             tl.store(slab + (kpos[None, :] - rq[:, None] + (BLOCK_Q - 1)), p, mask=k_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"])  # one compile for all rows
+# One compile for all rows. bt_ptr is one row of vLLM's block table: its address is 16-byte aligned
+# only in some rows (a row is max_pages int32), and the profiling run compiles with an aligned one.
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"],
+            do_not_specialize_on_alignment=["bt_ptr"])
 def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, k_scale_ptr,
                 s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,

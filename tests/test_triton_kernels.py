@@ -607,10 +607,22 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False,
     assert _padded_equal(got.column_index, ref.column_index)
 
 
+def odd_table_row(table_row: torch.Tensor) -> torch.Tensor:
+    """The same pages as the second row of a 2-row block table whose rows are an odd number of
+    int32 wide: the row's address is not 16-byte aligned, as in vLLM's table when
+    max_model_len / page is odd (the first row and the profiling run's are aligned)."""
+    width = table_row.shape[0] | 1
+    table = torch.full((2, width), 10**6, dtype=torch.int32, device=table_row.device)
+    table[1, :table_row.shape[0]] = table_row
+    assert table[1].data_ptr() % 16 != 0
+    return table[1]
+
+
 def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diagonals="skew", group_sum=False,
-                 stack=None, split=128, **launch):
+                 stack=None, split=128, odd_row=False, **launch):
     """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
-    the reference sums the per-head float scores afterwards."""
+    the reference sums the per-head float scores afterwards. ``odd_row``: the row's block table
+    at an address that is not 16-byte aligned (:func:`odd_table_row`)."""
     from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.reference import kv_head_map
 
@@ -622,7 +634,8 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
     n = min(64, q_len)
     probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
     ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
-    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, table[0], kv_len, scale, split=split,
+    row = odd_table_row(table[0]) if odd_row else table[0]
+    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, row, kv_len, scale, split=split,
                                      diagonals=diagonals, group_sum=group_sum, stack=stack, **launch)
     if group_sum:
         ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
@@ -671,6 +684,18 @@ def test_interp_last_q_scores_group_sum(h, hkv, stack, diagonals):
     # stack = group: one program writes each KV head's sums; smaller stacks add atomically
     check_last_q(h, hkv, 64, 100, 230, 16, torch.float32, seed=4, device="cpu", tol=1e-4,
                  diagonals=diagonals, group_sum=True, stack=stack)
+
+
+@cpu_only
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+def test_interp_last_q_scores_unaligned_table_row(diagonals):
+    # the estimation kernels that take one block-table row are compiled for any row address: a
+    # row vLLM hands over need not be 16-byte aligned where the profiling run's was
+    check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=9, device="cpu", tol=1e-4, diagonals=diagonals,
+                 group_sum=True, odd_row=True)
+    est = kernel_module("estimate")
+    for kernel in (vsi._lastq_pass, vsi._lastq_skew_pass, est._pool_kernel):
+        assert "bt_ptr" in kernel.kwargs["do_not_specialize_on_alignment"]
 
 
 @cpu_only
@@ -754,6 +779,22 @@ def test_gpu_vs_index_uniform_budgets(select):
 def test_gpu_last_q_scores(diagonals):
     check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2,
                  diagonals=diagonals)
+
+
+@gpu
+@pytest.mark.parametrize("diagonals", ["skew", "gather"])
+def test_gpu_last_q_scores_unaligned_table_row_compiles_nothing(diagonals):
+    # vLLM 0.33's JIT monitor caught _lastq_pass / _lastq_skew_pass compiling in the first batch
+    # whose sparse row sat in an odd row of a 2050-page table (max_model_len 131200, 64-key pages)
+    def compiled():
+        return sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in (vsi._lastq_pass, vsi._lastq_skew_pass))
+
+    check_last_q(16, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=11, device="cuda", tol=2e-2,
+                 diagonals=diagonals, group_sum=True)
+    before = compiled()
+    check_last_q(16, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=11, device="cuda", tol=2e-2,
+                 diagonals=diagonals, group_sum=True, odd_row=True)
+    assert compiled() == before
 
 
 @gpu
