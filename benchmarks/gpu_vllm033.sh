@@ -2,12 +2,13 @@
 # vLLM 0.33 on a GPU machine of the device tool (no network there), on the image's torch 2.11
 # (issue 23; sizes and the ABI reading behind "torch 2.11 can load it" in docs/vllm-0.33-api.md).
 # 0.33's Python dependencies are, as far as serving a plain decoder needs them, the 0.26 set of
-# ../shared/gpu (prepare-vllm-chunks.sh) plus four wheels; 0.33 goes into its own folder placed
+# ../shared/gpu (prepare-vllm-chunks.sh) plus five wheels (loguru: 0.33 imports compressed_tensors
+# on every model load, and the 0.26 set's compressed_tensors needs it); 0.33 goes into its own folder placed
 # before the 0.26 install on PYTHONPATH, so one staging serves both versions side by side.
 #
 #   here, from the repository root:   bash benchmarks/gpu_vllm033.sh prepare
-#       downloads vllm 0.33.0, flashinfer-python 0.7.2.post1, oss-harmony 0.0.11 and orjson 3.11.6
-#       (about 384 MiB) into .gpu/wheels033 and splits them into .gpu/q0 .. .gpu/q6 of at most
+#       downloads vllm 0.33.0, flashinfer-python 0.7.2.post1, oss-harmony 0.0.11, orjson 3.11.6 and
+#       loguru 0.7.3 (about 384 MiB) into .gpu/wheels033 and splits them into .gpu/q0 .. .gpu/q7 of at most
 #       54 MiB (a device call carries 64 MiB with the working tree, about 8 MiB)
 #   there, one device call per chunk K, back to back (carry [".gpu/qK"]):
 #       bash benchmarks/gpu_vllm033.sh stage
@@ -15,12 +16,13 @@
 #       bash benchmarks/gpu_vllm033.sh install      # vLLM 0.33 into /tmp/site033
 #       PYTHONPATH=/tmp/site033:/tmp/site:/tmp/site-plugin python3 benchmarks/e2e.py ...
 #
-# Not verified on a GPU yet: whether 0.33's compiled ops load under torch 2.11 (its extensions
-# use only the stable libtorch ABI; _qutlass_C, a Blackwell FP4 library, lacks three symbols).
+# Run on an H100 on 2026-11-25: 0.33's compiled ops load and serve under the image's torch 2.11 (its
+# extensions use only the stable libtorch ABI; _qutlass_C, a Blackwell FP4 library, lacks three
+# symbols and was not needed); results in benchmarks/results/h100_e2e_vllm033_2026-11-25.*.
 set -euo pipefail
 STAGE=${STAGE:-/tmp/stage033}
 SITE=${SITE033:-/tmp/site033}
-WHEELS=(vllm==0.33.0 flashinfer-python==0.7.2.post1 oss-harmony==0.0.11 orjson==3.11.6)
+WHEELS=(vllm==0.33.0 flashinfer-python==0.7.2.post1 oss-harmony==0.0.11 orjson==3.11.6 loguru==0.7.3)
 CHUNK_MIB=54
 
 case "${1:-}" in
