@@ -591,6 +591,8 @@ class Report:
     warmup_ttft_s: float | None = None
     restarts: int = 0
     inputs: Inputs | None = None  # the trace it ran (built on the first server)
+    # bytes sampled during the load (the first before it): the server's RSS and the GPU's memory
+    memory: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def check(self, passed: bool, text: str) -> None:
         self.checks.append((bool(passed), text))
@@ -669,7 +671,6 @@ async def exercise(report: Report, text: str, args: argparse.Namespace, inputs: 
 
         monitor = Monitor(session, url, target.handle.proc.pid if target.handle else None)
         await monitor.sample_memory()
-        rss0, gpu0 = monitor.rss[:1], monitor.gpu[:1]
         stop = asyncio.Event()
         watcher = asyncio.ensure_future(monitor.run(stop))
         t0 = time.perf_counter()
@@ -728,12 +729,14 @@ async def exercise(report: Report, text: str, args: argparse.Namespace, inputs: 
             report.check(not errors, f"server log ({target.log_path}): {len(errors)} error line(s) since it was ready"
                          + "".join(f"\n        {line[:300]}" for line in errors[:10]))
 
+        report.memory = {"rss_bytes": monitor.rss, "gpu_bytes": monitor.gpu, "every_s": 5 * monitor.every}
+
         def gib(xs: list[int]) -> str:
             return f"{xs[0] / 2**30:.2f} -> peak {max(xs) / 2**30:.2f} -> {xs[-1] / 2**30:.2f} GiB"
         if monitor.rss:
-            report.notes.append(f"server RSS (process group): {gib(rss0 + monitor.rss)}")
+            report.notes.append(f"server RSS (process group): {gib(monitor.rss)}")
         if monitor.gpu:
-            report.notes.append(f"GPU memory used: {gib(gpu0 + monitor.gpu)}")
+            report.notes.append(f"GPU memory used: {gib(monitor.gpu)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -915,7 +918,7 @@ def report_json(reports: Sequence[Report], agreement: Sequence[tuple[bool, str]]
     return {"cancel_after_s": inputs.cancel_after if inputs else None, **fingerprint(inputs),
             "servers": [{"label": r.target.label, "url": r.target.url, "description": r.target.description,
                          "sparse": r.target.sparse, "load_s": r.load_s, "warmup_ttft_s": r.warmup_ttft_s,
-                         "rows": summarize(r.outcomes), "checks": r.checks, "notes": r.notes,
+                         "rows": summarize(r.outcomes), "checks": r.checks, "notes": r.notes, "memory": r.memory,
                          "reference": [dataclasses.asdict(g) for g in r.before],
                          "outcomes": [dataclasses.asdict(o) for o in r.outcomes]} for r in reports],
             "agreement": agreement}

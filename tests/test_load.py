@@ -99,6 +99,8 @@ def test_load_and_faults_against_dense_then_density_one_sparse_cpu_servers(load,
         total = server["rows"][-1]
         assert total["kind"] == "total" and total["unexpected"] == 0 and total["sent"] >= 40
         assert all(passed for passed, _ in server["checks"])
+        rss = server["memory"]["rss_bytes"]  # the server's RSS over the load, from before it
+        assert len(rss) >= 2 and all(2**27 < b < 2**36 for b in rss)
     (server,) = sparse["servers"]
     assert any("plugin metrics at /metrics" in text for _, text in server["checks"])
     # at 1-2K tokens the default budgets select every key: density 1, so dense's tokens (ties
