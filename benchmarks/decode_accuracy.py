@@ -40,7 +40,10 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
   ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
   ``benchmarks/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
-  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k), ``next``
+  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k; or
+  ``bounds``, a harness-only what-if: every page holds its span's key min / max over all the
+  span's tokens and is scored by the Quest bound of the step's query, summed over the KV head's
+  query heads as top-k scores pages, so that a span's pages tie and are taken together), ``next``
   (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
   the same budget).
 
@@ -342,6 +345,8 @@ class SpansSelector:
         # budget (select_with_next)
         self.next_pages = next_pages
         self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
+        # index=bounds: per layer, each page's span key min / max [pages, Hkv, D] (float64)
+        self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
         self.attended = AttendedShare()
@@ -353,8 +358,8 @@ class SpansSelector:
         TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index", "next")})
         if params.get("next", 0) < 0:
             raise ValueError(f"next must be >= 0, got {params['next']}")
-        if params.get("index", "span") not in ("span", "page", "page2"):
-            raise ValueError(f"index must be span, page or page2, got {params['index']}")
+        if params.get("index", "span") not in ("span", "page", "page2", "bounds"):
+            raise ValueError(f"index must be span, page, page2 or bounds, got {params['index']}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
         if params.get("score", "sum") not in ("sum", "mean"):
@@ -438,14 +443,28 @@ class SpansSelector:
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
         scores = torch.einsum("phd,hd->ph", span_keys, q_sum.view(k.shape[0], group, -1).sum(1))  # [pages, Hkv]
+        if self.index == "bounds":  # what-if: each page holds its span's key min / max
+            smin = torch.empty(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
+            smax = torch.empty_like(smin)
+            for s, span in enumerate(spans):
+                p0 = s * seg // page
+                for sid in set(span):
+                    pages = [p0 + a for a, owner in enumerate(span) if owner == sid]
+                    tokens = torch.cat([torch.arange(j * page, min(n_tok, (j + 1) * page)) for j in pages])
+                    smin[pages], smax[pages] = keys[tokens].amin(0), keys[tokens].amax(0)
+            self._bounds[layer] = (smin, smax)
+            scores = span_bounds(q_sum, smin, smax)
         if second is not None:
             scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_sum.view(k.shape[0], group, -1).sum(1)))
             self._keys2[layer] = second
         j = torch.arange(n_pages)
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
         flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
-        top = scores.topk(min(self.persist_pages, n_pages), 0)
-        flags.scatter_(0, top.indices, (top.values > float("-inf")).to(torch.uint8))
+        top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
+        if self.index == "bounds":  # a span's pages tie: take the lowest ones, as the decode selection does
+            order = scores.sort(dim=0, descending=True, stable=True)
+            top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
+        flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
         self._keys[layer], self._flags[layer] = span_keys, flags
 
     def attend(self, layer, q, k, v, scale) -> torch.Tensor:
@@ -465,6 +484,15 @@ class SpansSelector:
         self._keys[layer], self._flags[layer] = keys, flags
         select_keys = keys
         qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]: the reference's page-score query
+        if self.index == "bounds":
+            smin, smax = self._bounds[layer]
+            if smin.shape[0] < n_pages:
+                pad = n_pages - smin.shape[0]
+                smin = torch.cat([smin, torch.zeros(pad, *smin.shape[1:], dtype=smin.dtype)])
+                smax = torch.cat([smax, torch.zeros(pad, *smax.shape[1:], dtype=smax.dtype)])
+            grown = k[:, last * self.page_size:length].double()  # the page decode writes: its own keys
+            smin[last], smax[last] = grown.amin(1), grown.amax(1)
+            self._bounds[layer] = (smin, smax)
         if self.index == "page2":  # the larger of q . k1, q . k2 per page and KV head: pass that key
             self._keys2[layer][last] = keys[last]
             k2 = self._keys2[layer]
@@ -472,8 +500,9 @@ class SpansSelector:
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
-        if self.next_pages:
-            score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
+        if self.next_pages or self.index == "bounds":
+            score = (span_bounds(q.double(), *self._bounds[layer]) if self.index == "bounds"
+                     else torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg))
             page_ids = torch.arange(n_pages)[:, None]
             forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)
             selected, counts = select_with_next(score, forced, self.budget_pages, self.next_pages)
@@ -487,6 +516,16 @@ class SpansSelector:
                          for s in range(selected.shape[1])]
         self.attended.add(sum(keys_attended) / len(keys_attended), length)
         return out[0].to(q.dtype)
+
+
+def span_bounds(q: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor) -> torch.Tensor:
+    """Spans' ``bounds`` what-if: Quest bounds [pages, Hkv] of q [H, D] (float64) against key
+    min / max [pages, Hkv, D], summed over each KV head's query heads (as top-k scores pages)."""
+    hkv = smin.shape[1]
+    qh = q.view(hkv, -1, q.shape[-1])  # [Hkv, group, D]
+    lo = qh[None] * smin[:, :, None]  # [pages, Hkv, group, D]
+    hi = qh[None] * smax[:, :, None]
+    return torch.maximum(lo, hi).sum((2, 3))
 
 
 def select_with_next(score: torch.Tensor, forced: torch.Tensor, budget: int, next_pages: int

@@ -361,7 +361,7 @@ def test_spans_selector_page_index(da, with_references):
     sel.attend(0, torch.randn(h, d, generator=gen), k2, v2, d ** -0.5)
     last = n // page
     torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
-    with pytest.raises(ValueError, match="index must be span, page or page2"):
+    with pytest.raises(ValueError, match="index must be span, page, page2 or bounds"):
         da.parse_variant("spans:index=token")
 
 
@@ -410,5 +410,63 @@ def test_spans_selector_page2_index(da, with_references):
         chosen = sorted(forced + rest[:budget])
         toks = [t for a in chosen for t in range(a * page, min((a + 1) * page, n_new))]
         for head in range(g * (h // hkv), (g + 1) * (h // hkv)):
+            p = torch.softmax(k2[g, toks].double() @ qd[head].double() * d ** -0.5, 0)
+            torch.testing.assert_close(got[head], p @ v2[g, toks].double(), rtol=1e-5, atol=1e-6)
+
+
+def test_spans_selector_bounds_index(da, with_references):
+    """spans:index=bounds (harness-only what-if): every prompt page holds its span's key min / max
+    over all the span's tokens (the spans of the selector's own division); pages are scored by
+    Quest bounds summed over the KV head's query heads (persistent flags: the last last_q prompt
+    queries summed; decode: the step's query), the page decode writes by its own keys; the output
+    equals float64 attention over the pages so chosen, with the budget on top of the forced pages."""
+    gen = torch.Generator().manual_seed(12)
+    h, hkv, d, n, page = 4, 2, 16, 1100, 16
+    sink, recent, persist, budget = 1, 8, 2, 5
+    q = torch.randn(h, n, d, generator=gen)
+    k = torch.randn(hkv, n, d, generator=gen)
+    v = torch.randn(hkv, n, d, generator=gen)
+    sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
+                                             f"budget={budget},index=bounds"), n)
+    sel.prefill(0, q, k, v)
+    (_, (spans, _, _)), = sel._divided.values()
+    seg = sel.params.segment_tokens
+    owner = [(s, sid) for s, span in enumerate(spans) for sid in span]  # a span id per prompt page
+    n_pages = -(-n // page)
+    assert len(owner) == n_pages and len(set(owner)) < n_pages  # some span holds several pages
+    smin, smax = sel._bounds[0]
+    for a in range(n_pages):
+        toks = [t for b in range(n_pages) if owner[b] == owner[a] for t in range(b * page, min((b + 1) * page, n))]
+        assert toks[0] // seg == toks[-1] // seg  # a span lies in one segment
+        torch.testing.assert_close(smin[a], k[:, toks].double().amin(1), rtol=0, atol=0)
+        torch.testing.assert_close(smax[a], k[:, toks].double().amax(1), rtol=0, atol=0)
+
+    def bound(lo, hi, qs):  # qs [group, D]
+        return sum(float(torch.maximum(x * lo, x * hi).sum()) for x in qs.double())
+
+    group = h // hkv
+    q_sum = q[:, -sel.last_q:].double().sum(1)
+    n_new = n + 1
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    qd = torch.randn(h, d, generator=gen)
+    got = sel.attend(0, qd, k2, v2, d ** -0.5).double()
+    last = n // page  # the prompt's partial last page, now written by decode: bounds of its own keys
+    pages_new = -(-n_new // page)
+    for g in range(hkv):
+        heads = slice(g * group, (g + 1) * group)
+        middle = [a for a in range(n_pages) if sink <= a < n_pages - recent]
+        flagged = sorted(middle, key=lambda a: (-bound(smin[a, g], smax[a, g], q_sum[heads]), a))[:persist]
+        assert [a for a in range(n_pages) if sel._flags[0][a, g]] == sorted(flagged)
+
+        def score(a):
+            if a == last:
+                own = k2[g, last * page:].double()
+                return bound(own.amin(0), own.amax(0), qd[heads])
+            return bound(smin[a, g], smax[a, g], qd[heads])
+        forced = [a for a in range(pages_new) if a < sink or a >= pages_new - recent or a in flagged]
+        rest = sorted((a for a in range(pages_new) if a not in forced), key=lambda a: (-score(a), a))
+        toks = [t for a in sorted(forced + rest[:budget]) for t in range(a * page, min((a + 1) * page, n_new))]
+        for head in range(g * group, (g + 1) * group):
             p = torch.softmax(k2[g, toks].double() @ qd[head].double() * d ** -0.5, 0)
             torch.testing.assert_close(got[head], p @ v2[g, toks].double(), rtol=1e-5, atol=1e-6)
