@@ -43,7 +43,9 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k; or
   ``bounds``, a harness-only what-if: every page holds its span's key min / max over all the
   span's tokens and is scored by the Quest bound of the step's query, summed over the KV head's
-  query heads as top-k scores pages, so that a span's pages tie and are taken together), ``next``
+  query heads as top-k scores pages, so that a span's pages tie and are taken together; or
+  ``pagebounds``, the control of ``bounds``: every page's own key min / max, so that only the span
+  grouping differs from ``bounds``), ``next``
   (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
   the same budget).
 
@@ -358,8 +360,8 @@ class SpansSelector:
         TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index", "next")})
         if params.get("next", 0) < 0:
             raise ValueError(f"next must be >= 0, got {params['next']}")
-        if params.get("index", "span") not in ("span", "page", "page2", "bounds"):
-            raise ValueError(f"index must be span, page, page2 or bounds, got {params['index']}")
+        if params.get("index", "span") not in ("span", "page", "page2", "bounds", "pagebounds"):
+            raise ValueError(f"index must be span, page, page2, bounds or pagebounds, got {params['index']}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
         if params.get("score", "sum") not in ("sum", "mean"):
@@ -443,13 +445,14 @@ class SpansSelector:
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
         scores = torch.einsum("phd,hd->ph", span_keys, q_sum.view(k.shape[0], group, -1).sum(1))  # [pages, Hkv]
-        if self.index == "bounds":  # what-if: each page holds its span's key min / max
+        if self.index in ("bounds", "pagebounds"):  # what-if: each page holds its span's (its own) key min / max
             smin = torch.empty(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
             smax = torch.empty_like(smin)
             for s, span in enumerate(spans):
                 p0 = s * seg // page
-                for sid in set(span):
-                    pages = [p0 + a for a, owner in enumerate(span) if owner == sid]
+                owners = span if self.index == "bounds" else list(range(len(span)))
+                for sid in set(owners):
+                    pages = [p0 + a for a, owner in enumerate(owners) if owner == sid]
                     tokens = torch.cat([torch.arange(j * page, min(n_tok, (j + 1) * page)) for j in pages])
                     smin[pages], smax[pages] = keys[tokens].amin(0), keys[tokens].amax(0)
             self._bounds[layer] = (smin, smax)
@@ -461,7 +464,7 @@ class SpansSelector:
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
         flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
         top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
-        if self.index == "bounds":  # a span's pages tie: take the lowest ones, as the decode selection does
+        if self.index in ("bounds", "pagebounds"):  # a span's pages tie: the lowest ones, as at decode
             order = scores.sort(dim=0, descending=True, stable=True)
             top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
         flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
@@ -484,7 +487,7 @@ class SpansSelector:
         self._keys[layer], self._flags[layer] = keys, flags
         select_keys = keys
         qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]: the reference's page-score query
-        if self.index == "bounds":
+        if self.index in ("bounds", "pagebounds"):
             smin, smax = self._bounds[layer]
             if smin.shape[0] < n_pages:
                 pad = n_pages - smin.shape[0]
@@ -500,8 +503,8 @@ class SpansSelector:
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
-        if self.next_pages or self.index == "bounds":
-            score = (span_bounds(q.double(), *self._bounds[layer]) if self.index == "bounds"
+        if self.next_pages or self.index in ("bounds", "pagebounds"):
+            score = (span_bounds(q.double(), *self._bounds[layer]) if self.index in ("bounds", "pagebounds")
                      else torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg))
             page_ids = torch.arange(n_pages)[:, None]
             forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)

@@ -361,7 +361,7 @@ def test_spans_selector_page_index(da, with_references):
     sel.attend(0, torch.randn(h, d, generator=gen), k2, v2, d ** -0.5)
     last = n // page
     torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
-    with pytest.raises(ValueError, match="index must be span, page, page2 or bounds"):
+    with pytest.raises(ValueError, match="index must be span, page, page2, bounds or pagebounds"):
         da.parse_variant("spans:index=token")
 
 
@@ -414,9 +414,11 @@ def test_spans_selector_page2_index(da, with_references):
             torch.testing.assert_close(got[head], p @ v2[g, toks].double(), rtol=1e-5, atol=1e-6)
 
 
-def test_spans_selector_bounds_index(da, with_references):
+@pytest.mark.parametrize("index", ["bounds", "pagebounds"])
+def test_spans_selector_bounds_index(da, with_references, index):
     """spans:index=bounds (harness-only what-if): every prompt page holds its span's key min / max
-    over all the span's tokens (the spans of the selector's own division); pages are scored by
+    over all the span's tokens (the spans of the selector's own division; ``pagebounds``: its own
+    keys'); pages are scored by
     Quest bounds summed over the KV head's query heads (persistent flags: the last last_q prompt
     queries summed; decode: the step's query), the page decode writes by its own keys; the output
     equals float64 attention over the pages so chosen, with the budget on top of the forced pages."""
@@ -427,13 +429,15 @@ def test_spans_selector_bounds_index(da, with_references):
     k = torch.randn(hkv, n, d, generator=gen)
     v = torch.randn(hkv, n, d, generator=gen)
     sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
-                                             f"budget={budget},index=bounds"), n)
+                                             f"budget={budget},index={index}"), n)
     sel.prefill(0, q, k, v)
     (_, (spans, _, _)), = sel._divided.values()
     seg = sel.params.segment_tokens
     owner = [(s, sid) for s, span in enumerate(spans) for sid in span]  # a span id per prompt page
     n_pages = -(-n // page)
     assert len(owner) == n_pages and len(set(owner)) < n_pages  # some span holds several pages
+    if index == "pagebounds":
+        owner = list(range(n_pages))
     smin, smax = sel._bounds[0]
     for a in range(n_pages):
         toks = [t for b in range(n_pages) if owner[b] == owner[a] for t in range(b * page, min((b + 1) * page, n))]
