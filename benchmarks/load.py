@@ -459,6 +459,18 @@ async def _gpu_memory_used() -> int | None:
         return None
 
 
+def memory_trend(samples: list[int]) -> str:
+    """First, peak and last sample in GiB, and how far the second half's peak is above the
+    first half's: a pool that fills early and then plateaus shows about +0 there, a leak keeps
+    climbing (a start-to-peak rise alone cannot tell the two apart)."""
+    gib = [b / 2**30 for b in samples]
+    text = f"{gib[0]:.2f} -> peak {max(gib):.2f} -> {gib[-1]:.2f} GiB"
+    half = len(gib) // 2
+    if half:
+        text += f"; second half's peak {max(gib[half:]) - max(gib[:half]):+.2f} GiB over the first half's"
+    return text
+
+
 class Monitor:
     """During the load: /health every ``every`` seconds (failures are outages), the server's RSS
     and the GPU's memory at every fifth poll."""
@@ -731,12 +743,10 @@ async def exercise(report: Report, text: str, args: argparse.Namespace, inputs: 
 
         report.memory = {"rss_bytes": monitor.rss, "gpu_bytes": monitor.gpu, "every_s": 5 * monitor.every}
 
-        def gib(xs: list[int]) -> str:
-            return f"{xs[0] / 2**30:.2f} -> peak {max(xs) / 2**30:.2f} -> {xs[-1] / 2**30:.2f} GiB"
         if monitor.rss:
-            report.notes.append(f"server RSS (process group): {gib(monitor.rss)}")
+            report.notes.append(f"server RSS (process group): {memory_trend(monitor.rss)}")
         if monitor.gpu:
-            report.notes.append(f"GPU memory used: {gib(monitor.gpu)}")
+            report.notes.append(f"GPU memory used: {memory_trend(monitor.gpu)}")
 
 
 # ---------------------------------------------------------------------------------------------

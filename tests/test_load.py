@@ -108,3 +108,11 @@ def test_load_and_faults_against_dense_then_density_one_sparse_cpu_servers(load,
     assert [g["density"] for g in server["reference"]] == [1.0, 1.0]
     assert len(sparse["agreement"]) == 1 and "skipped no key" in sparse["agreement"][0][1]
     assert sparse["agreement"][0][0]
+
+
+def test_memory_trend_tells_a_plateau_from_growth(load):
+    g = 2**30
+    plateau = load.memory_trend([70 * g, 73 * g, 73 * g, 73 * g])
+    assert plateau == "70.00 -> peak 73.00 -> 73.00 GiB; second half's peak +0.00 GiB over the first half's"
+    assert "second half's peak +2.00 GiB" in load.memory_trend([70 * g, 71 * g, 72 * g, 73 * g])
+    assert load.memory_trend([5 * g]) == "5.00 -> peak 5.00 -> 5.00 GiB"
