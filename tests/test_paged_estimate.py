@@ -364,11 +364,11 @@ def test_gpu_dense_row_history_copies_back_without_waiting():
 @cpu_only
 @pytest.mark.parametrize("mode,variants", [("flash", [False]), ("kernel", [False, True]),
                                            ("auto", [False, True])])
-def test_worst_case_row_compiles_the_kernels_dense_mode_where_it_can_run(mode, variants):
+def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, variants):
     """The profiling-run claim launches the kernel variants serving will: with rows flagged on
     the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
     that it compiles at start-up, not in the first request that has a flagged row."""
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
@@ -381,8 +381,8 @@ def test_worst_case_row_compiles_the_kernels_dense_mode_where_it_can_run(mode, v
         launched.append(kwargs.get("whole_rows") is not None)  # the variant that reads the flags
         return sparse_prefill_attention(*args, **kwargs)
 
-    run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), settings, 0.125, 0.0, kernel)
-    assert launched == variants and torch.isfinite(out).all()
+    steps = run_worst_case_steps(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), settings, 0.125, 0.0, kernel)
+    assert launched == variants * len(steps) and torch.isfinite(out).all()
 
 
 @gpu
@@ -448,7 +448,7 @@ def _scratch_shapes(est):
 
 @cpu_only
 def test_index_widths_do_not_depend_on_the_data():
-    """The profiling-run claim (sparse_prefill.run_worst_case_row) runs the path on a stand-in
+    """The profiling-run claim (sparse_prefill.run_worst_case_steps) runs the path on a stand-in
     cache of zeros; it measures the real scratch only if every buffer's size follows from the
     row's lengths and the budgets, never from K's values. Random structured K vs zeros."""
     q_len, ctx, hkv, d = 200, 333, 2, 64
@@ -464,25 +464,54 @@ def test_index_widths_do_not_depend_on_the_data():
 
 @cpu_only
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_worst_case_row_takes_the_whole_query(page_size):
+def test_worst_case_steps_take_the_whole_query(page_size):
     # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
     out = torch.full_like(q, float("nan"))
-    row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0,
-                             sparse_prefill_attention, page_size=page_size)
-    assert (row.q_len, row.ctx_len) == (150, 350)
-    assert torch.isfinite(out).all()  # all of the row's outputs written
+    # room for 2 rows of >= 64 queries; max_density 1: one launch per step (no dense-mode variant)
+    settings = SETTINGS.model_copy(update={"min_sparse_query_len": 64, "max_density": 1.0})
+    launched = []
+
+    def kernel(*args, **kwargs):
+        launched.append(list(args[4]))
+        return sparse_prefill_attention(*args, **kwargs)
+
+    steps = run_worst_case_steps(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), settings, 0.125, 0.0,
+                                 kernel, page_size=page_size)
+    assert steps == [[SparseRow(0, 0, 150, 350)], [SparseRow(0, 0, 75, 425), SparseRow(1, 75, 75, 425)],
+                     [SparseRow(0, 0, 86, 414), SparseRow(1, 86, 64, 436)],
+                     [SparseRow(0, 0, 64, 436), SparseRow(1, 64, 86, 414)]]
+    assert launched == steps  # each step's rows in one launch, as run_sparse_rows_paged does
+    assert torch.isfinite(out).all()  # all of the rows' outputs written
+
+
+def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
+    from vllm_sparse_backend.sparse_prefill import MAX_CLAIMED_ROWS, worst_case_steps
+
+    steps = worst_case_steps(16384, 131200, 4096)
+    for rows in steps:  # one chunk, every row at the longest context, each in its own table row
+        assert sum(r.q_len for r in rows) == 16384 and min(r.q_len for r in rows) >= 4096
+        assert [r.row for r in rows] == list(range(len(rows)))
+        assert [r.tok_start for r in rows] == [sum(x.q_len for x in rows[:i]) for i in range(len(rows))]
+        assert all(r.ctx_len + r.q_len == 131200 for r in rows)
+    assert [[r.q_len for r in rows] for rows in steps] == [
+        [16384], [8192, 8192], [12288, 4096], [4096, 12288],
+        [5461, 5461, 5462], [8192, 4096, 4096], [4096, 4096, 8192], [4096] * 4]
+    assert max(len(rows) for rows in worst_case_steps(16384, 131200, 1)) == MAX_CLAIMED_ROWS
+    assert worst_case_steps(100, 60, 4096) == worst_case_steps(60, 60, 60)[:1]  # a chunk past the context
 
 
 @cpu_only
-def test_worst_case_row_of_an_fp8_layer():
+def test_worst_case_steps_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_row
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -494,9 +523,9 @@ def test_worst_case_row_of_an_fp8_layer():
         seen.append((args[1].dtype, kwargs.get("k_scale"), kwargs.get("v_scale")))
         return sparse_prefill_attention(*args, **kwargs)
 
-    row = run_worst_case_row(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0, kernel,
-                             kv_dtype=torch.float8_e4m3fn)
-    assert (row.q_len, row.ctx_len) == (150, 350) and torch.isfinite(out).all()
+    steps = run_worst_case_steps(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.125, 0.0, kernel,
+                                 kv_dtype=torch.float8_e4m3fn)
+    assert steps == [[SparseRow(0, 0, 150, 350)]] and torch.isfinite(out).all()
     assert seen  # (two launches where the kernel's dense mode can run: see the next test)
     for dtype, k_scale, v_scale in seen:
         assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
@@ -505,10 +534,10 @@ def test_worst_case_row_of_an_fp8_layer():
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])
-def test_gpu_worst_case_row_peak_covers_a_real_row(patterns):
+def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     """What the profiling run sees must be at least what a real row of that size allocates."""
     from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_row
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings()
@@ -531,8 +560,45 @@ def test_gpu_worst_case_row_peak_covers_a_real_row(patterns):
     real = peak(lambda: run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache,
                                               table[None], groups, settings, d ** -0.5, 0.0,
                                               sparse_prefill_attention))
-    claim = peak(lambda: run_worst_case_row(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
-                                            sparse_prefill_attention))
+    claim = peak(lambda: run_worst_case_steps(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
+                                              sparse_prefill_attention))
+    assert claim >= real > 0
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("budgets", [{}, {"vertical_size": 32768, "slash_size": 32768, "max_density": 1.0}])
+def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
+    """A step of two unequal sparse rows keeps both rows' index lists until its one kernel
+    launch; the claim's split steps must cover it (one row of the whole chunk did not: 1.8x at
+    budgets near the context, benchmarks/scratch_memory.py)."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SparseSettings(**budgets)
+    q_len, ctx, hkv, d = 12288, 24576, 8, 128
+    q, _, key_cache, table = make_row(q_len, ctx, hkv, 4, d, 16, torch.bfloat16, 6, "cuda", structure=1.5)
+    q = q.cuda()
+    value_cache = torch.randn_like(key_cache)
+    groups = HeadGroups.from_heads([resolve_head(None, settings)] * 32, "cuda")
+    out = torch.empty_like(q)
+    rows = [SparseRow(0, 0, 7168, ctx + q_len - 7168), SparseRow(1, 7168, 5120, 30000 - 5120)]
+
+    def peak(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    real = peak(lambda: run_sparse_rows_paged(q, out, rows, key_cache, value_cache, torch.stack([table, table]),
+                                              groups, settings, d ** -0.5, 0.0, sparse_prefill_attention,
+                                              dense_row=lambda row: None))
+    claim = peak(lambda: run_worst_case_steps(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
+                                              sparse_prefill_attention))
     assert claim >= real > 0
 
 

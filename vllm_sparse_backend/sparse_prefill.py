@@ -258,39 +258,78 @@ def _defer_measured(row: SparseRow, num_heads: int, est, flag: torch.Tensor | No
 DENSE_MODE_REASON = "estimated density above max_density"
 
 
-def run_worst_case_row(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,
-                       groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
-                       kernel: PagedKernel, page_size: int = 16, kv_dtype: torch.dtype | None = None) -> SparseRow:
-    """Run the GPU path once on the largest row a step can hold, so that its transient scratch
-    (score buffers, index lists, the kernel's packed metadata) is seen by whoever measures peak
-    memory: vLLM sizes the KV cache from the peak of its profiling run.
+# Most sparse rows one claimed step holds (a step holds at most chunk // min_sparse_query_len).
+MAX_CLAIMED_ROWS = 8
 
-    Every scratch size of the path is a host-side function of the row's lengths and the budgets
-    (nothing waits for the GPU), so the K/V values do not matter: all logical pages of the row
-    map to one page of a tiny stand-in cache. The row takes all of ``query``'s tokens (at most
-    ``kv_len``) as its chunk, the rest of ``kv_len`` as cached context. ``output`` is
-    overwritten for those tokens; nothing is recorded in the stats. ``kv_dtype``: the stand-in
-    cache's dtype (the layer's, e.g. fp8: the kernels' scaled variants are then compiled here
-    too, with scales of 1); default the query's.
+
+def worst_case_steps(q_len: int, kv_len: int, min_query_len: int,
+                     max_rows: int = MAX_CLAIMED_ROWS) -> list[list[SparseRow]]:
+    """The steps the profiling-run claim runs. A step's sparse rows share its chunk of ``q_len``
+    queries, each at least ``min_query_len`` long, and every row's index lists live until the
+    layer's one kernel launch, so several rows can need more scratch than one row of the whole
+    chunk (``benchmarks/scratch_memory.py``: 1.8x with budgets that cover the context). Each row
+    sits at the longest context (``kv_len`` tokens, its queries included), in its own block-table
+    row. The chunk as one row; then for k = 2 .. min(max_rows, q_len // min_query_len) rows, the
+    corners and the middle of the ways to split it: k nearly equal rows, and one long row with
+    k - 1 rows of ``min_query_len``, the long one estimated first (its lists live while the
+    others are estimated) or last (its estimation's temporaries meet the others' lists)."""
+    q_len = min(q_len, kv_len)
+    most = max(1, min(max_rows, q_len // max(min_query_len, 1)))
+    splits = [[q_len]]
+    for k in range(2, most + 1):
+        small, long = min_query_len, q_len - (k - 1) * min_query_len
+        for lengths in ([q_len * (i + 1) // k - q_len * i // k for i in range(k)],
+                        [long] + [small] * (k - 1), [small] * (k - 1) + [long]):
+            if lengths not in splits:
+                splits.append(lengths)
+    steps = []
+    for lengths in splits:
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        steps.append([SparseRow(row=i, tok_start=a, q_len=n, ctx_len=kv_len - n)
+                      for i, (a, n) in enumerate(zip(starts, lengths))])
+    return steps
+
+
+def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,
+                         groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
+                         kernel: PagedKernel, page_size: int = 16,
+                         kv_dtype: torch.dtype | None = None) -> list[list[SparseRow]]:
+    """Run the GPU path on the largest steps a chunk can hold (:func:`worst_case_steps`), the way
+    :func:`run_sparse_rows_paged` runs a step (every row estimated, then one kernel launch), so
+    that its transient scratch (score buffers, index lists, the kernel's packed metadata) is seen
+    by whoever measures peak memory: vLLM sizes the KV cache from the peak of its profiling run.
+
+    Every scratch size of the path is a host-side function of the rows' lengths and the budgets
+    (nothing waits for the GPU), so the K/V values do not matter: all logical pages map to one
+    page of a tiny stand-in cache. The steps split all of ``query``'s tokens (at most ``kv_len``);
+    ``output`` is overwritten for them; nothing is recorded in the stats. ``kv_dtype``: the
+    stand-in cache's dtype (the layer's, e.g. fp8: the kernels' scaled variants are then compiled
+    here too, with scales of 1); default the query's. Returns the steps it ran.
     """
-    q_len = min(query.shape[0], kv_len)
-    row = SparseRow(row=0, tok_start=0, q_len=q_len, ctx_len=kv_len - q_len)
+    steps = worst_case_steps(query.shape[0], kv_len, settings.min_sparse_query_len)
     head_dim = query.shape[-1]
     kv_dtype = kv_dtype or query.dtype
     key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=kv_dtype, device=query.device)
     value_cache = torch.zeros(1, page_size, num_kv_heads, output.shape[-1], dtype=kv_dtype, device=query.device)
-    block_table = torch.zeros(1, -(-kv_len // page_size), dtype=torch.int32, device=query.device)
+    block_table = torch.zeros(max(len(rows) for rows in steps), -(-kv_len // page_size), dtype=torch.int32,
+                              device=query.device)
     one, scales = None, {}
     if kv_dtype != query.dtype:  # a quantized layer's variants: scales read on the device
         one = torch.ones(1, dtype=torch.float32, device=query.device)
         scales = {"k_scale": one, "v_scale": one}
-    est = estimate_index_paged(query[:q_len], key_cache, block_table[0], row.ctx_len, groups, settings, scale, one)
-    dens = index_density(est.index, row.q_len, row.ctx_len)  # the density fallback's temporaries
-    count_pairs(est.index, row.q_len, row.ctx_len)  # and a stats / sampled forward's
-    kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap, **scales)
-    if settings.max_density < 1.0 and settings.estimated_dense_rows != "flash":
-        # rows flagged on the device run in the kernel's dense mode, another variant of it:
-        # compiled here too, not in the first request that has such a row
-        kernel(query, key_cache, value_cache, block_table, [row], [est.index], scale, output, softcap,
-               whole_rows=(dens > settings.max_density).view(1), **scales)
-    return row
+    flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
+    for rows in steps:
+        indices = [estimate_index_paged(query[r.tok_start:r.tok_start + r.q_len], key_cache, block_table[r.row],
+                                        r.ctx_len, groups, settings, scale, one).index for r in rows]
+        # the density fallback's temporaries, and a stats / sampled forward's
+        dens = torch.stack([index_density(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows)])
+        for ix, r in zip(indices, rows):
+            count_pairs_tensor(ix, r.q_len, r.ctx_len)
+        kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap, **scales)
+        if flagged_dense:
+            # rows flagged on the device run in the kernel's dense mode, another variant of it:
+            # compiled here too, not in the first request that has such a row
+            kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap,
+                   whole_rows=dens > settings.max_density, **scales)
+        del indices, dens
+    return steps

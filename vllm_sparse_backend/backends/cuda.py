@@ -30,8 +30,10 @@ layer quantized the query for FlashAttention 3, the sparse rows widen it back an
 Memory: the Triton path's scratch (score buffers, index lists; ~0.5 GiB per layer for a 16K
 chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. vLLM sizes
 the KV cache from the peak memory of its profiling run, whose forward passes carry no metadata;
-there the impl runs the sparse path once on the largest row a step can hold (a chunk of
-``max_num_batched_tokens`` at the end of ``max_model_len``), so that peak includes the scratch.
+there the impl runs the sparse path on the largest steps a chunk can hold (a chunk of
+``max_num_batched_tokens`` at the end of ``max_model_len``, as one row and split into the most
+sparse rows it can hold, whose index lists all live until the kernel), so that peak includes
+the scratch.
 The builders, which hand each layer its head patterns, only exist after that run: the impl
 resolves its own patterns from its layer name and the config current at its construction.
 """
@@ -51,7 +53,7 @@ from ..config import load_settings
 from ..paged_estimate import HeadGroups
 from ..plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
-from ..sparse_prefill import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_row
+from ..sparse_prefill import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_steps
 from ..stats import STATS
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
@@ -163,8 +165,9 @@ class SparsePrefillImpl(FlashAttentionImpl):
             check_head_config_fits(self._vllm_config, self.sparse_settings)
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
-        """Profiling run (no metadata): run the sparse path once on the largest row a step can
-        hold, so that vLLM's peak-memory measurement, which sizes the KV cache, sees its scratch.
+        """Profiling run (no metadata): run the sparse path on the largest steps a chunk can hold
+        (one row of the whole chunk, and the chunk split into several rows), so that vLLM's
+        peak-memory measurement, which sizes the KV cache, sees its scratch.
         Once per process and head-pattern signature (layers with the same patterns share it)."""
         global _scratch_claim_failed
         vc, cfg = self._vllm_config, self.sparse_settings
@@ -190,16 +193,17 @@ class SparsePrefillImpl(FlashAttentionImpl):
         attention = kernels.sparse_attention.sparse_prefill_attention
         try:
             # (an fp8 layer's query may arrive quantized: the sparse path widens it, as in forward)
-            run_worst_case_row(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len, groups, cfg,
-                               self.scale, float(self.logits_soft_cap or 0.0), attention,
-                               page_size=vc.cache_config.block_size or 16, kv_dtype=kv_dtype)
+            steps = run_worst_case_steps(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len,
+                                         groups, cfg, self.scale, float(self.logits_soft_cap or 0.0), attention,
+                                         page_size=vc.cache_config.block_size or 16, kv_dtype=kv_dtype)
         except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
             _scratch_claim_failed = f"{type(e).__name__}: {e}"
             logger.exception("sparse-prefill: the profiling run of the sparse path failed; every row will run "
                              "dense")
             return
         logger.info("sparse-prefill: profiling run included the sparse path's scratch for a %d-token chunk at "
-                    "%d tokens of context (%s)", q_len, kv_len, layer.layer_name)
+                    "%d tokens of context, as 1 to %d sparse rows (%s)", q_len, kv_len, len(steps[-1]),
+                    layer.layer_name)
 
     def _groups(self, heads: RankHeads, device) -> HeadGroups:
         """``heads``: this layer's, from the step's metadata (the same every step)."""
