@@ -17,7 +17,8 @@ d=128), bf16, page 16 in random order.
 
 Variants: vertical-slash 1000/6096 with one selection per query head and with ``kv_group_shared``
 (the default: one selection per KV head, the group's heads stacked in the kernel), the latter
-with its slash lines as aligned key blocks instead of key ranges (``slash_tiles``), block-sparse
+also with its slash lines as unaligned key ranges instead of the aligned key blocks they cross
+(``slash_tiles=ranges``) and with diagonals kept in bands of 64 (``slash_band=64``), block-sparse
 top-100 (shared), FlexPrefill gamma 0.9 and 0.95 (per head: FlexPrefill never shares) and A-shape.
 ``--chunk 0`` runs the whole prompt as one row (the kernel benchmark's setting, with estimation).
 ``--kernel-sweep`` prints, instead of the table, launch variants and splits of the default
@@ -281,8 +282,11 @@ def main():
     shared = {"kv_group_shared": True}  # the default
     settings_list = [("VS 1000/6096 per head", base),
                      ("VS 1000/6096 shared", base.model_copy(update=shared)),
-                     ("VS 1000/6096 shared, slash as blocks", base.model_copy(update={"slash_tiles": "blocks",
+                     ("VS 1000/6096 shared, slash as ranges", base.model_copy(update={"slash_tiles": "ranges",
                                                                                      **shared})),
+                     # diagonals kept in bands of a key block: the tiles hold what was selected
+                     # (benchmarks/density_breakdown.py: 0.10 computed vs 0.24 at 128K, 16K chunks)
+                     ("VS 1000/6096 shared, bands of 64", base.model_copy(update={"slash_band": 64, **shared})),
                      ("BS top-100 shared", base.model_copy(update={"default_pattern": PatternName.BLOCK_SPARSE,
                                                                     **shared})),
                      ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),
