@@ -12,12 +12,14 @@ causal pairs of the prompt:
   per query;
 * ``lines``: the pairs the selected columns and diagonals really hold (their exact union,
   per query position: kept columns + kept diagonals - columns on a kept diagonal);
-* ``computed``: what the kernel computes for the index (``count_pairs``), split into the slash
+* ``computed``: what the kernel computes for the index those lines convert to (``count_pairs``;
+  the conversion is the package's, :func:`lines_index`), split into the slash
   tiles (key blocks, or 64-key ranges with ``slash_tiles=ranges``) and the single columns left
   outside them; ``tiles / slash lines`` is the tiles' cost per pair of kept diagonal.
 
-Everything runs in torch on the CPU (the estimation is the package's torch path, which the GPU
-estimators are tested against)::
+``--residual-slash`` adds a what-if per variant: diagonal sums that leave out the kept columns
+(see :func:`kept_lines`). Everything runs in torch on the CPU (the estimation is the package's
+torch path, which the GPU estimators are tested against)::
 
     python benchmarks/density_breakdown.py --n 131072 --heads 8 2
     python benchmarks/density_breakdown.py --n 32768 --chunk 16384 0
@@ -45,18 +47,22 @@ from backend_path import structured_qkv  # noqa: E402
 from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.index import count_pairs  # noqa: E402
-from vllm_sparse_backend.patterns import estimate_index, kv_head_map  # noqa: E402
+from vllm_sparse_backend.index import build_index, count_pairs  # noqa: E402
+from vllm_sparse_backend.patterns import kv_head_map  # noqa: E402
 from vllm_sparse_backend.patterns.common import (keep_top, last_queries_probs, sum_head_groups,  # noqa: E402
                                                  vertical_and_slash_sums)
 from vllm_sparse_backend.patterns.vertical_slash import (band_count, slash_band_scores,  # noqa: E402
-                                                         slash_bands_to_diagonals)
+                                                         slash_bands_to_diagonals, vertical_slash_to_selection)
 
 
-def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettings, share: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettings, share: int,
+               residual: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [lists, kv_len] kept columns and kept diagonals of one row, as the vertical-slash
-    pattern chooses them (``patterns.vertical_slash.vertical_slash_selection``, default heads)."""
+    pattern chooses them (``patterns.vertical_slash.vertical_slash_selection``, default heads).
+
+    ``residual`` (a what-if, no serving counterpart): the diagonal sums leave out the kept
+    columns' probabilities, so that no slash budget goes to diagonals that only pass through
+    columns already kept (the last queries' sinks land on diagonals d = their own position)."""
     kv_len = k.shape[0]
     kvh = kv_head_map(q.shape[1], k.shape[1], q.device)
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, cfg.last_q, q.shape[-1] ** -0.5)
@@ -64,8 +70,11 @@ def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettin
     vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
     lists = vertical.shape[0]
     vertical[:, :cfg.keep_first_columns] = float("inf")
-    slash[:, :max(1, cfg.keep_last_diagonals)] = float("inf")
     v_keep = keep_top(vertical, torch.full((lists,), min(cfg.vertical_size, kv_len)))
+    if residual:
+        probs = probs.masked_fill(v_keep.repeat_interleave(share, 0)[:, None, :], 0.0)
+        slash = sum_head_groups(vertical_and_slash_sums(probs, qpos)[1], share)
+    slash[:, :max(1, cfg.keep_last_diagonals)] = float("inf")
     s_size = torch.full((lists,), min(cfg.slash_size, kv_len))
     if cfg.slash_band > 1:
         bands = slash_band_scores(slash, ctx_len, cfg.slash_band)
@@ -74,6 +83,14 @@ def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettin
     else:
         s_keep = keep_top(slash, s_size)
     return v_keep, s_keep
+
+
+def lines_index(v_keep: torch.Tensor, s_keep: torch.Tensor, q_len: int, ctx_len: int, cfg: SparseSettings):
+    """The SparseIndex the kernel gets for these kept lines (one head per list), converted as
+    ``patterns.estimate_index`` converts them."""
+    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, cfg.block_size, cfg.slash_tiles)
+    return build_index(sel.block_mask, cfg.block_size, q_len, ctx_len, sel.columns, sel.column_keep,
+                       sel.range_count, sel.range_start)
 
 
 def line_pairs(v_keep: torch.Tensor, s_keep: torch.Tensor, q_len: int, ctx_len: int) -> tuple[int, int]:
@@ -106,7 +123,7 @@ class Tally:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def row_tally(q, k, ctx_len: int, cfg: SparseSettings) -> Tally:
+def row_tally(q, k, ctx_len: int, cfg: SparseSettings, residual: bool = False) -> Tally:
     """One row (a chunk of queries q at ctx_len, keys k of all its positions), per list, in
     pairs of one query head (every head of a list computes the same pairs)."""
     q_len, h, d = q.shape
@@ -118,14 +135,14 @@ def row_tally(q, k, ctx_len: int, cfg: SparseSettings) -> Tally:
     seen = torch.arange(ctx_len, kv_len, dtype=torch.float64) + 1  # keys each query sees
     t.causal = int(seen.sum()) * lists
     t.budget = int(seen.clamp(max=cfg.vertical_size + cfg.slash_size).sum()) * lists
-    v_keep, s_keep = kept_lines(q, k, ctx_len, cfg, share)
+    v_keep, s_keep = kept_lines(q, k, ctx_len, cfg, share, residual)
     t.lines, t.slash_lines = line_pairs(v_keep, s_keep, q_len, ctx_len)
-    index = estimate_index(q, k, ctx_len, heads, cfg, d ** -0.5, share).index
-    t.computed = count_pairs(index, q_len, ctx_len) // share
+    index = lines_index(v_keep, s_keep, q_len, ctx_len, cfg)
+    t.computed = count_pairs(index, q_len, ctx_len)
     # (pairs are counted from the lists' -1 padding, not the counts)
     no_columns = dataclasses.replace(index, column_count=torch.zeros_like(index.column_count),
                                      column_index=torch.full_like(index.column_index, -1))
-    t.tiles = count_pairs(no_columns, q_len, ctx_len) // share
+    t.tiles = count_pairs(no_columns, q_len, ctx_len)
     return t
 
 
@@ -142,6 +159,8 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["default", "ranges=slash_tiles=ranges",
                                                       "bands=slash_band=64"],
                     help="LABEL[=FIELD=VALUE,...] with settings fields")
+    ap.add_argument("--residual-slash", action="store_true",
+                    help="also each variant with diagonal sums that leave out the kept columns (a what-if)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -155,14 +174,16 @@ def main() -> None:
     print("| variant | chunk | budget | lines | computed | of which slash tiles | of which columns | "
           "tiles / slash lines | computed / lines |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for spec in args.variants:
-        label, cfg = parse_variant(spec)
+    runs = [(label, cfg, False) for label, cfg in map(parse_variant, args.variants)]
+    if args.residual_slash:
+        runs += [(f"{label}, residual slash", cfg, True) for label, cfg in map(parse_variant, args.variants)]
+    for label, cfg, residual in runs:
         for chunk in args.chunk:
             total = Tally()
             step = chunk or args.n
             for start in range(0, args.n, step):
                 stop = min(args.n, start + step)
-                total.add(row_tally(q[start:stop], k[:stop], start, cfg))
+                total.add(row_tally(q[start:stop], k[:stop], start, cfg, residual))
             c = total.causal
             print(f"| {label} | {chunk or 'one row'} | {total.budget / c:.3f} | {total.lines / c:.3f} | "
                   f"{total.computed / c:.3f} | {total.tiles / c:.3f} | {(total.computed - total.tiles) / c:.3f} | "
