@@ -61,8 +61,9 @@ def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettin
     pattern chooses them (``patterns.vertical_slash.vertical_slash_selection``, default heads).
 
     ``residual`` (a what-if, no serving counterpart): the diagonal sums leave out the kept
-    columns' probabilities, so that no slash budget goes to diagonals that only pass through
-    columns already kept (the last queries' sinks land on diagonals d = their own position)."""
+    columns' probabilities, so that no slash budget goes to diagonals that score only through
+    columns already kept (a sink seen by the last queries lands on the diagonals near their
+    positions). On the planted 128K row it changes little (0.243 -> 0.219 computed, 16K chunks)."""
     kv_len = k.shape[0]
     kvh = kv_head_map(q.shape[1], k.shape[1], q.device)
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, cfg.last_q, q.shape[-1] ** -0.5)
