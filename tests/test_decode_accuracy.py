@@ -370,15 +370,10 @@ def test_spans_selector_page2_index(da, with_references):
     most-voted tokens (float64 votes of an independent softmax), pages are scored by the larger
     q . k (q summed over the KV head's query heads) for the persistent flags and at decode, the page
     decode writes holds its mean key; the output equals float64 attention over the pages so chosen."""
-    gen = torch.Generator().manual_seed(6)
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
     sink, recent, persist, budget = 1, 8, 2, 3
-    q = torch.randn(h, n, d, generator=gen)
-    k = torch.randn(hkv, n, d, generator=gen)
-    v = torch.randn(hkv, n, d, generator=gen)
-    sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
-                                             f"budget={budget},index=page2"), n)
-    sel.prefill(0, q, k, v)
+    sel, gen, q, k, v = _prefilled_spans(
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=page2", 6)
     votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     top2 = []
@@ -422,15 +417,10 @@ def test_spans_selector_bounds_index(da, with_references, index):
     Quest bounds summed over the KV head's query heads (persistent flags: the last last_q prompt
     queries summed; decode: the step's query), the page decode writes by its own keys; the output
     equals float64 attention over the pages so chosen, with the budget on top of the forced pages."""
-    gen = torch.Generator().manual_seed(12)
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
     sink, recent, persist, budget = 1, 8, 2, 5
-    q = torch.randn(h, n, d, generator=gen)
-    k = torch.randn(hkv, n, d, generator=gen)
-    v = torch.randn(hkv, n, d, generator=gen)
-    sel = da.build_selector(da.parse_variant(f"spans:sink={sink},recent={recent},persist={persist},"
-                                             f"budget={budget},index={index}"), n)
-    sel.prefill(0, q, k, v)
+    sel, gen, q, k, v = _prefilled_spans(
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index={index}", 12)
     (_, (spans, _, _)), = sel._divided.values()
     seg = sel.params.segment_tokens
     owner = [(s, sid) for s, span in enumerate(spans) for sid in span]  # a span id per prompt page

@@ -531,6 +531,17 @@ def test_worst_case_steps_of_an_fp8_layer():
         assert dtype == torch.float8_e4m3fn and float(k_scale) == float(v_scale) == 1.0
 
 
+def gpu_peak_bytes(fn) -> int:
+    """Peak CUDA memory ``fn`` allocates above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])
@@ -548,20 +559,11 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     groups = HeadGroups.from_heads(_heads(patterns, settings, 6), "cuda")
     out = torch.empty_like(q)
 
-    def peak(fn) -> int:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-
-    real = peak(lambda: run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache,
-                                              table[None], groups, settings, d ** -0.5, 0.0,
-                                              sparse_prefill_attention))
-    claim = peak(lambda: run_worst_case_steps(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
-                                              sparse_prefill_attention))
+    real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
+        q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None], groups, settings, d ** -0.5, 0.0,
+        sparse_prefill_attention))
+    claim = gpu_peak_bytes(lambda: run_worst_case_steps(
+        q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
 
 
@@ -585,20 +587,11 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     out = torch.empty_like(q)
     rows = [SparseRow(0, 0, 7168, ctx + q_len - 7168), SparseRow(1, 7168, 5120, 30000 - 5120)]
 
-    def peak(fn) -> int:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-
-    real = peak(lambda: run_sparse_rows_paged(q, out, rows, key_cache, value_cache, torch.stack([table, table]),
-                                              groups, settings, d ** -0.5, 0.0, sparse_prefill_attention,
-                                              dense_row=lambda row: None))
-    claim = peak(lambda: run_worst_case_steps(q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0,
-                                              sparse_prefill_attention))
+    real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
+        q, out, rows, key_cache, value_cache, torch.stack([table, table]), groups, settings, d ** -0.5, 0.0,
+        sparse_prefill_attention, dense_row=lambda row: None))
+    claim = gpu_peak_bytes(lambda: run_worst_case_steps(
+        q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
 
 
