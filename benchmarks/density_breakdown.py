@@ -49,10 +49,11 @@ from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.index import build_index, count_pairs  # noqa: E402
 from vllm_sparse_backend.patterns import kv_head_map  # noqa: E402
-from vllm_sparse_backend.patterns.common import (keep_top, last_queries_probs, sum_head_groups,  # noqa: E402
+from vllm_sparse_backend.patterns.common import (last_queries_probs, sum_head_groups,  # noqa: E402
                                                  vertical_and_slash_sums)
-from vllm_sparse_backend.patterns.vertical_slash import (band_count, slash_band_scores,  # noqa: E402
-                                                         slash_bands_to_diagonals, vertical_slash_to_selection)
+from vllm_sparse_backend.patterns.vertical_slash import (keep_columns, keep_diagonals,  # noqa: E402
+                                                         vertical_slash_to_selection)
+from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
 
 
 def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettings, share: int,
@@ -70,19 +71,12 @@ def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettin
     vertical, slash = vertical_and_slash_sums(probs, qpos)
     vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
     lists = vertical.shape[0]
-    vertical[:, :cfg.keep_first_columns] = float("inf")
-    v_keep = keep_top(vertical, torch.full((lists,), min(cfg.vertical_size, kv_len)))
+    v_keep = keep_columns(vertical, torch.full((lists,), cfg.vertical_size), cfg.keep_first_columns)
     if residual:
         probs = probs.masked_fill(v_keep.repeat_interleave(share, 0)[:, None, :], 0.0)
         slash = sum_head_groups(vertical_and_slash_sums(probs, qpos)[1], share)
-    slash[:, :max(1, cfg.keep_last_diagonals)] = float("inf")
-    s_size = torch.full((lists,), min(cfg.slash_size, kv_len))
-    if cfg.slash_band > 1:
-        bands = slash_band_scores(slash, ctx_len, cfg.slash_band)
-        s_keep = slash_bands_to_diagonals(keep_top(bands, band_count(s_size, cfg.slash_band)), kv_len, ctx_len,
-                                          cfg.slash_band)
-    else:
-        s_keep = keep_top(slash, s_size)
+    s_keep = keep_diagonals(slash, torch.full((lists,), cfg.slash_size), cfg.keep_last_diagonals, ctx_len,
+                            cfg.slash_band)
     return v_keep, s_keep
 
 
@@ -147,11 +141,6 @@ def row_tally(q, k, ctx_len: int, cfg: SparseSettings, residual: bool = False) -
     return t
 
 
-def parse_variant(spec: str) -> tuple[str, SparseSettings]:
-    label, _, fields = spec.partition("=")
-    return label, SparseSettings(**dict(kv.split("=", 1) for kv in fields.split(",") if kv))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=131072, help="prompt tokens")
@@ -159,7 +148,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[16384, 0], help="prefill chunks (0: one row)")
     ap.add_argument("--variants", nargs="+", default=["default", "ranges=slash_tiles=ranges",
                                                       "bands=slash_band=64"],
-                    help="LABEL[=FIELD=VALUE,...] with settings fields")
+                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (tools.evaluation.variants)")
     ap.add_argument("--residual-slash", action="store_true",
                     help="also each variant with diagonal sums that leave out the kept columns (a what-if)")
     ap.add_argument("--seed", type=int, default=0)
@@ -175,9 +164,10 @@ def main() -> None:
     print("| variant | chunk | budget | lines | computed | of which slash tiles | of which columns | "
           "tiles / slash lines | computed / lines |")
     print("|---|---|---|---|---|---|---|---|---|")
-    runs = [(label, cfg, False) for label, cfg in map(parse_variant, args.variants)]
+    variants = [parse_variant(spec) for spec in args.variants]
+    runs = [(v.label, v.settings(), False) for v in variants]
     if args.residual_slash:
-        runs += [(f"{label}, residual slash", cfg, True) for label, cfg in map(parse_variant, args.variants)]
+        runs += [(f"{v.label}, residual slash", v.settings(), True) for v in variants]
     for label, cfg, residual in runs:
         for chunk in args.chunk:
             total = Tally()

@@ -42,11 +42,11 @@ if str(ROOT) not in sys.path:
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
 
 from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.paged_estimate import HeadGroups  # noqa: E402
 from vllm_sparse_backend.plan import SparseRow  # noqa: E402
 from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps  # noqa: E402
+from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -66,12 +66,6 @@ def step_rows(rng: random.Random, chunk: int, max_len: int, min_q: int, max_rows
     return rows
 
 
-def parse_variant(spec: str) -> tuple[str, SparseSettings]:
-    label, _, fields = spec.partition("=")
-    values = dict(kv.split("=", 1) for kv in fields.split(",") if kv)
-    return label, SparseSettings(**values)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, nargs=3, default=[12, 2, 128], metavar=("H", "HKV", "D"),
@@ -88,7 +82,7 @@ def main() -> None:
                          "the claim before 2026-11-26")
     ap.add_argument("--variants", nargs="+",
                     default=["default", "full=max_density=1,vertical_size=131072,slash_size=131072"],
-                    help="LABEL[=FIELD=VALUE,...] with settings fields")
+                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (tools.evaluation.variants)")
     args = ap.parse_args()
 
     h, hkv, d = args.heads
@@ -105,8 +99,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     scale = d ** -0.5
     for spec in args.variants:
-        label, cfg = parse_variant(spec)
-        cfg = cfg.model_copy(update={"min_sparse_query_len": args.min_q})
+        variant = parse_variant(spec)
+        label, cfg = variant.label, variant.settings(min_sparse_query_len=args.min_q)
         heads = [resolve_head(None, cfg)] * h
         groups = HeadGroups.from_heads(heads, dev, kv_group_share(heads, hkv, cfg))
         query = torch.randn(args.chunk, h, d, device=dev).to(dtype)

@@ -128,6 +128,28 @@ def band_count(slash_size: torch.Tensor | int, band: int) -> torch.Tensor | int:
     return (slash_size + band - 1) // band
 
 
+def keep_columns(vertical: torch.Tensor, vertical_size: torch.Tensor, keep_first_columns: int) -> torch.Tensor:
+    """Column sums [h, kv_len] (overwritten: the first ``keep_first_columns`` become +inf, the
+    sinks) -> bool [h, kv_len], the ``vertical_size[h]`` best columns of each head."""
+    vertical[:, :keep_first_columns] = float("inf")
+    return keep_top(vertical, vertical_size.clamp(max=vertical.shape[-1]))
+
+
+def keep_diagonals(slash: torch.Tensor, slash_size: torch.Tensor, keep_last_diagonals: int, ctx_len: int,
+                   slash_band: int = 1) -> torch.Tensor:
+    """Diagonal sums [h, kv_len] (overwritten: the ``keep_last_diagonals`` nearest the main one,
+    and the main one at least, become +inf: no empty rows) -> bool [h, kv_len], the
+    ``slash_size[h]`` best diagonals of each head, or with ``slash_band`` > 1 every diagonal of
+    the best bands (:func:`slash_band_scores`)."""
+    kv_len = slash.shape[-1]
+    slash[:, :max(1, keep_last_diagonals)] = float("inf")
+    if slash_band > 1:
+        bands = slash_band_scores(slash, ctx_len, slash_band)
+        return slash_bands_to_diagonals(keep_top(bands, band_count(slash_size.clamp(max=kv_len), slash_band)),
+                                        kv_len, ctx_len, slash_band)
+    return keep_top(slash, slash_size.clamp(max=kv_len))
+
+
 def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
@@ -139,18 +161,10 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
     diagonals are kept in bands of that many (:func:`slash_band_scores`), ``slash_size`` / band
     bands per head by their summed scores: with bands of ``block_size`` the budget buys key
     blocks the kernel computes anyway, where scattered single diagonals each cost two blocks."""
-    q_len, kv_len = q.shape[0], k.shape[0]
+    q_len = q.shape[0]
     probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
     vertical, slash = vertical_and_slash_sums(probs, qpos)
     vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
-    vertical_size, slash_size = vertical_size[::share], slash_size[::share]
-    vertical[:, :keep_first_columns] = float("inf")
-    slash[:, :max(1, keep_last_diagonals)] = float("inf")  # the main diagonal at least: no empty rows
-    v_keep = keep_top(vertical, vertical_size.clamp(max=kv_len))
-    if slash_band > 1:
-        bands = slash_band_scores(slash, ctx_len, slash_band)
-        s_keep = slash_bands_to_diagonals(keep_top(bands, band_count(slash_size.clamp(max=kv_len), slash_band)),
-                                          kv_len, ctx_len, slash_band)
-    else:
-        s_keep = keep_top(slash, slash_size.clamp(max=kv_len))
+    v_keep = keep_columns(vertical, vertical_size[::share], keep_first_columns)
+    s_keep = keep_diagonals(slash, slash_size[::share], keep_last_diagonals, ctx_len, slash_band)
     return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size, slash_tiles).repeat_heads(share)
