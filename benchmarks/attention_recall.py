@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tail-rows", type=int, default=0, help="the prompt's last rows always among the "
                    "sampled rows (default 0: stratified only)")
     p.add_argument("--tile", type=int, default=64, help="query rows scored per step")
+    p.add_argument("--oracle-densities", nargs="*", type=float, default=[],
+                   help="also the per-row block oracle at these densities: each sampled row keeps its own "
+                        "blocks of most true mass (an upper bound for any key-block selection)")
     p.add_argument("--out", help="output path without extension")
     args = p.parse_args(argv)
     if args.threads:
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"pass --yarn (e.g. 4) for the rope scaling it is served with", flush=True)
         checker = ac.LayerChecker(variants, rows=args.rows, seed=args.seed, base_settings=base,
                                   tile=args.tile, chunk=args.chunk, gating=args.gating,
-                                  tail=args.tail_rows)
+                                  tail=args.tail_rows, oracle_densities=args.oracle_densities)
         t0 = time.monotonic()
 
         def on_layer(layer, q, k, v, scale, o):

@@ -59,3 +59,58 @@ def rescale_block_mask(mask: torch.Tensor, from_b: int, to_b: int, nqb: int, nkb
         mask = torch.nn.functional.pad(mask, (0, (-b) % r, 0, (-a) % r))
         mask = mask.view(h, mask.shape[1] // r, r, mask.shape[2] // r, r).any(4).any(2)
     return mask[:, :nqb, :nkb]
+
+
+def antidiagonal_block_mass(q: torch.Tensor, k: torch.Tensor, ctx_len: int, stride: int, block_size: int,
+                            scale: float, share: int = 1) -> torch.Tensor:
+    """Estimated softmax mass of each (query block, key block) pair: fp32 [H // share, NQB, NKB].
+
+    q: [q_len, H, D] the chunk's queries; k: [ctx_len + q_len, Hkv, D] every key of the row
+    (query head h reads KV head h // (H / Hkv)). Each ``stride`` x ``stride`` cell of the score
+    map is represented by the logits on its anti-diagonal and on the one next to it,
+    q[i*s + s-1-t] . (k[j*s + t] + k[j*s + t + 1]) summed over t (XAttention's anti-diagonal
+    scoring, widened to two lines: one anti-diagonal meets only the diagonals of one parity,
+    so a single slash line could fall between them in every cell). Unlike a mean-pooled block,
+    the two lines cross every diagonal and every column of the cell, so neither a slash nor a
+    vertical line is averaged away. One matmul of the strided, reversed queries against the
+    strided key pairs computes all cells (1 / stride of dense attention's QK work). The cell
+    sums, divided by ``stride``, are softmaxed over each strided query row's causal cells (a
+    cell is causal when its first key is at or before the row's last query), and the
+    probabilities are summed per block: every block row then holds ``block_size / stride`` of
+    mass (less in a short last block). Non-causal blocks hold 0. ``share`` > 1: the mass of
+    every ``share`` consecutive heads is added (a KV group's
+    selection). Query rows are strided from the chunk start, keys from position 0.
+    """
+    q_len, h, d = q.shape
+    kv_len, hkv, _ = k.shape
+    s = stride
+    if block_size % s:
+        raise ValueError(f"antidiagonal stride {s} does not divide block_size {block_size}")
+    nqs, nks = num_blocks(q_len, s), num_blocks(kv_len, s)
+    qs = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, nqs * s - q_len)).view(nqs, s, h, d).flip(1)
+    qs = qs.permute(2, 0, 1, 3).reshape(hkv, (h // hkv) * nqs, s * d)
+    kz = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, nks * s + 1 - kv_len))
+    ks = (kz[:-1] + kz[1:]).view(nks, s, hkv, d)  # k[x] + k[x + 1]: both anti-diagonals in one operand
+    ks = ks.permute(2, 0, 1, 3).reshape(hkv, nks, s * d)
+    # GQA without expanding K: a group's query rows share one [nks, s * D] operand
+    cells = torch.matmul(qs, ks.transpose(1, 2)).view(h, nqs, nks).float().mul_(scale / s)
+    last_q = ctx_len + torch.clamp(torch.arange(nqs, device=q.device) * s + s - 1, max=q_len - 1)
+    future = torch.arange(nks, device=q.device)[None, :] * s > last_q[:, None]
+    probs = torch.softmax(cells.masked_fill_(future, float("-inf")), dim=-1)
+    del cells
+    r = block_size // s
+    nqb, nkb = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    probs = torch.nn.functional.pad(probs, (0, nkb * r - nks, 0, nqb * r - nqs))
+    mass = probs.view(h, nqb, r, nkb, r).sum((2, 4))
+    return sum_head_groups(mass, share)
+
+
+def mass_block_counts(mass: torch.Tensor, topk: torch.Tensor, block_mass: float | None) -> torch.Tensor:
+    """Key blocks to keep per block row of ``mass`` [h, NQB, NKB]: int64 [h * NQB], the head's
+    ``topk`` [h], or with ``block_mass`` the fewest blocks whose mass reaches that share of the
+    row's (:func:`cumulative_budget`), at most ``topk``."""
+    h, nqb, nkb = mass.shape
+    k = topk.to(device=mass.device, dtype=torch.int64).repeat_interleave(nqb)
+    if block_mass is None:
+        return k
+    return torch.minimum(k, cumulative_budget(mass.reshape(h * nqb, nkb), block_mass))

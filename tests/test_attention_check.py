@@ -184,6 +184,32 @@ def test_score_rows_keep_the_last_rows():
     assert torch.equal(ac.score_rows(1000, 100, seed=2), ac.sample_rows(1000, 100, seed=2))
 
 
+@pytest.mark.parametrize("chunk", [0, 256])
+def test_row_oracle_keeps_each_rows_best_blocks(chunk):
+    """The per-row block oracle against float64 brute force: each sampled row keeps the
+    ceil(d x causal blocks) key blocks of most true mass (searched by sorting every block's mass
+    here), and no estimated selection at that density keeps more."""
+    q, k, v = _qkv(6)
+    b, d = 32, 0.3
+    rows = ac.score_rows(N, 60, seed=0)  # the checker's rows of layer 0
+    variants = [parse_variant("bs=default_pattern=block_sparse,topk_blocks=3")]
+    checker = ac.LayerChecker(variants, rows=60, base_settings=dict(block_size=b), chunk=chunk,
+                              oracle_densities=[d, 1.0], oracle_block_size=b)
+    est, oracle, full = checker(0, q, k, v, SCALE)
+    assert (oracle.variant, full.variant) == (ac.oracle_label(d), "row-oracle@1")
+    assert full.recall == pytest.approx(1.0, abs=1e-6) and full.error < 1e-6
+    kvh = torch.arange(H) // (H // HKV)
+    sc = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * SCALE
+    p = torch.softmax(sc.masked_fill(~causal_mask(H, N, 0), float("-inf")), -1)  # chunks change no row's p
+    recall = []
+    for r in rows.tolist():
+        n_keep = -(-int(d * 1e6) * (r // b + 1) // int(1e6))
+        mass = torch.stack([p[:, r, j * b:(j + 1) * b].sum(-1) for j in range(-(-N // b))], -1)  # [H, NKB]
+        recall.append(mass.sort(-1, descending=True).values[:, :n_keep].sum(-1))
+    assert oracle.recall == pytest.approx(float(torch.stack(recall).mean()), abs=1e-5)
+    assert oracle.recall > est.recall and est.density < d
+
+
 @pytest.mark.parametrize("chunk", [256, 200])
 def test_chunked_checker_matches_brute_force(chunk):
     """With ``chunk`` every chunk is estimated against the keys up to its end, at its own

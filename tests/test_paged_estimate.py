@@ -110,6 +110,20 @@ def test_interp_kv_group_shared(patterns, hkv):
 
 
 @cpu_only
+@pytest.mark.parametrize("settings,patterns", [
+    (SETTINGS, MIXED),  # block-sparse heads among the others, one selection per head
+    (SHARED, ["block_sparse"] * 4 + ["a_shape"] * 4),  # one selection per KV group (its summed mass)
+    (SHARED, ["block_sparse"] * 8)])
+@pytest.mark.parametrize("block_mass", [None, 0.9])
+def test_interp_antidiagonal_block_scoring(settings, patterns, block_mass):
+    """block_scoring=antidiagonal: the paged path (K gathered out of the pages, one matmul per
+    KV head) selects what the torch path (K per head) selects."""
+    anti = settings.model_copy(update={"block_scoring": "antidiagonal", "antidiagonal_stride": 8,
+                                       "block_mass": block_mass})
+    check(patterns, 200, 333, 2, 64, 16, torch.float32, 6, "cpu", anti)
+
+
+@cpu_only
 def test_interp_last_q_longer_than_64():
     settings = SETTINGS.model_copy(update={"last_q": 100})
     check(["vertical_slash"] * 4, 150, 90, 1, 64, 16, torch.float32, 3, "cpu", settings)

@@ -14,6 +14,7 @@ from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
 from vllm_sparse_backend.patterns.common import cumulative_budget, keep_top
 from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
 from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
+from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts
 
 
 def _qk(q_len, ctx_len, h, hkv, d, gen):
@@ -121,6 +122,82 @@ def test_block_sparse_picks_planted_blocks_and_diagonal(rng):
             assert m[:, qb, 3].all(), "planted block found"
             assert m[0, qb].sum() == 2 and m[1, qb].sum() == 3, "exactly top-k blocks"
         assert not m[:, qb, qb + 1:].any(), "never a future block"
+
+
+def _antidiagonal_mass_brute_force(q, k, ctx_len, s, b, scale):
+    """Cell by cell, in float64: the logits on each s x s cell's anti-diagonal and the one after
+    it (query i*s + s-1-t with keys j*s + t and j*s + t + 1), summed, over s (queries and keys
+    past the row are zero vectors), softmax over each strided query row's causal cells
+    (a cell is causal when its first key is at or before the row's last query), summed per block."""
+    q_len, h, d = q.shape
+    kv_len = k.shape[0]
+    nqs, nks = -(-q_len // s), -(-kv_len // s)
+    qz = torch.zeros(nqs * s, h, d, dtype=torch.float64)
+    qz[:q_len] = q.double()
+    kz = torch.zeros(nks * s + 1, h, d, dtype=torch.float64)
+    kz[:kv_len] = k.double()
+    nqb, nkb = -(-q_len // b), -(-kv_len // b)
+    mass = torch.zeros(h, nqb, nkb, dtype=torch.float64)
+    for hh in range(h):
+        for i in range(nqs):
+            last_q = ctx_len + min(i * s + s - 1, q_len - 1)
+            cells = torch.full((nks,), float("-inf"), dtype=torch.float64)
+            for j in range(nks):
+                if j * s <= last_q:
+                    cells[j] = sum(float(qz[i * s + s - 1 - t, hh] @ kz[j * s + t + u, hh])
+                                   for t in range(s) for u in (0, 1)) * scale / s
+            p = torch.softmax(cells, 0)
+            for j in range(nks):
+                mass[hh, i * s // b, j * s // b] += p[j]
+    return mass
+
+
+@pytest.mark.parametrize("q_len,ctx_len,s,b", [(70, 37, 4, 16), (64, 0, 8, 32), (33, 100, 2, 16)])
+def test_antidiagonal_block_mass_matches_cell_by_cell_sums(q_len, ctx_len, s, b, rng):
+    h, hkv, d = 4, 2, 8
+    q, k = _qk(q_len, ctx_len, h, hkv, d, rng)
+    scale = d ** -0.5
+    got = antidiagonal_block_mass(q, k, ctx_len, s, b, scale)
+    want = _antidiagonal_mass_brute_force(q, k[:, torch.arange(h) // (h // hkv)], ctx_len, s, b, scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # shared by KV group: the group's heads' mass added
+    torch.testing.assert_close(antidiagonal_block_mass(q, k, ctx_len, s, b, scale, share=2).double(),
+                               want.view(hkv, 2, *want.shape[1:]).sum(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("delta", [700, 701])
+def test_antidiagonal_scoring_finds_slash_lines_of_either_parity(delta):
+    # query a holds c * (e_0 + e_(a mod 62)), key a - delta holds c * (e_(a mod 62) - e_0) and every
+    # other key -c * e_0: query a scores 0 with its own line keys and -c^2 with every other key,
+    # so no key stands out as a column. Each query attends to the keys delta + 62*m back, slash
+    # lines far from the diagonal, all of the parity of delta (one anti-diagonal per cell would
+    # meet either only the even or only the odd offsets).
+    d, b, q_len, ctx_len, c = 64, 64, 512, 1024, 10.0
+    qpos = torch.arange(q_len) + ctx_len
+    eye = torch.eye(d)[1:63]
+    q = c * eye[qpos % 62]
+    q[:, 0] = c
+    k = torch.zeros(ctx_len + q_len, d)
+    k[:, 0] = -c
+    k[qpos - delta] = c * eye[qpos % 62]
+    k[qpos - delta, 0] = -c
+    q, k = q[:, None], k[:, None]
+    scale = d ** -0.5
+    true = torch.softmax(((q[:, 0] @ k[:, 0].T) * scale).masked_fill(
+        torch.arange(ctx_len + q_len)[None, :] > qpos[:, None], float("-inf")), -1)
+    true_blocks = true.view(q_len // b, b, -1, b).sum((1, 3)) / b  # [NQB, NKB] mean mass per query
+    assert (true_blocks.max(-1).values < 0.2).all(), "the mass is spread over several blocks"
+
+    sel = block_sparse_selection(q, k, torch.zeros(1, dtype=torch.long), ctx_len, torch.tensor([12]), block_size=b,
+                                 scoring="antidiagonal", stride=16, scale=scale).block_mask[0]
+    assert (sel.sum(-1) == 12).all() and ((true_blocks * sel).sum(-1) > 0.98).all()
+
+
+def test_mass_block_counts_are_the_least_blocks_reaching_the_share_capped_at_topk():
+    mass = torch.tensor([[[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]])
+    assert mass_block_counts(mass, torch.tensor([4]), 0.8).tolist() == [2, 4]
+    assert mass_block_counts(mass, torch.tensor([3]), 0.8).tolist() == [2, 3]
+    assert mass_block_counts(mass, torch.tensor([3]), None).tolist() == [3, 3]
 
 
 def test_a_shape_blocks():

@@ -70,6 +70,18 @@ class SparseSettings(BaseModel):
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
     # MInference block-sparse (Alg. 3).
     topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
+    # How block-sparse heads score key blocks: MInference's mean-pooled Q . K, or the estimated
+    # softmax mass of each block from the anti-diagonals of stride x stride cells (XAttention's
+    # scoring; keeps slash and vertical lines that pooling averages away). The kernel computes
+    # 64 x 64 tiles, so a selection of whole blocks pays for exactly what it keeps, where a
+    # scattered diagonal of vertical-slash costs a whole tile per query block.
+    block_scoring: Literal["pooled", "antidiagonal"] = Field(
+        "pooled", description="Block-sparse scores: mean-pooled Q . K, or anti-diagonal block mass.")
+    antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
+                                                     "block_size; 1 / stride of the QK work).")
+    block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Anti-diagonal scoring: keep the fewest key blocks reaching this share of a query block's estimated mass "
+        "(at most topk_blocks); none = always topk_blocks."))
     # A-shape (StreamingLLM-style sink + local window).
     sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
     local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
@@ -163,6 +175,11 @@ class SparseSettings(BaseModel):
             v = getattr(self, name)
             if v < 16 or v > 256 or v & (v - 1):
                 raise ValueError(f"{name}={v}: must be a power of two between 16 and 256")
+        s = self.antidiagonal_stride
+        if s < 1 or s & (s - 1) or self.block_size % s:
+            raise ValueError(f"antidiagonal_stride={s}: must be a power of two dividing block_size={self.block_size}")
+        if self.block_mass is not None and self.block_scoring != "antidiagonal":
+            raise ValueError("block_mass applies to block_scoring=antidiagonal only")
         if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
             raise ValueError("flex_block_size and block_size must divide one another")
         if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:

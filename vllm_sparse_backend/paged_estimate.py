@@ -191,12 +191,17 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
         elif g.pattern is PatternName.VERTICAL_SLASH:
             ix = _vertical_slash(q_row, key_cache, block_table_row, ctx_len, g, settings, scale, share, k_scale)
         elif g.pattern is PatternName.BLOCK_SPARSE:
-            pooled = estimate.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
             topk = torch.full((num_lists,), 1, dtype=torch.int64, device=dev)
             topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
-            ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b,
-                                             max_topk=int(g.max_params["topk_blocks"]),
-                                             share=share)
+            max_topk = int(g.max_params["topk_blocks"])
+            if settings.block_scoring == "antidiagonal":
+                k_row = estimate.row_keys(key_cache, block_table_row, kv_len, q_row.dtype, k_scale)
+                ix = estimate.antidiagonal_block_index(q_row, k_row, ctx_len, topk, b, max_topk=max_topk, share=share,
+                                                       stride=settings.antidiagonal_stride, scale=scale,
+                                                       block_mass=settings.block_mass)
+            else:
+                pooled = estimate.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
+                ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=max_topk, share=share)
             if not g.all_heads:
                 ix = _select(ix, g.ids)
         elif g.pattern is PatternName.FLEX_PREFILL:

@@ -127,16 +127,37 @@ class SelectionStats:
         self.rows += other.rows
 
 
+def oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, density: float, block_size: int) -> torch.Tensor:
+    """The best any key-block selection could keep at ``density``: bool [H, T, n], for each
+    sampled row (positions ``rows`` within the chunk, keys before ``ctx`` are context) and head
+    its own ``ceil(density x its causal key blocks)`` blocks of most true softmax mass ``p``
+    [H, T, n]. A per-row choice: an upper bound for the kernel's selections, which give each
+    query block (64 rows) one list."""
+    h, t, n = p.shape
+    b = block_size
+    nkb = num_blocks(n, b)
+    mass = torch.nn.functional.pad(p, (0, nkb * b - n)).view(h, t, nkb, b).sum(-1)  # [H, T, NKB]
+    causal_blocks = (rows + ctx) // b + 1  # [T]
+    # (a hair under: 0.3 x 10 is 3.0000000000000004 in floating point, which must keep 3)
+    keep_n = torch.ceil(density * causal_blocks.double() - 1e-9).long().clamp(min=1)
+    order = mass.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(nkb, device=p.device).expand_as(order))
+    keep = ranks < keep_n[None, :, None]
+    return keep.repeat_interleave(b, dim=-1)[..., :n]
+
+
 def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     indices: Sequence[SparseIndex], rows: torch.Tensor, tile: int = 64,
-                    reference_out: torch.Tensor | None = None) -> tuple[list[SelectionStats], float]:
+                    reference_out: torch.Tensor | None = None, oracle_densities: Sequence[float] = (),
+                    block_size: int = 64) -> tuple[list[SelectionStats], float]:
     """Recall and output error of several indices of one row of one layer: q [q_len, H, D] (the
     row's queries, at positions ``kv_len - q_len ..``), k/v [kv_len, Hkv, D] (a pure prefill
     when kv_len == q_len). ``rows``: positions within the row's queries.
 
     Scores are float32, a tile of ``tile`` rows against all keys at a time, sums float64; the
-    results (per-head tensors) are on q's device. Returns one :class:`SelectionStats` per index
-    and, when ``reference_out`` ([q_len, H, Dv], e.g. the model's own attention output) is given,
+    results (per-head tensors) are on q's device. Returns one :class:`SelectionStats` per index,
+    then one per ``oracle_densities`` entry (:func:`oracle_block_mask` at ``block_size``), and,
+    when ``reference_out`` ([q_len, H, Dv], e.g. the model's own attention output) is given,
     the largest relative difference between it and the dense output computed here on the sampled
     rows (a check of the capture itself).
     """
@@ -153,7 +174,8 @@ def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     def zeros():
         return torch.zeros(h, dtype=torch.float64, device=device)
 
-    stats = [SelectionStats(zeros(), zeros(), zeros(), int(rows.numel())) for _ in indices]
+    stats = [SelectionStats(zeros(), zeros(), zeros(), int(rows.numel()))
+             for _ in range(len(indices) + len(oracle_densities))]
     ref_diff = torch.zeros((), dtype=torch.float64, device=device)
     for t0 in range(0, rows.numel(), tile):
         rr = rows[t0:t0 + tile]
@@ -166,8 +188,10 @@ def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         if reference_out is not None:
             ref = reference_out[rr].transpose(0, 1).double()
             ref_diff = torch.maximum(ref_diff, (ref - dense).norm() / dense.norm().clamp_min(1e-30))
-        for st, index in zip(stats, indices):
-            pm = p * allowed_keys(index, rr, n, ctx, causal=False)  # p is 0 past each query already
+        masks = [lambda index=index: allowed_keys(index, rr, n, ctx, causal=False) for index in indices]
+        masks += [lambda d=d: oracle_block_mask(p, rr, ctx, d, block_size) for d in oracle_densities]
+        for st, mask in zip(stats, masks):
+            pm = p * mask()  # p is 0 past each query already
             kept = pm.sum(-1, dtype=torch.float64)  # [H, T]
             sparse = torch.matmul(pm, vh).double() / kept.clamp_min(1e-300)[..., None]
             st.recall_sum += kept.sum(-1)
@@ -227,6 +251,11 @@ class LayerResult:
     dense_chunks: dict[str, int] = field(default_factory=dict)  # chunks run dense, per reason (gating)
 
 
+def oracle_label(density: float) -> str:
+    """Result label of the per-row block oracle at ``density`` (:func:`oracle_block_mask`)."""
+    return f"row-oracle@{density:g}"
+
+
 GATING_SHORT = "query chunk shorter than min_sparse_query_len"
 GATING_BUDGETS = "budgets denser than max_density"
 GATING_ESTIMATED = "estimated density above max_density"
@@ -245,7 +274,8 @@ class LayerChecker:
     def __init__(self, variants: Sequence[Variant], rows: int = 1024, seed: int = 0,
                  base_settings: dict[str, Any] | None = None, tile: int = 64, *, chunk: int = 0,
                  gating: bool = False, tail: int = 0,
-                 head_files: dict[str, HeadConfigFile] | None = None):
+                 head_files: dict[str, HeadConfigFile] | None = None, oracle_densities: Sequence[float] = (),
+                 oracle_block_size: int = 64):
         self.variants = [v for v in variants if not v.dense]
         self.settings = {v.label: v.settings(**(base_settings or {})) for v in self.variants}
         self.head_files = {label: load_head_config(s.head_config)
@@ -253,6 +283,7 @@ class LayerChecker:
         self.head_files.update(head_files or {})
         self.rows, self.seed, self.tile, self.tail = rows, seed, tile, tail
         self.chunk, self.gating = chunk, gating
+        self.oracle_densities, self.oracle_block_size = tuple(oracle_densities), oracle_block_size
         self.results: list[LayerResult] = []
         self.capture_diff = 0.0  # largest relative difference, our dense vs the model's output
 
@@ -284,6 +315,7 @@ class LayerChecker:
         tiles = [0] * len(self.variants)
         causal_t = [0] * len(self.variants)
         patterns: list[dict[str, int]] = [{} for _ in self.variants]
+        oracle: list[SelectionStats | None] = [None] * len(self.oracle_densities)
         reasons: list[dict[str, int]] = [{} for _ in self.variants]
         for c0, c1 in bounds:
             qc, kc, vc = q[c0:c1], k[:c1], v[:c1]
@@ -299,13 +331,19 @@ class LayerChecker:
                 causal_t[i] += causal_tiles(c1 - c0, c0, index.block_size, h)
             rr = rows[(rows >= c0) & (rows < c1)] - c0
             out_c = None if model_out is None else model_out[c0:c1]
-            stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c)
+            stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c, self.oracle_densities,
+                                          self.oracle_block_size)
             self.capture_diff = max(self.capture_diff, diff)
-            for i, st in enumerate(stats):
+            for i, st in enumerate(stats[: len(self.variants)]):
                 if total[i] is None:
                     total[i] = st
                 else:
                     total[i].add(st)
+            for j, st in enumerate(stats[len(self.variants):]):
+                if oracle[j] is None:
+                    oracle[j] = st
+                else:
+                    oracle[j].add(st)
         causal = causal_pairs(n, 0, h)
         out = []
         for i, var in enumerate(self.variants):
@@ -316,6 +354,11 @@ class LayerChecker:
                                    st.error, float(st.error_per_head.max()), patterns[i],
                                    tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
                                    len(bounds), reasons[i]))
+        for d, st in zip(self.oracle_densities, oracle):
+            # density: the nominal share (each row keeps ceil(d x its causal blocks) blocks)
+            out.append(LayerResult(layer, oracle_label(d), d, float(st.recall_per_head.mean()),
+                                   float(st.recall_per_head.min()), st.error, float(st.error_per_head.max()),
+                                   {}, d, 1, len(bounds)))
         self.results.extend(out)
         return out
 
