@@ -289,6 +289,10 @@ def main():
                      ("VS 1000/6096 shared, bands of 64", base.model_copy(update={"slash_band": 64, **shared})),
                      ("BS top-100 shared", base.model_copy(update={"default_pattern": PatternName.BLOCK_SPARSE,
                                                                     **shared})),
+                     # the same lists' cost, scored by anti-diagonal block mass (a matmul at 1/16 of
+                     # QK's work over K gathered out of the pages, instead of pooled keys)
+                     ("BS top-100 shared, anti-diagonal", base.model_copy(update={
+                         "default_pattern": PatternName.BLOCK_SPARSE, "block_scoring": "antidiagonal", **shared})),
                      ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),
                      ("FlexPrefill g0.95", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL,
                                                                    "gamma": 0.95})),

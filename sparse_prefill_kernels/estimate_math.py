@@ -31,7 +31,9 @@ def cumulative_budget(scores: torch.Tensor, gamma: torch.Tensor | float) -> torc
     total = scores.sum(-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
     sorted_scores = (scores / total).sort(-1, descending=True).values
     csum = sorted_scores.cumsum(-1)
-    gamma = torch.as_tensor(gamma, dtype=csum.dtype, device=csum.device).reshape(-1, 1)
+    if isinstance(gamma, torch.Tensor):
+        gamma = gamma.to(dtype=csum.dtype, device=csum.device).reshape(-1, 1)
+    # (a Python number stays one: copying it to the GPU would wait for the device)
     # number of prefixes still below gamma, plus the one that reaches it
     k = (csum < gamma).sum(-1) + 1
     return k.clamp(max=scores.shape[-1])
