@@ -16,7 +16,8 @@ Pieces:
   ascending lists. Matches ``patterns/block_sparse.py`` + ``build_index``.
 * :func:`antidiagonal_block_index`: the same lists from anti-diagonal block mass
   (``estimate_math.antidiagonal_block_mass``, torch matmul over K gathered by :func:`row_keys`),
-  optionally cut at a cumulative share of each query block's mass.
+  optionally cut at a cumulative share of each query block's mass; :func:`sampled_block_index`
+  the same from the exact attention of a few sampled queries per query block.
 * :func:`flex_prefill_index`: representative-query scores with ``vs_index.last_q_scores``
   (chunks of <= 64 queries, summed), the sqrt-JSD decision, the query-aware branch in torch over
   the pooled [H, NQBf, NKBf] map, the vertical-slash branch with ``vs_index.vs_topk`` +
@@ -53,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .estimate_math import (antidiagonal_block_mass, block_means, cumulative_budget, mass_block_counts, rescale_block_mask,
-                            sqrt_js_divergence, sum_head_groups)
+                            sampled_block_mass, sqrt_js_divergence, sum_head_groups)
 from .index_format import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, query_block_bounds
 from .kv_quant import scale_operand
 from .vs_index import last_q_scores, vertical_slash_index, vs_topk
@@ -233,6 +234,18 @@ def antidiagonal_block_index(q_row: torch.Tensor, k_row: torch.Tensor, ctx_len: 
     scores [H, q_len / stride, kv_len / stride] fp32 (a 16K chunk at 128K, 12 heads, stride 16:
     384 MiB), twice while the softmax runs."""
     mass = antidiagonal_block_mass(q_row, k_row, ctx_len, stride, block_size, scale, share)
+    counts = mass_block_counts(mass, topk, block_mass)
+    return _top_blocks_index(mass, counts, q_row.shape[0], ctx_len, block_size, max_topk)
+
+
+def sampled_block_index(q_row: torch.Tensor, k_row: torch.Tensor, ctx_len: int, topk: torch.Tensor,
+                        block_size: int = 64, max_topk: int | None = None, share: int = 1, *, samples: int = 2,
+                        scale: float, block_mass: float | None = None) -> SparseIndex:
+    """Block-sparse heads scored by the attention of ``samples`` sampled queries per query block
+    (``patterns/block_sparse.py`` with ``scoring="sampled"``,
+    ``estimate_math.sampled_block_mass``) on the device; arguments as
+    :func:`antidiagonal_block_index`. Scratch: at most 2^26 fp32 scores at a time (256 MiB)."""
+    mass = sampled_block_mass(q_row, k_row, ctx_len, block_size, scale, samples, share)
     counts = mass_block_counts(mass, topk, block_mass)
     return _top_blocks_index(mass, counts, q_row.shape[0], ctx_len, block_size, max_topk)
 

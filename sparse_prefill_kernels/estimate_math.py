@@ -116,3 +116,43 @@ def mass_block_counts(mass: torch.Tensor, topk: torch.Tensor, block_mass: float 
     if block_mass is None:
         return k
     return torch.minimum(k, cumulative_budget(mass.reshape(h * nqb, nkb), block_mass))
+
+
+def sampled_block_mass(q: torch.Tensor, k: torch.Tensor, ctx_len: int, block_size: int, scale: float,
+                       samples: int, share: int = 1, max_scores: int = 1 << 26) -> torch.Tensor:
+    """Estimated softmax mass of each (query block, key block) pair from a few real queries of
+    each query block: fp32 [H // share, NQB, NKB].
+
+    q: [q_len, H, D] the chunk's queries; k: [ctx_len + q_len, Hkv, D] every key of the row. For
+    every query block, ``samples`` of its queries (the last one and others ``block_size //
+    samples`` apart going back, kept inside the block) get their exact causal softmax over all
+    keys; their probabilities are summed per key block and averaged, so every block row holds
+    1 of mass, and a share of it (``block_mass``) is a share of real attention. This is what a
+    query block's own rows attend to, seen through a sample of them, instead of a pooled or
+    strided summary (it costs ``samples / block_size`` of dense attention's QK work). The
+    scores are computed for a slice of query blocks at a time, at most ``max_scores`` fp32
+    values. ``share`` > 1: the mass of every ``share`` consecutive heads is added."""
+    q_len, h, d = q.shape
+    kv_len, hkv, _ = k.shape
+    b, m = block_size, max(1, min(samples, block_size))
+    g = h // hkv
+    nqb, nkb = num_blocks(q_len, b), num_blocks(kv_len, b)
+    dev = q.device
+    starts = torch.arange(nqb, device=dev) * b
+    last = torch.clamp(starts + b, max=q_len) - 1
+    rows = torch.maximum(last[:, None] - torch.arange(m, device=dev)[None, :] * (b // m), starts[:, None])  # [NQB, m]
+    kt = k.permute(1, 2, 0)  # [Hkv, D, kv_len]
+    keys = torch.arange(kv_len, device=dev)
+    mass = torch.empty(h, nqb, nkb, dtype=torch.float32, device=dev)
+    step = max(1, max_scores // (h * m * kv_len))
+    for s0 in range(0, nqb, step):  # slices of query blocks: host ints, no device read
+        r = rows[s0:s0 + step].reshape(-1)  # [n]
+        n = r.shape[0]
+        qs = q[r].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+        logits = torch.matmul(qs, kt).view(h, n, kv_len).float().mul_(scale)
+        logits.masked_fill_(keys[None, None, :] > (r + ctx_len)[None, :, None], float("-inf"))
+        p = torch.softmax(logits, dim=-1)
+        del logits
+        p = torch.nn.functional.pad(p, (0, nkb * b - kv_len)).view(h, n // m, m, nkb, b)
+        mass[:, s0:s0 + step] = p.sum(-1).mean(2)
+    return sum_head_groups(mass, share)

@@ -115,10 +115,11 @@ def test_interp_kv_group_shared(patterns, hkv):
     (SHARED, ["block_sparse"] * 4 + ["a_shape"] * 4),  # one selection per KV group (its summed mass)
     (SHARED, ["block_sparse"] * 8)])
 @pytest.mark.parametrize("block_mass", [None, 0.9])
-def test_interp_antidiagonal_block_scoring(settings, patterns, block_mass):
-    """block_scoring=antidiagonal: the paged path (K gathered out of the pages, one matmul per
-    KV head) selects what the torch path (K per head) selects."""
-    anti = settings.model_copy(update={"block_scoring": "antidiagonal", "antidiagonal_stride": 8,
+@pytest.mark.parametrize("scoring", ["antidiagonal", "sampled"])
+def test_interp_mass_block_scoring(settings, patterns, block_mass, scoring):
+    """block_scoring=antidiagonal / sampled: the paged path (K gathered out of the pages, one
+    matmul per KV head) selects what the torch path (K per head) selects."""
+    anti = settings.model_copy(update={"block_scoring": scoring, "antidiagonal_stride": 8, "block_samples": 3,
                                        "block_mass": block_mass})
     check(patterns, 200, 333, 2, 64, 16, torch.float32, 6, "cpu", anti)
 

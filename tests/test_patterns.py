@@ -14,7 +14,7 @@ from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
 from vllm_sparse_backend.patterns.common import cumulative_budget, keep_top
 from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
 from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
-from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts
+from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
 
 
 def _qk(q_len, ctx_len, h, hkv, d, gen):
@@ -163,6 +163,30 @@ def test_antidiagonal_block_mass_matches_cell_by_cell_sums(q_len, ctx_len, s, b,
     # shared by KV group: the group's heads' mass added
     torch.testing.assert_close(antidiagonal_block_mass(q, k, ctx_len, s, b, scale, share=2).double(),
                                want.view(hkv, 2, *want.shape[1:]).sum(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("q_len,ctx_len,b,samples", [(200, 333, 64, 2), (130, 0, 32, 3), (64, 70, 64, 64)])
+def test_sampled_block_mass_is_the_sampled_queries_real_attention(q_len, ctx_len, b, samples, rng):
+    h, hkv, d = 4, 2, 8
+    q, k = _qk(q_len, ctx_len, h, hkv, d, rng)
+    scale = d ** -0.5
+    kv_len = ctx_len + q_len
+    kh = k[:, torch.arange(h) // (h // hkv)].double()
+    s = torch.einsum("qhd,khd->hqk", q.double(), kh) * scale
+    p = torch.softmax(s.masked_fill(torch.arange(kv_len)[None, :] > (torch.arange(q_len) + ctx_len)[:, None],
+                                    float("-inf")), -1)  # [H, q_len, kv_len]
+    nqb, nkb = -(-q_len // b), -(-kv_len // b)
+    want = torch.zeros(h, nqb, nkb, dtype=torch.float64)
+    for qb in range(nqb):
+        start, last = qb * b, min(qb * b + b, q_len) - 1
+        rows = [max(last - j * (b // samples), start) for j in range(samples)]
+        for j in range(nkb):
+            want[:, qb, j] = p[:, rows, j * b:(j + 1) * b].sum(-1).mean(-1)
+    got = sampled_block_mass(q, k, ctx_len, b, scale, samples)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    # in slices of a few query blocks (bounded scratch) and shared by KV group: the same sums
+    small = sampled_block_mass(q, k, ctx_len, b, scale, samples, share=2, max_scores=h * samples * kv_len)
+    torch.testing.assert_close(small.double(), want.view(hkv, 2, nqb, nkb).sum(1), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("delta", [700, 701])

@@ -164,7 +164,7 @@ def check_block_sparse(q_len, ctx_len, hkv, group, d, page, dtype, seed, device,
 
 
 def check_antidiagonal(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, stride=16, block_mass=None,
-                       share=1, max_topk=None, tol=0.0):
+                       share=1, max_topk=None, tol=0.0, scoring="antidiagonal", samples=2):
     q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, page, dtype, seed, device, structure=1.0)
     h = hkv * group
     gen = torch.Generator().manual_seed(seed + 1)
@@ -172,14 +172,18 @@ def check_antidiagonal(q_len, ctx_len, hkv, group, d, page, dtype, seed, device,
     topk = torch.randint(1, max(2, min(nkb, max_topk or nkb)) + 1, (h // share,), generator=gen)
     scale = d ** -0.5
     sel = block_sparse_selection(q, k, kv_head_map(h, hkv), ctx_len, topk.repeat_interleave(share), block_size=64,
-                                 share=share, scoring="antidiagonal", stride=stride, block_mass=block_mass,
-                                 scale=scale)
+                                 share=share, scoring=scoring, stride=stride, block_mass=block_mass,
+                                 scale=scale, samples=samples)
     ref = build_index(sel.block_mask, 64, q_len, ctx_len)
     q_dev, topk_dev = q.to(device), topk.to(device)
     with no_host_sync(device):
         k_row = est.row_keys(key_cache, table, ctx_len + q_len, q_dev.dtype)
-        got = est.antidiagonal_block_index(q_dev, k_row, ctx_len, topk_dev, 64, max_topk=max_topk, share=share,
-                                           stride=stride, scale=scale, block_mass=block_mass)
+        if scoring == "antidiagonal":
+            got = est.antidiagonal_block_index(q_dev, k_row, ctx_len, topk_dev, 64, max_topk=max_topk, share=share,
+                                               stride=stride, scale=scale, block_mass=block_mass)
+        else:
+            got = est.sampled_block_index(q_dev, k_row, ctx_len, topk_dev, 64, max_topk=max_topk, share=share,
+                                          samples=samples, scale=scale, block_mass=block_mass)
     assert torch.equal(k_row.cpu(), k.to(q_dev.dtype)), "the row's keys gathered out of the pages"
     assert_same_index(got.repeat_heads(share), ref, tol)
 
@@ -271,6 +275,14 @@ def test_interp_antidiagonal_block_sparse(stride, block_mass, share):
         check_antidiagonal(q_len, ctx, 2, 4, 64, 16, torch.float32, seed=20 + i, device="cpu", stride=stride,
                            block_mass=block_mass, share=share)
     check_antidiagonal(150, 2500, 2, 4, 128, 32, torch.float16, seed=3, device="cpu", block_mass=0.9, max_topk=8)
+
+
+@cpu_only
+@pytest.mark.parametrize("samples,block_mass,share", [(1, None, 1), (2, 0.9, 1), (4, 0.7, 4)])
+def test_interp_sampled_block_sparse(samples, block_mass, share):
+    for i, (q_len, ctx) in enumerate(SHAPES):
+        check_antidiagonal(q_len, ctx, 2, 4, 64, 16, torch.float32, seed=30 + i, device="cpu", scoring="sampled",
+                           samples=samples, block_mass=block_mass, share=share)
 
 
 @cpu_only
@@ -368,6 +380,13 @@ def test_gpu_block_sparse(group, d, page):
 def test_gpu_antidiagonal_block_sparse(block_mass, share):
     check_antidiagonal(5000, 3000, 2, 4, 128, 16, torch.bfloat16, seed=4, device="cuda", block_mass=block_mass,
                        share=share, max_topk=100, tol=1e-2)
+
+
+@gpu
+@pytest.mark.parametrize("block_mass,share", [(None, 1), (0.9, 4)])
+def test_gpu_sampled_block_sparse(block_mass, share):
+    check_antidiagonal(5000, 3000, 2, 4, 128, 16, torch.bfloat16, seed=5, device="cuda", block_mass=block_mass,
+                       share=share, max_topk=100, tol=1e-2, scoring="sampled")
 
 
 @gpu

@@ -75,13 +75,17 @@ class SparseSettings(BaseModel):
     # scoring; keeps slash and vertical lines that pooling averages away). The kernel computes
     # 64 x 64 tiles, so a selection of whole blocks pays for exactly what it keeps, where a
     # scattered diagonal of vertical-slash costs a whole tile per query block.
-    block_scoring: Literal["pooled", "antidiagonal"] = Field(
-        "pooled", description="Block-sparse scores: mean-pooled Q . K, or anti-diagonal block mass.")
+    # "sampled": the exact attention of a few of each query block's own queries
+    # (block_samples), summed per key block: real mass, so block_mass is a share of real attention.
+    block_scoring: Literal["pooled", "antidiagonal", "sampled"] = Field(
+        "pooled", description="Block-sparse scores: mean-pooled Q . K, anti-diagonal block mass, or the mass of "
+                              "sampled queries of each query block.")
+    block_samples: int = Field(2, ge=1, le=256, description="Sampled block scores: queries per query block.")
     antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
                                                      "block_size; 1 / stride of the QK work).")
     block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
-        "Anti-diagonal scoring: keep the fewest key blocks reaching this share of a query block's estimated mass "
-        "(at most topk_blocks); none = always topk_blocks."))
+        "Anti-diagonal or sampled scoring: keep the fewest key blocks reaching this share of a query block's "
+        "estimated mass (at most topk_blocks); none = always topk_blocks."))
     # A-shape (StreamingLLM-style sink + local window).
     sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
     local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
@@ -178,8 +182,8 @@ class SparseSettings(BaseModel):
         s = self.antidiagonal_stride
         if s < 1 or s & (s - 1) or self.block_size % s:
             raise ValueError(f"antidiagonal_stride={s}: must be a power of two dividing block_size={self.block_size}")
-        if self.block_mass is not None and self.block_scoring != "antidiagonal":
-            raise ValueError("block_mass applies to block_scoring=antidiagonal only")
+        if self.block_mass is not None and self.block_scoring == "pooled":
+            raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
         if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
             raise ValueError("flex_block_size and block_size must divide one another")
         if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:

@@ -199,6 +199,11 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
                 ix = estimate.antidiagonal_block_index(q_row, k_row, ctx_len, topk, b, max_topk=max_topk, share=share,
                                                        stride=settings.antidiagonal_stride, scale=scale,
                                                        block_mass=settings.block_mass)
+            elif settings.block_scoring == "sampled":
+                k_row = estimate.row_keys(key_cache, block_table_row, kv_len, q_row.dtype, k_scale)
+                ix = estimate.sampled_block_index(q_row, k_row, ctx_len, topk, b, max_topk=max_topk, share=share,
+                                                  samples=settings.block_samples, scale=scale,
+                                                  block_mass=settings.block_mass)
             else:
                 pooled = estimate.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
                 ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=max_topk, share=share)

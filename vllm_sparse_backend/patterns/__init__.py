@@ -81,7 +81,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
             sel = block_sparse_selection(q[:, ids], k, kvh[ids], ctx_len, per_head("topk_blocks"), block_size=b,
                                          share=share, scoring=settings.block_scoring,
                                          stride=settings.antidiagonal_stride, block_mass=settings.block_mass,
-                                         scale=scale)
+                                         scale=scale, samples=settings.block_samples)
         elif pattern is PatternName.FLEX_PREFILL:
             sel, decision = flex_prefill_selection(
                 q[:, ids], k, kvh[ids], ctx_len, per_head("gamma").float(), tau=settings.tau,

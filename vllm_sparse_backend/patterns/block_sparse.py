@@ -1,18 +1,19 @@
 """Block-sparse heads (MInference Alg. 3): top-k key blocks per query block.
 
-Two ways to score a block (``block_scoring``): MInference's mean-pooled Q . mean-pooled K
-(softmax does not change a row's top-k), or the estimated softmax mass of each block from the
+Three ways to score a block (``block_scoring``): MInference's mean-pooled Q . mean-pooled K
+(softmax does not change a row's top-k); the estimated softmax mass of each block from the
 anti-diagonals of strided cells (``antidiagonal``, XAttention's scoring,
-:func:`sparse_prefill_kernels.estimate_math.antidiagonal_block_mass`), which can also keep
+:func:`sparse_prefill_kernels.estimate_math.antidiagonal_block_mass`); or the real attention
+mass of a few sampled queries of each query block (``sampled``,
+:func:`sparse_prefill_kernels.estimate_math.sampled_block_mass`). The last two can also keep
 only the fewest blocks reaching ``block_mass`` of a row's mass (at most top-k). The diagonal
 blocks are always kept (they count toward k, except that both are kept when an unaligned chunk
-has two) so that every query sees at least its own position.
-"""
+has two) so that every query sees at least its own position."""
 
 from __future__ import annotations
 
 import torch
-from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts
+from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
 
 from ..index import causal_block_mask, diagonal_block_mask
 from .common import PatternSelection, block_means, keep_top, sum_head_groups
@@ -21,15 +22,19 @@ from .common import PatternSelection, block_means, keep_top, sum_head_groups
 def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
                            topk_blocks: torch.Tensor, *, block_size: int, share: int = 1,
                            scoring: str = "pooled", stride: int = 16, block_mass: float | None = None,
-                           scale: float | None = None) -> PatternSelection:
+                           scale: float | None = None, samples: int = 2) -> PatternSelection:
     """``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from
     their scores added up (pooled: the group's summed pooled query against the pooled keys;
-    antidiagonal: the group's summed block mass). ``scoring="antidiagonal"`` needs ``scale``."""
+    antidiagonal, sampled: the group's summed block mass). ``scoring="antidiagonal"`` and
+    ``"sampled"`` (``samples`` queries per query block) need ``scale``."""
     q_len = q.shape[0]
     topk_blocks = topk_blocks[::share]
-    if scoring == "antidiagonal":
+    if scoring in ("antidiagonal", "sampled"):
         # K per query head (any head subset); the GPU path maps KV heads without copying
-        mass = antidiagonal_block_mass(q, k[:, kvh], ctx_len, stride, block_size, scale, share)
+        if scoring == "antidiagonal":
+            mass = antidiagonal_block_mass(q, k[:, kvh], ctx_len, stride, block_size, scale, share)
+        else:
+            mass = sampled_block_mass(q, k[:, kvh], ctx_len, block_size, scale, samples, share)
         counts = mass_block_counts(mass, topk_blocks, block_mass)
         scores = mass
     else:
