@@ -162,16 +162,31 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
         ts = [t.to(device) for t in ts]
         return ts[0].contiguous() if len(ts) == 1 else torch.cat(ts, dim=1).contiguous()
 
+    def side_by_side(ts, width):
+        """The rows' [LH, QB, w] lists as one [LH, TQB, width], -1 past each row's own width.
+        One allocation, each row copied into its slice: padding a narrower row first would hold
+        a padded copy of it beside the output, so a step of rows of unequal widths needed more
+        scratch than the profiling run's equal rows (1.19x, benchmarks/KERNEL_NOTES.md)."""
+        ts = [t.to(device=device, dtype=torch.int32) for t in ts]
+        if len(ts) == 1:
+            return _pad_last(ts[0], width).contiguous()
+        out = torch.full((ts[0].shape[0], sum(t.shape[1] for t in ts), width), -1, dtype=torch.int32, device=device)
+        q0 = 0
+        for t in ts:
+            out[:, q0:q0 + t.shape[1], : t.shape[-1]] = t
+            q0 += t.shape[1]
+        return out
+
     return BatchedSparseIndex(
         block_size,
         _meta_table(rows, block_size, device),
         cat([ix.block_count.to(torch.int32) for ix in indices]),
-        cat([_pad_last(ix.block_index.to(torch.int32), maxb) for ix in indices]),
+        side_by_side([ix.block_index for ix in indices], maxb),
         cat([ix.column_count.to(torch.int32) for ix in indices]),
-        cat([_pad_last(ix.column_index.to(torch.int32), maxc) for ix in indices]),
+        side_by_side([ix.column_index for ix in indices], maxc),
         heads_per_list,
         range_count=cat([ix.range_count.to(torch.int32) for ix in indices]),
-        range_start=cat([_pad_last(ix.range_start.to(torch.int32), maxr) for ix in indices]),
+        range_start=side_by_side([ix.range_start for ix in indices], maxr),
     )
 
 

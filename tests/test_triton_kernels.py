@@ -324,6 +324,23 @@ def test_interp_merge_refuses_key_ranges():
         sa.merge_group_heads(sa.pack_rows([(0, 0, 130, 100)], [ix]), 2)
 
 
+def test_pack_rows_puts_lists_of_unequal_widths_side_by_side():
+    """Rows whose lists have different widths: each row's lists in its query blocks, -1 past
+    its own width (what padding each row and concatenating gave, without the padded copies)."""
+    gen = torch.Generator().manual_seed(3)
+    rows = [(0, 0, 130, 100), (1, 130, 70, 900), (2, 200, 64, 0)]
+    indices = [random_index(4, q, ctx, 0.3, 8, gen, "cpu", ranges=r) for (_, _, q, ctx), r in
+               zip(rows, (True, False, True))]
+    bix = sa.pack_rows(rows, indices)
+    for name in ("block_index", "column_index", "range_start"):
+        lists = [getattr(ix, name) for ix in indices]
+        width = max(t.shape[-1] for t in lists)
+        want = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[-1]), value=-1) for t in lists], 1)
+        assert len({t.shape[-1] for t in lists}) > 1 or name == "range_start"
+        assert torch.equal(getattr(bix, name), want.to(torch.int32)), name
+    assert torch.equal(bix.block_count, torch.cat([ix.block_count for ix in indices], 1).to(torch.int32))
+
+
 @cpu_only
 def test_interp_lse_sparse():
     run_case(SMALL[:2], 2, 2, 64, 32, torch.float32, seed=9, check_lse=True)
