@@ -14,10 +14,10 @@ Pieces:
 * :func:`block_sparse_index`: pooled Q . pooled K on the device (torch), top-k per query block
   with the diagonal blocks forced, then :func:`_assemble` (Triton) turns the block mask into the
   ascending lists. Matches ``patterns/block_sparse.py`` + ``build_index``.
-* :func:`antidiagonal_block_index`: the same lists from anti-diagonal block mass
-  (``estimate_math.antidiagonal_block_mass``, torch matmul over K gathered by :func:`row_keys`),
-  optionally cut at a cumulative share of each query block's mass; :func:`sampled_block_index`
-  the same from the exact attention of a few sampled queries per query block.
+* :func:`mass_block_index`: the same lists from a block mass (``estimate_math.scored_block_mass``:
+  anti-diagonal cells, or the exact attention of a few sampled queries per query block; torch
+  over the row's K gathered by the caller), optionally cut at a cumulative share of each query
+  block's mass.
 * :func:`flex_prefill_index`: representative-query scores with ``vs_index.last_q_scores``
   (chunks of <= 64 queries, summed), the sqrt-JSD decision, the query-aware branch in torch over
   the pooled [H, NQBf, NKBf] map, the vertical-slash branch with ``vs_index.vs_topk`` +
@@ -53,8 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .estimate_math import (antidiagonal_block_mass, block_means, cumulative_budget, mass_block_counts, rescale_block_mask,
-                            sampled_block_mass, sqrt_js_divergence, sum_head_groups)
+from .estimate_math import (block_means, cumulative_budget, mass_block_counts, rescale_block_mask, sqrt_js_divergence,
+                            sum_head_groups)
 from .index_format import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, query_block_bounds
 from .kv_quant import scale_operand
 from .vs_index import last_q_scores, vertical_slash_index, vs_topk
@@ -212,42 +212,17 @@ def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int
     return _top_blocks_index(scores, counts, q_len, ctx_len, block_size, max_topk)
 
 
-def row_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int, dtype: torch.dtype,
-             k_scale=None) -> torch.Tensor:
-    """The row's keys out of the paged cache, contiguous: [kv_len, Hkv, D] of ``dtype``
-    (dequantised with ``k_scale`` from an fp8 cache). One gather of every key (2 bytes x Hkv x D
-    per token: 64 MiB at 128K for 2 KV heads of 128), for the anti-diagonal scores' matmul."""
-    page = key_cache.shape[1]
-    pages = block_table_row[: num_blocks(kv_len, page)].to(torch.int64)
-    k = key_cache.index_select(0, pages).flatten(0, 1)[:kv_len].to(dtype)
-    ks = scale_operand(k_scale, key_cache.device)
-    return k if ks is None else k * ks.to(dtype)
-
-
-def antidiagonal_block_index(q_row: torch.Tensor, k_row: torch.Tensor, ctx_len: int, topk: torch.Tensor,
-                             block_size: int = 64, max_topk: int | None = None, share: int = 1, *,
-                             stride: int = 16, scale: float, block_mass: float | None = None) -> SparseIndex:
-    """Block-sparse heads scored by anti-diagonal block mass (``patterns/block_sparse.py`` with
-    ``scoring="antidiagonal"``) on the device. k_row: [kv_len, Hkv, D] (:func:`row_keys`); the
-    other arguments as :func:`block_sparse_index`, plus ``block_mass`` (keep the fewest blocks
-    reaching that share of a query block's mass, at most topk). Peak scratch: the strided cell
-    scores [H, q_len / stride, kv_len / stride] fp32 (a 16K chunk at 128K, 12 heads, stride 16:
-    384 MiB), twice while the softmax runs."""
-    mass = antidiagonal_block_mass(q_row, k_row, ctx_len, stride, block_size, scale, share)
+def mass_block_index(mass: torch.Tensor, topk: torch.Tensor, q_len: int, ctx_len: int, block_size: int = 64,
+                     max_topk: int | None = None, block_mass: float | None = None) -> SparseIndex:
+    """Block-sparse heads scored by a block mass (``estimate_math.scored_block_mass``: the
+    ``antidiagonal`` and ``sampled`` scorings of ``patterns/block_sparse.py``) on the device: per
+    query block the ``topk`` [lists] best causal key blocks, or with ``block_mass`` the fewest
+    reaching that share of its mass (at most topk); ``max_topk`` as :func:`block_sparse_index`.
+    The anti-diagonal mass holds [H, q_len / stride, kv_len / stride] fp32 cell scores while it
+    runs (a 16K chunk at 128K, 12 heads, stride 16: 384 MiB, twice during the softmax); the
+    sampled one at most 2^26 scores at a time (256 MiB)."""
     counts = mass_block_counts(mass, topk, block_mass)
-    return _top_blocks_index(mass, counts, q_row.shape[0], ctx_len, block_size, max_topk)
-
-
-def sampled_block_index(q_row: torch.Tensor, k_row: torch.Tensor, ctx_len: int, topk: torch.Tensor,
-                        block_size: int = 64, max_topk: int | None = None, share: int = 1, *, samples: int = 2,
-                        scale: float, block_mass: float | None = None) -> SparseIndex:
-    """Block-sparse heads scored by the attention of ``samples`` sampled queries per query block
-    (``patterns/block_sparse.py`` with ``scoring="sampled"``,
-    ``estimate_math.sampled_block_mass``) on the device; arguments as
-    :func:`antidiagonal_block_index`. Scratch: at most 2^26 fp32 scores at a time (256 MiB)."""
-    mass = sampled_block_mass(q_row, k_row, ctx_len, block_size, scale, samples, share)
-    counts = mass_block_counts(mass, topk, block_mass)
-    return _top_blocks_index(mass, counts, q_row.shape[0], ctx_len, block_size, max_topk)
+    return _top_blocks_index(mass, counts, q_len, ctx_len, block_size, max_topk)
 
 
 def _top_blocks_index(scores: torch.Tensor, counts: torch.Tensor, q_len: int, ctx_len: int, block_size: int,

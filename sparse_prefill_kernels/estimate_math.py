@@ -156,3 +156,14 @@ def sampled_block_mass(q: torch.Tensor, k: torch.Tensor, ctx_len: int, block_siz
         p = torch.nn.functional.pad(p, (0, nkb * b - kv_len)).view(h, n // m, m, nkb, b)
         mass[:, s0:s0 + step] = p.sum(-1).mean(2)
     return sum_head_groups(mass, share)
+
+
+def scored_block_mass(scoring: str, q: torch.Tensor, k: torch.Tensor, ctx_len: int, block_size: int, scale: float,
+                      share: int = 1, *, stride: int = 16, samples: int = 2) -> torch.Tensor:
+    """The block mass of ``block_scoring`` ``"antidiagonal"`` (:func:`antidiagonal_block_mass`,
+    ``stride``) or ``"sampled"`` (:func:`sampled_block_mass`, ``samples``): fp32 [H // share, NQB, NKB]."""
+    if scoring == "antidiagonal":
+        return antidiagonal_block_mass(q, k, ctx_len, stride, block_size, scale, share)
+    if scoring == "sampled":
+        return sampled_block_mass(q, k, ctx_len, block_size, scale, samples, share)
+    raise ValueError(f"block scoring {scoring!r} has no block mass")

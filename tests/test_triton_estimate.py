@@ -26,6 +26,8 @@ from vllm_sparse_backend.patterns.a_shape import a_shape_selection
 from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
 from vllm_sparse_backend.patterns.common import block_means
 from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection
+from sparse_prefill_kernels.estimate_math import scored_block_mass
+from vllm_sparse_backend.paged_estimate import row_keys
 from vllm_sparse_backend.reference import kv_head_map
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
@@ -177,13 +179,9 @@ def check_antidiagonal(q_len, ctx_len, hkv, group, d, page, dtype, seed, device,
     ref = build_index(sel.block_mask, 64, q_len, ctx_len)
     q_dev, topk_dev = q.to(device), topk.to(device)
     with no_host_sync(device):
-        k_row = est.row_keys(key_cache, table, ctx_len + q_len, q_dev.dtype)
-        if scoring == "antidiagonal":
-            got = est.antidiagonal_block_index(q_dev, k_row, ctx_len, topk_dev, 64, max_topk=max_topk, share=share,
-                                               stride=stride, scale=scale, block_mass=block_mass)
-        else:
-            got = est.sampled_block_index(q_dev, k_row, ctx_len, topk_dev, 64, max_topk=max_topk, share=share,
-                                          samples=samples, scale=scale, block_mass=block_mass)
+        k_row = row_keys(key_cache, table, ctx_len + q_len, q_dev.dtype)
+        mass = scored_block_mass(scoring, q_dev, k_row, ctx_len, 64, scale, share, stride=stride, samples=samples)
+        got = est.mass_block_index(mass, topk_dev, q_len, ctx_len, 64, max_topk, block_mass)
     assert torch.equal(k_row.cpu(), k.to(q_dev.dtype)), "the row's keys gathered out of the pages"
     assert_same_index(got.repeat_heads(share), ref, tol)
 

@@ -25,6 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from sparse_prefill_kernels.estimate_math import scored_block_mass
+from sparse_prefill_kernels.kv_quant import scale_operand
 
 from .budgets import budget_density, vs_budget
 from .config import PatternName, SparseSettings
@@ -32,6 +34,7 @@ from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
 from .kernels import estimate, vs_index
 from .patterns.vertical_slash import band_count, band_shift, slash_band_scores
+from .reference import gather_pages
 
 
 @dataclass
@@ -159,6 +162,16 @@ def _band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> 
     return d.to(torch.int32).contiguous(), ok.view(h, -1).sum(-1).to(torch.int32)
 
 
+def row_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int, dtype: torch.dtype,
+              k_scale=None) -> torch.Tensor:
+    """The row's keys, contiguous [kv_len, Hkv, D] of ``dtype``, dequantised with ``k_scale``
+    from an fp8 cache: one gather of every key (2 bytes x Hkv x D per token, 64 MiB at 128K for
+    2 KV heads of 128), for the block scorings' torch matmuls (``block_scoring`` other than pooled)."""
+    k = gather_pages(key_cache, block_table_row, kv_len).to(dtype)
+    ks = scale_operand(k_scale, key_cache.device)
+    return k if ks is None else k * ks.to(dtype)
+
+
 def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, ctx_len: int,
                          groups: HeadGroups, settings: SparseSettings, scale: float, k_scale=None) -> PagedEstimate:
     """q_row: [q_len, H, D] the row's queries (any token stride); key_cache: [pages, page, Hkv, D]
@@ -194,16 +207,11 @@ def estimate_index_paged(q_row: torch.Tensor, key_cache: torch.Tensor, block_tab
             topk = torch.full((num_lists,), 1, dtype=torch.int64, device=dev)
             topk[g.ids] = g.params["topk_blocks"].to(torch.int64)
             max_topk = int(g.max_params["topk_blocks"])
-            if settings.block_scoring == "antidiagonal":
-                k_row = estimate.row_keys(key_cache, block_table_row, kv_len, q_row.dtype, k_scale)
-                ix = estimate.antidiagonal_block_index(q_row, k_row, ctx_len, topk, b, max_topk=max_topk, share=share,
-                                                       stride=settings.antidiagonal_stride, scale=scale,
-                                                       block_mass=settings.block_mass)
-            elif settings.block_scoring == "sampled":
-                k_row = estimate.row_keys(key_cache, block_table_row, kv_len, q_row.dtype, k_scale)
-                ix = estimate.sampled_block_index(q_row, k_row, ctx_len, topk, b, max_topk=max_topk, share=share,
-                                                  samples=settings.block_samples, scale=scale,
-                                                  block_mass=settings.block_mass)
+            if settings.block_scoring != "pooled":
+                k_row = row_keys(key_cache, block_table_row, kv_len, q_row.dtype, k_scale)
+                mass = scored_block_mass(settings.block_scoring, q_row, k_row, ctx_len, b, scale, share,
+                                         stride=settings.antidiagonal_stride, samples=settings.block_samples)
+                ix = estimate.mass_block_index(mass, topk, q_len, ctx_len, b, max_topk, settings.block_mass)
             else:
                 pooled = estimate.pooled_keys(key_cache, block_table_row, kv_len, b, k_scale)
                 ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=max_topk, share=share)

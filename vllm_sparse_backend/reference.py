@@ -125,22 +125,21 @@ def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:
     return num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Contiguous [kv_len, Hkv, D] of one sequence out of one paged cache
+    ([num_blocks, block_size, Hkv, D] view, any strides: NHD and HND layouts both work; block_table:
+    [max_blocks]). fp8 caches are gathered as bytes (indexing fp8 tensors is missing from some torch
+    builds) and returned in their own dtype, not dequantised."""
+    page = cache.shape[1]
+    pages = block_table[: (kv_len + page - 1) // page].to(torch.int64)
+    raw = cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
+    return raw[pages].reshape(-1, *cache.shape[2:])[:kv_len].view(cache.dtype)
+
+
 def gather_paged_kv(
     key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous K/V [kv_len, Hkv, D] of one sequence from vLLM's paged cache.
-
-    key_cache/value_cache: [num_blocks, block_size, Hkv, D] views with arbitrary strides (what
-    ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives on CUDA); block_table: [max_blocks].
-    Indexing goes through the tensors' own strides, so NHD and HND layouts both work. fp8 caches
-    are gathered as bytes (indexing fp8 tensors is missing from some torch builds) and returned
-    in their own dtype, not dequantised.
-    """
-    page = key_cache.shape[1]
-    pages = block_table[: (kv_len + page - 1) // page].to(torch.int64)
-
-    def gather(cache):
-        raw = cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
-        return raw[pages].reshape(-1, *cache.shape[2:])[:kv_len].view(cache.dtype)
-
-    return gather(key_cache), gather(value_cache)
+    """Contiguous K/V [kv_len, Hkv, D] of one sequence from vLLM's paged cache
+    (:func:`gather_pages` of each; key_cache/value_cache are what
+    ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives on CUDA)."""
+    return gather_pages(key_cache, block_table, kv_len), gather_pages(value_cache, block_table, kv_len)

@@ -13,7 +13,7 @@ has two) so that every query sees at least its own position."""
 from __future__ import annotations
 
 import torch
-from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
+from sparse_prefill_kernels.estimate_math import mass_block_counts, scored_block_mass
 
 from ..index import causal_block_mask, diagonal_block_mask
 from .common import PatternSelection, block_means, keep_top, sum_head_groups
@@ -29,14 +29,11 @@ def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     ``"sampled"`` (``samples`` queries per query block) need ``scale``."""
     q_len = q.shape[0]
     topk_blocks = topk_blocks[::share]
-    if scoring in ("antidiagonal", "sampled"):
+    if scoring != "pooled":
         # K per query head (any head subset); the GPU path maps KV heads without copying
-        if scoring == "antidiagonal":
-            mass = antidiagonal_block_mass(q, k[:, kvh], ctx_len, stride, block_size, scale, share)
-        else:
-            mass = sampled_block_mass(q, k[:, kvh], ctx_len, block_size, scale, samples, share)
-        counts = mass_block_counts(mass, topk_blocks, block_mass)
-        scores = mass
+        scores = scored_block_mass(scoring, q, k[:, kvh], ctx_len, block_size, scale, share, stride=stride,
+                                   samples=samples)
+        counts = mass_block_counts(scores, topk_blocks, block_mass)
     else:
         qp = sum_head_groups(block_means(q, block_size), share)  # [h / share, NQB, D]
         kp = block_means(k, block_size)[kvh[::share]]  # [h / share, NKB, D]

@@ -310,12 +310,11 @@ class LayerChecker:
         rows = score_rows(n, self.rows, self.seed + layer, self.tail).to(q.device)
         heads = {var.label: layer_heads(self.head_files.get(var.label), self.settings[var.label], layer, h)
                  for var in self.variants}
-        total: list[SelectionStats | None] = [None] * len(self.variants)
+        total: list[SelectionStats | None] = [None] * (len(self.variants) + len(self.oracle_densities))
         pairs = [0] * len(self.variants)
         tiles = [0] * len(self.variants)
         causal_t = [0] * len(self.variants)
         patterns: list[dict[str, int]] = [{} for _ in self.variants]
-        oracle: list[SelectionStats | None] = [None] * len(self.oracle_densities)
         reasons: list[dict[str, int]] = [{} for _ in self.variants]
         for c0, c1 in bounds:
             qc, kc, vc = q[c0:c1], k[:c1], v[:c1]
@@ -334,16 +333,11 @@ class LayerChecker:
             stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c, self.oracle_densities,
                                           self.oracle_block_size)
             self.capture_diff = max(self.capture_diff, diff)
-            for i, st in enumerate(stats[: len(self.variants)]):
+            for i, st in enumerate(stats):  # the variants' indices, then the oracles
                 if total[i] is None:
                     total[i] = st
                 else:
                     total[i].add(st)
-            for j, st in enumerate(stats[len(self.variants):]):
-                if oracle[j] is None:
-                    oracle[j] = st
-                else:
-                    oracle[j].add(st)
         causal = causal_pairs(n, 0, h)
         out = []
         for i, var in enumerate(self.variants):
@@ -354,7 +348,7 @@ class LayerChecker:
                                    st.error, float(st.error_per_head.max()), patterns[i],
                                    tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
                                    len(bounds), reasons[i]))
-        for d, st in zip(self.oracle_densities, oracle):
+        for d, st in zip(self.oracle_densities, total[len(self.variants):]):
             # density: the nominal share (each row keeps ceil(d x its causal blocks) blocks)
             out.append(LayerResult(layer, oracle_label(d), d, float(st.recall_per_head.mean()),
                                    float(st.recall_per_head.min()), st.error, float(st.error_per_head.max()),
