@@ -22,22 +22,25 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
   of their context read from cached blocks. Reports vLLM's count of cached tokens and whether the
   tokens equal the first variant's.
 * ``--server``: the same prompts through the OpenAI-compatible HTTP server
-  (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token.
+  (``python -m vllm.entrypoints.cli.main serve``), streaming, time to the first token, and the 4
+  greedy tokens of each length's first request compared with the first variant's (with
+  ``--structure band`` the server runs with ``VLLM_SERVER_DEV_MODE=1``, which it needs to serve
+  ``/collective_rpc``: a benchmark setting, never one for production).
 * ``--profile-lengths N ...`` (with ``--profile-variants``): one more prefill of each such length
   under vLLM's torch profiler; the trace is reduced on the spot to GPU time per kernel category
   (GEMMs, FlashAttention, our sparse kernel, last-q scores, top-k/sort, conversion, the rest),
   GPU busy time (union of kernel intervals) vs the profiled span, and the largest kernels.
 
-Structure (``--structure band``, the default, offline engine only): dummy weights make every
+Structure (``--structure band``, the default): dummy weights make every
 attention row nearly uniform, where no sparse pattern finds anything to skip (every row then falls
-back to dense). ``band`` rewrites the dummy weights on the workers (``LLM.collective_rpc``) so that
+back to dense). ``band`` rewrites the dummy weights on the workers (``benchmarks/worker_extensions/planted_band.py``, a
+vLLM worker extension called by name: ``LLM.collective_rpc``, or the server's ``/collective_rpc``) so that
 attention has the local band real long-context heads show: each layer's K projection is scaled per
 rotary frequency (energy ∝ θ^-0.5, most of it in the slow dimensions), every query head's Q
 projection is its KV head's K projection, the input norms are 1 and every token embedding is one
 shared vector plus 17% token noise. Logits then depend mostly on distance: at 128K the top 6096
 diagonals lie within ~9K of the main one and cover about half of a row's attention mass. The
-same weights serve every variant. ``none`` keeps vLLM's dummy weights (the HTTP server mode always
-does: its workers cannot be reached).
+same weights serve every variant. ``none`` keeps vLLM's dummy weights.
 
 Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
 ``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense,VLLM_SPARSE_MAX_DENSITY=1`` (density 1
@@ -70,6 +73,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# Modules vLLM's workers import (worker_extension_cls): a folder of their own on the path, since
+# this one's scripts would shadow packages (kernels.py hides the `kernels` transformers probes).
+WORKER_EXTENSIONS = Path(__file__).resolve().parent / "worker_extensions"
+sys.path.insert(0, str(WORKER_EXTENSIONS))
+from planted_band import WORKER_EXTENSION  # noqa: E402
+
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0)
 DEFAULT_VARIANTS = ["FLASH_ATTN=FLASH_ATTN", "sparse=sparse-prefill",
@@ -89,8 +98,8 @@ def run_env(variant_env: dict[str, str], base: dict[str, str] | None = None) -> 
     if clash:
         raise SystemExit(f"variant sets {clash}: these stay {MULTICAST_OFF} (NVLink multicast off)")
     base = os.environ if base is None else base
-    # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc(plant_band) sends a function to the workers
-    return {**base, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **variant_env, **MULTICAST_OFF}
+    path = os.pathsep.join(p for p in (str(WORKER_EXTENSIONS), base.get("PYTHONPATH", "")) if p)
+    return {**base, "PYTHONPATH": path, **variant_env, **MULTICAST_OFF}
 
 
 def write_model(out: Path, layers: int, max_len: int) -> Path:
@@ -101,32 +110,6 @@ def write_model(out: Path, layers: int, max_len: int) -> Path:
            **LLAMA3_8B}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
-
-
-def plant_band(worker, logit_at_zero: float = 12.0) -> str:
-    """Runs on each vLLM worker (``collective_rpc``): see the module doc, --structure band."""
-    import torch
-
-    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
-    inner = runner.model.model
-    with torch.no_grad():
-        emb = inner.embed_tokens.weight
-        gen = torch.Generator(device=emb.device).manual_seed(0)
-        common = torch.randn(emb.shape[1], generator=gen, device=emb.device)
-        emb.mul_(300.0).add_(common.to(emb.dtype))  # uniform +-1e-3 -> +-0.3 around one vector
-        x = common / common.pow(2).mean().sqrt()  # what an input norm of weight 1 makes of it
-        for layer in inner.layers:
-            attn = layer.self_attn
-            layer.input_layernorm.weight.fill_(1.0)
-            h, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-            w = attn.qkv_proj.weight  # [(h + 2 hkv) * d, hidden]: q rows, k rows, v rows
-            k = w[h * d:(h + hkv) * d].view(hkv, d, -1)
-            theta = attn.rotary_emb.base ** (-torch.arange(0, d, 2, device=w.device, dtype=torch.float32) / d)
-            k.mul_(theta.repeat(2).pow(-0.25)[None, :, None].to(w.dtype))  # neox pairs (i, i + d/2)
-            q0 = k[0].float() @ x
-            k.mul_(float((logit_at_zero * d ** 0.5 / q0.pow(2).sum()) ** 0.5))
-            w[:h * d].view(hkv, h // hkv, d, -1).copy_(k[:, None].expand(hkv, h // hkv, d, k.shape[-1]))
-    return f"band planted in {len(inner.layers)} layers"
 
 
 # Kernel-name patterns -> category of the profile breakdown (first match wins).
@@ -223,11 +206,12 @@ def worker(args) -> None:
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
               max_num_batched_tokens=args.chunk, enable_prefix_caching=args.prefix_cache,
               gpu_memory_utilization=0.85,
+              worker_extension_cls=WORKER_EXTENSION if args.structure == "band" else "",
               seed=0, max_num_seqs=max([8] + args.decode_batch),
               disable_log_stats=False, **extra)  # per-request token timestamps (decode step time)
     emit("startup", seconds=time.perf_counter() - t0)
     if args.structure == "band":
-        emit("structure", workers=llm.collective_rpc(plant_band))
+        emit("structure", workers=llm.collective_rpc("plant_band"))
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
 
     salts = itertools.count()
@@ -307,7 +291,8 @@ def worker(args) -> None:
 
 
 def server_worker(args, env) -> list[dict]:
-    """Start the HTTP server for one variant, stream each prompt, time to first token."""
+    """Start the HTTP server for one variant, plant the band if asked, stream each prompt: time to
+    the first token, and the greedy tokens of the length's first request."""
     import urllib.request
 
     port = 8000 + random.randrange(1000)
@@ -317,11 +302,20 @@ def server_worker(args, env) -> list[dict]:
            "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port),
            "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype] + \
           ([] if args.cudagraphs else ["--enforce-eager"])
+    if args.structure == "band":
+        cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+        env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # serves /collective_rpc
     log = open(Path(args.log_dir) / f"server-{args.label}.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
+
+    def post(path: str, body: dict, timeout: float):
+        req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=timeout)
+
     recs = []
     try:
+        t0 = time.perf_counter()
         deadline = time.time() + 400
         while True:
             try:
@@ -331,22 +325,31 @@ def server_worker(args, env) -> list[dict]:
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"server did not start (exit {proc.poll()})") from None
                 time.sleep(2)
+        recs.append({"kind": "startup", "seconds": time.perf_counter() - t0})
+        if args.structure == "band":
+            with post("/collective_rpc", {"method": "plant_band"}, 120) as resp:
+                recs.append({"kind": "structure", "workers": json.loads(resp.read())["results"]})
         for n in args.lengths:
-            best = first = None
+            best = first = tokens = None
             for _ in range(args.repeats):
-                body = json.dumps({"model": args.model, "prompt": prompt_ids(n, n), "max_tokens": 4, "temperature": 0,
-                                   "stream": True, "ignore_eos": True}).encode()
-                req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
+                body = {"model": args.model, "prompt": prompt_ids(n, n), "max_tokens": 4, "temperature": 0,
+                        "stream": True, "ignore_eos": True, "return_token_ids": True}
+                got: list[int] = []
                 t = time.perf_counter()
-                with urllib.request.urlopen(req, timeout=600) as resp:
+                ttft = None
+                with post("/v1/completions", body, 900) as resp:
                     for line in resp:
-                        if line.startswith(b"data: {"):
+                        if not line.startswith(b"data: {"):
+                            continue
+                        if ttft is None:
                             ttft = time.perf_counter() - t
-                            break
+                        for choice in json.loads(line[6:]).get("choices", []):
+                            got += choice.get("token_ids") or []
                 best = ttft if best is None else min(best, ttft)
-                first = ttft if first is None else first
+                if first is None:
+                    first, tokens = ttft, got
             # first: the first request of this length (includes any one-time work, e.g. a JIT compile)
-            recs.append({"kind": "server", "n": n, "seconds": best, "first_seconds": first})
+            recs.append({"kind": "server", "n": n, "seconds": best, "first_seconds": first, "tokens": tokens})
     finally:
         proc.terminate()
         try:
@@ -465,7 +468,7 @@ def main() -> None:
 
     import torch
     import vllm
-    structure = "none (server)" if args.server else args.structure
+    structure = args.structure
     print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
           f"shape, {args.layers} layers, bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
           f"{args.tensor_parallel_size}, "
@@ -483,16 +486,14 @@ def main() -> None:
 
     kind = "server" if args.server else "prefill"
     print(f"\n{'TTFT through the HTTP server' if args.server else 'prefill + first token (offline LLM)'}, seconds")
-    print("| n | " + " | ".join(labels) + " | " + " | ".join(f"{l} speedup" for l in labels[1:])
-          + ("" if args.server else " | " + " | ".join(f"{l} tokens equal" for l in labels[1:])) + " |")
-    print("|---" * (1 + len(labels) + (len(labels) - 1) * (1 if args.server else 2)) + "|")
+    header = ["n"] + labels + [f"{l} speedup" for l in labels[1:]] + [f"{l} tokens equal" for l in labels[1:]]
+    print("| " + " | ".join(header) + " |\n" + "|---" * len(header) + "|")
     for n in args.lengths:
         rs = [get(label, kind, n=n) for label in labels]
         cells = [str(n)] + ["-" if r is None else f"{r['seconds']:.3f}" for r in rs]
         cells += ["-" if not (rs[0] and r) else f"{rs[0]['seconds'] / r['seconds']:.2f}x" for r in rs[1:]]
-        if not args.server:
-            cells += ["-" if not (rs[0] and r and r["tokens"] is not None) else str(rs[0]["tokens"] == r["tokens"])
-                      for r in rs[1:]]
+        cells += ["-" if not (rs[0] and r and r["tokens"] is not None) else str(rs[0]["tokens"] == r["tokens"])
+                  for r in rs[1:]]
         print("| " + " | ".join(cells) + " |")
     if args.server:
         print("\nfirst request of each length (the table above: best of --repeats), seconds: "

@@ -16,7 +16,9 @@ takes the wrong slice selects different keys and the comparison fails.
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -362,12 +364,36 @@ def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     args = SimpleNamespace(profile_lengths=[], label="tp", model="m", backend="sparse-prefill", max_len=4096,
                            cudagraphs=False, chunk=2048, decode_batch=[0], tensor_parallel_size=2,
-                           kv_cache_dtype="fp8", prefix_cache=False)
+                           kv_cache_dtype="fp8", prefix_cache=False, structure="band")
     with pytest.raises(Stop):
         e2e.worker(args)
     assert seen["tensor_parallel_size"] == 2 and seen["attention_backend"] == "sparse-prefill"
     assert seen["kv_cache_dtype"] == "fp8" and seen["enable_prefix_caching"] is False
-    args.prefix_cache = True
+    assert seen["worker_extension_cls"] == "planted_band.PlantedBandWorker"
+    args.prefix_cache, args.structure = True, "none"
     with pytest.raises(Stop):
         e2e.worker(args)
-    assert seen["enable_prefix_caching"] is True
+    assert seen["enable_prefix_caching"] is True and seen["worker_extension_cls"] == ""
+
+
+def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
+    """The engine's processes get the worker-extension folder on PYTHONPATH and resolve the class
+    by name, as vLLM does; that folder must hold nothing that shadows an installed package (the
+    benchmarks folder itself would: its kernels.py hides the `kernels` package transformers probes)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from conftest import load_script
+
+    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
+    env = e2e.run_env({}, base={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": "/somewhere"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(e2e.WORKER_EXTENSIONS), "/somewhere"]
+    for module in e2e.WORKER_EXTENSIONS.glob("*.py"):
+        found = importlib.util.find_spec(module.stem) if module.stem not in sys.modules else None
+        assert found is None or Path(found.origin).parent == e2e.WORKER_EXTENSIONS, module
+    code = ("from vllm.utils.import_utils import resolve_obj_by_qualname as r; "
+            f"c = r({e2e.WORKER_EXTENSION!r}); print(c.__name__, callable(c.plant_band))")
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": env["PYTHONPATH"].split(os.pathsep)[0]},
+                         capture_output=True, text=True, cwd="/")
+    assert out.stdout.split() == ["PlantedBandWorker", "True"], out.stderr[-2000:]
