@@ -397,7 +397,7 @@ def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, 
         return sparse_prefill_attention(*args, **kwargs)
 
     steps = run_worst_case_steps(q, out, 2, 500, HeadGroups.from_heads(heads, "cpu"), settings, 0.125, 0.0, kernel)
-    assert launched == variants * len(steps) and torch.isfinite(out).all()
+    assert launched == variants * (len(steps) + 1) and torch.isfinite(out).all()  # + the compile row
 
 
 @gpu
@@ -483,7 +483,7 @@ def test_worst_case_steps_take_the_whole_query(page_size):
     # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
+    from vllm_sparse_backend.sparse_prefill import compile_row, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -502,8 +502,26 @@ def test_worst_case_steps_take_the_whole_query(page_size):
     assert steps == [[SparseRow(0, 0, 150, 350)], [SparseRow(0, 0, 75, 425), SparseRow(1, 75, 75, 425)],
                      [SparseRow(0, 0, 86, 414), SparseRow(1, 86, 64, 436)],
                      [SparseRow(0, 0, 64, 436), SparseRow(1, 64, 86, 414)]]
-    assert launched == steps  # each step's rows in one launch, as run_sparse_rows_paged does
+    # each step's rows in one launch, as run_sparse_rows_paged does; then the short compile row
+    assert launched == steps + [[compile_row(150, 500, 64)]] == steps + [[SparseRow(0, 0, 64, 64)]]
     assert torch.isfinite(out).all()  # all of the rows' outputs written
+
+
+def test_compile_row_is_short_whatever_the_max_model_len():
+    """The profiling run's last row compiles the short-context variants (the last-q pass's skew
+    diagonals, vs_index.last_q_scores): its context stays far below where that pass switches to
+    gathering, even when max_model_len is 1M, and it fits any chunk and context."""
+    from vllm_sparse_backend.sparse_prefill import compile_row
+    from sparse_prefill_kernels import vs_index
+
+    for q_len, kv_len, min_q in [(16384, 1048704, 4096), (8192, 131200, 512), (150, 500, 64), (40, 60, 4096),
+                                 (1, 1, 1)]:
+        row = compile_row(q_len, kv_len, min_q)
+        assert 1 <= row.q_len <= q_len and 0 <= row.ctx_len and row.ctx_len + row.q_len <= kv_len
+        assert row.ctx_len + row.q_len <= 2 * max(min_q, 64)
+        # skew while 32 slabs (one per query head of a 32-head model) of the row fit
+        assert 32 * 64 * (row.ctx_len + row.q_len + 63) * 4 <= vs_index.SKEW_SLAB_BYTES
+    assert 32 * 64 * (1048704 + 63) * 4 > vs_index.SKEW_SLAB_BYTES  # the claim's 1M rows gather
 
 
 def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
@@ -608,6 +626,38 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
+    """At a 1M max_model_len the claim's rows sum diagonals by gathering (the skew slabs would
+    not fit); its compile row must leave nothing for an ordinary row to compile in a request
+    (vLLM's JIT monitor flagged _lastq_skew_pass and _skew_colsum in the first 32K request)."""
+    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
+    from sparse_prefill_kernels import vs_index as vsi
+    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+
+    settings = SparseSettings()
+    hkv, d, chunk, kv_len = 8, 128, 4096, 1 << 20
+    groups = HeadGroups.from_heads([resolve_head(None, settings)] * 32, "cuda")
+    q = torch.randn(chunk, 32, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    run_worst_case_steps(q, out, hkv, kv_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention)
+    kernels = [getattr(vsi, name) for name in dir(vsi) if hasattr(getattr(vsi, name), "device_caches")]
+
+    def compiled():
+        return {k.__name__: len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels}
+
+    before = compiled()
+    ctx = 28672
+    qr, _, key_cache, table = make_row(chunk, ctx, hkv, 4, d, 16, torch.bfloat16, 6, "cuda", structure=1.5)
+    run_sparse_rows_paged(qr.cuda(), torch.empty_like(qr.cuda()), [SparseRow(0, 0, chunk, ctx)], key_cache,
+                          torch.randn_like(key_cache), table[None], groups, settings, d ** -0.5, 0.0,
+                          sparse_prefill_attention, dense_row=lambda row: None)
+    torch.cuda.synchronize()
+    assert compiled() == before
 
 
 @cpu_only

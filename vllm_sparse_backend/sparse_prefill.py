@@ -290,6 +290,18 @@ def worst_case_steps(q_len: int, kv_len: int, min_query_len: int,
     return steps
 
 
+def compile_row(q_len: int, kv_len: int, min_query_len: int) -> SparseRow:
+    """One short row the profiling run adds after the claim's steps. The last-q pass picks how it
+    sums diagonals by the row's context (``vs_index.last_q_scores``: skewed slabs while they fit,
+    a gather above about 768K tokens), so with a long max_model_len the claim's rows compile only
+    the long-context variant, and the first request of ordinary length compiled the other one
+    (vLLM 0.26's JIT monitor flagged ``_lastq_skew_pass`` and ``_skew_colsum``: on an H200 serving
+    1M tokens the first 32K request took 3.1 s, FLASH_ATTN's 1.2 s). Its scratch is far below the
+    claim's."""
+    q = max(1, min(q_len, kv_len // 2, max(min_query_len, 64)))
+    return SparseRow(row=0, tok_start=0, q_len=q, ctx_len=min(q, kv_len - q))
+
+
 def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads: int, kv_len: int,
                          groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
                          kernel: PagedKernel, page_size: int = 16,
@@ -304,9 +316,11 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
     page of a tiny stand-in cache. The steps split all of ``query``'s tokens (at most ``kv_len``);
     ``output`` is overwritten for them; nothing is recorded in the stats. ``kv_dtype``: the
     stand-in cache's dtype (the layer's, e.g. fp8: the kernels' scaled variants are then compiled
-    here too, with scales of 1); default the query's. Returns the steps it ran.
+    here too, with scales of 1); default the query's. Returns the claim's steps; after them it runs
+    :func:`compile_row`, so that the variants of short contexts compile here too.
     """
     steps = worst_case_steps(query.shape[0], kv_len, settings.min_sparse_query_len)
+    runs = steps + [[compile_row(query.shape[0], kv_len, settings.min_sparse_query_len)]]
     head_dim = query.shape[-1]
     kv_dtype = kv_dtype or query.dtype
     key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=kv_dtype, device=query.device)
@@ -318,7 +332,7 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
         one = torch.ones(1, dtype=torch.float32, device=query.device)
         scales = {"k_scale": one, "v_scale": one}
     flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
-    for rows in steps:
+    for rows in runs:
         indices = [estimate_index_paged(query[r.tok_start:r.tok_start + r.q_len], key_cache, block_table[r.row],
                                         r.ctx_len, groups, settings, scale, one).index for r in rows]
         # the density fallback's temporaries, and a stats / sampled forward's
