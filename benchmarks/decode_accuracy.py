@@ -321,12 +321,14 @@ class SpansSelector:
     decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
-                                         "share": float, "page": int, "score": str, "index": str, "next": int}
+                                         "share": float, "page": int, "score": str, "index": str, "next": int,
+                                         "block": int, "vectors": int}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
     _divided: ClassVar[dict[tuple, tuple[torch.Tensor, tuple]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0):
+                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0,
+                 block_pages: int = 8, block_vectors: int = 12):
         from vllm_sparse_backend.decode_spans import span_params
         from sparse_prefill_kernels import span_decode, topk_decode
 
@@ -341,7 +343,15 @@ class SpansSelector:
         # "page2" (harness-only what-if, no backend counterpart): each page holds the keys of its 2
         # most-voted tokens (ties: the first tokens) and scores max(q . k1, q . k2), q summed over the
         # KV head's query heads as the backend's score; decode pages hold their mean key twice
+        # "blocks" (harness-only what-if, the paper's retrieval unit, Sec. 3.4 Eq. 8-9): the prompt is
+        # cut into memory blocks of block_pages pages (8 x 16 = 128 tokens, the paper's unit); the
+        # division's spans cut each block into pieces; a piece keeps its most-voted tokens, about
+        # block_vectors per block (the paper's M = 12) shared by length, and scores sum_m q . k_m
+        # (Eq. 8; score=max: the best single q . k_m instead); a block scores the best of its pieces
+        # (Eq. 9) and is retrieved whole
         self.index = index
+        self.block_pages, self.block_vectors = block_pages, block_vectors
+        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # index=blocks: per layer, piece keys / mask
         # "next" (harness-only what-if, no backend counterpart): every page chosen by score brings
         # the next_pages pages after it (a value's tokens cut by a page boundary), out of the same
         # budget (select_with_next)
@@ -357,15 +367,21 @@ class SpansSelector:
 
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
-        TopkSelector.check_params({k: v for k, v in params.items() if k not in ("persist", "score", "index", "next")})
+        TopkSelector.check_params({k: v for k, v in params.items()
+                                   if k not in ("persist", "score", "index", "next", "block", "vectors")})
         if params.get("next", 0) < 0:
             raise ValueError(f"next must be >= 0, got {params['next']}")
-        if params.get("index", "span") not in ("span", "page", "page2", "bounds", "pagebounds"):
-            raise ValueError(f"index must be span, page, page2, bounds or pagebounds, got {params['index']}")
+        if params.get("index", "span") not in ("span", "page", "page2", "bounds", "pagebounds", "blocks"):
+            raise ValueError(f"index must be span, page, page2, bounds, pagebounds or blocks, got {params['index']}")
+        for key in ("block", "vectors"):
+            if params.get(key, 1) < 1:
+                raise ValueError(f"{key} must be >= 1, got {params[key]}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
-        if params.get("score", "sum") not in ("sum", "mean"):
-            raise ValueError(f"score must be sum or mean, got {params['score']}")
+        if params.get("score", "sum") not in ("sum", "mean", "max"):
+            raise ValueError(f"score must be sum, mean or max, got {params['score']}")
+        if params.get("score") == "max" and params.get("index") != "blocks":
+            raise ValueError("score=max scores the index vectors of index=blocks one by one; give index=blocks")
 
     @classmethod
     def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "SpansSelector":
@@ -377,7 +393,8 @@ class SpansSelector:
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
                    score=params.get("score", "sum"), index=params.get("index", "span"),
-                   next_pages=params.get("next", 0))
+                   next_pages=params.get("next", 0), block_pages=params.get("block", 8),
+                   block_vectors=params.get("vectors", 12))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -457,6 +474,11 @@ class SpansSelector:
                     smin[pages], smax[pages] = keys[tokens].amin(0), keys[tokens].amax(0)
             self._bounds[layer] = (smin, smax)
             scores = span_bounds(q_sum, smin, smax)
+        if self.index == "blocks":
+            self._blocks[layer] = block_pieces(spans, votes, keys, self.page_size, self.block_pages,
+                                               self.block_vectors)
+            scores = block_scores(q_sum.view(k.shape[0], group, -1).sum(1), *self._blocks[layer], self.block_pages,
+                                  n_pages, self.score)
         if second is not None:
             scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_sum.view(k.shape[0], group, -1).sum(1)))
             self._keys2[layer] = second
@@ -464,7 +486,7 @@ class SpansSelector:
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
         flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
         top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
-        if self.index in ("bounds", "pagebounds"):  # a span's pages tie: the lowest ones, as at decode
+        if self.index in ("bounds", "pagebounds", "blocks"):  # a span's pages tie: the lowest ones, as at decode
             order = scores.sort(dim=0, descending=True, stable=True)
             top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
         flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
@@ -503,9 +525,16 @@ class SpansSelector:
             select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
-        if self.next_pages or self.index in ("bounds", "pagebounds"):
-            score = (span_bounds(q.double(), *self._bounds[layer]) if self.index in ("bounds", "pagebounds")
-                     else torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg))
+        if self.next_pages or self.index in ("bounds", "pagebounds", "blocks"):
+            if self.index == "blocks":  # pages decode began: their own mean key (recent pages anyway)
+                score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
+                prompt_pages = min(n_pages, self._blocks[layer][0].shape[0] * self.block_pages)
+                score[:prompt_pages] = block_scores(qg, *self._blocks[layer], self.block_pages, prompt_pages,
+                                                    self.score)
+            elif self.index in ("bounds", "pagebounds"):
+                score = span_bounds(q.double(), *self._bounds[layer])
+            else:
+                score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
             page_ids = torch.arange(n_pages)[:, None]
             forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)
             selected, counts = select_with_next(score, forced, self.budget_pages, self.next_pages)
@@ -519,6 +548,53 @@ class SpansSelector:
                          for s in range(selected.shape[1])]
         self.attended.add(sum(keys_attended) / len(keys_attended), length)
         return out[0].to(q.dtype)
+
+
+def block_pieces(spans: list, votes: torch.Tensor, keys: torch.Tensor, page: int, block_pages: int,
+                 block_vectors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spans' ``blocks`` what-if: the prompt's pages in blocks of ``block_pages``; the pages of a
+    block owned by one span (``spans``: per segment, each page's span id) form a piece, which keeps
+    the keys of its round(block_vectors x piece pages / block pages) (at least 1) most-voted tokens
+    (ties: the first), its index vectors. ``votes`` [N], ``keys`` [N, Hkv, D] float64. Returns the
+    index vectors [blocks, pieces, vectors, Hkv, D] and a mask [blocks, pieces, vectors] of real ones."""
+    n_tok = keys.shape[0]
+    n_pages = -(-n_tok // page)
+    owner = [(s, sid) for s, span in enumerate(spans) for sid in span][:n_pages]
+    blocks = []
+    for b0 in range(0, n_pages, block_pages):
+        groups: dict[tuple, list[int]] = {}
+        for p in range(b0, min(n_pages, b0 + block_pages)):
+            groups.setdefault(owner[p], []).append(p)
+        row = []
+        for pages in groups.values():
+            tokens = torch.cat([torch.arange(p * page, min(n_tok, (p + 1) * page)) for p in pages])
+            count = max(1, round(block_vectors * len(pages) / block_pages))
+            best = tokens[torch.sort(votes[tokens].double(), descending=True, stable=True).indices[:count]]
+            row.append(keys[best])
+        blocks.append(row)
+    width = max(len(r) for r in blocks)
+    most = max(len(piece) for r in blocks for piece in r)
+    vectors = torch.zeros(len(blocks), width, most, *keys.shape[1:], dtype=torch.float64)
+    mask = torch.zeros(len(blocks), width, most, dtype=torch.bool)
+    for b, row in enumerate(blocks):
+        for i, piece in enumerate(row):
+            vectors[b, i, :len(piece)] = piece
+            mask[b, i, :len(piece)] = True
+    return vectors, mask
+
+
+def block_scores(qg: torch.Tensor, vectors: torch.Tensor, mask: torch.Tensor, block_pages: int,
+                 n_pages: int, reduce: str = "sum") -> torch.Tensor:
+    """Spans' ``blocks`` what-if: per page and KV head [n_pages, Hkv], its block's best piece (Eq. 9);
+    a piece scores sum_m q . k_m over its index vectors (``reduce`` "sum": Eq. 8 for one query) or
+    their best q . k_m ("max"); ``qg`` [Hkv, D] the KV head's query heads summed (as the backend scores)."""
+    dots = torch.einsum("bpvhd,hd->bpvh", vectors, qg)
+    if reduce == "max":
+        per_piece = dots.masked_fill(~mask[..., None], float("-inf")).amax(2)
+    else:
+        per_piece = dots.masked_fill(~mask[..., None], 0.0).sum(2)
+    per_piece = per_piece.masked_fill(~mask.any(2)[..., None], float("-inf"))
+    return per_piece.amax(1).repeat_interleave(block_pages, 0)[:n_pages]
 
 
 def span_bounds(q: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor) -> torch.Tensor:

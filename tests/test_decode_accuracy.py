@@ -361,8 +361,12 @@ def test_spans_selector_page_index(da, with_references):
     sel.attend(0, torch.randn(h, d, generator=gen), k2, v2, d ** -0.5)
     last = n // page
     torch.testing.assert_close(sel._keys[0][last], k2[:, last * page:].double().mean(1))
-    with pytest.raises(ValueError, match="index must be span, page, page2, bounds or pagebounds"):
+    with pytest.raises(ValueError, match="index must be span, page, page2, bounds, pagebounds or blocks"):
         da.parse_variant("spans:index=token")
+    with pytest.raises(ValueError, match="vectors must be >= 1"):
+        da.parse_variant("spans:index=blocks,vectors=0")
+    with pytest.raises(ValueError, match="score=max scores the index vectors of index=blocks"):
+        da.parse_variant("spans:score=max")
 
 
 def test_spans_selector_page2_index(da, with_references):
@@ -460,6 +464,64 @@ def test_spans_selector_bounds_index(da, with_references, index):
             return bound(smin[a, g], smax[a, g], qd[heads])
         forced = [a for a in range(pages_new) if a < sink or a >= pages_new - recent or a in flagged]
         rest = sorted((a for a in range(pages_new) if a not in forced), key=lambda a: (-score(a), a))
+        toks = [t for a in sorted(forced + rest[:budget]) for t in range(a * page, min((a + 1) * page, n_new))]
+        for head in range(g * group, (g + 1) * group):
+            p = torch.softmax(k2[g, toks].double() @ qd[head].double() * d ** -0.5, 0)
+            torch.testing.assert_close(got[head], p @ v2[g, toks].double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_spans_selector_blocks_index(da, with_references, reduce):
+    """spans:index=blocks (harness-only what-if, the paper's Eq. 8-9): the prompt's pages in blocks
+    of ``block`` pages; the pages of a block in one span of the selector's own division form a
+    piece whose index vectors are the keys of its round(vectors x pages / block) most-voted tokens
+    (float64 votes of an independent softmax), scored by the sum of their q . k (Eq. 8) or, with
+    score=max, the best one; a page scores its block's best piece (q summed over the KV head's
+    query heads; persistent flags: the last last_q prompt queries), whole blocks tie to the lower
+    pages; the output equals float64 attention over the pages so chosen."""
+    h, hkv, d, n, page, block, vectors = 4, 2, 16, 1100, 16, 4, 6
+    sink, recent, persist, budget = 1, 8, 2, 8
+    sel, gen, q, k, v = _prefilled_spans(
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=blocks,block={block},"
+            f"vectors={vectors},score={reduce}", 13)
+    (_, (spans, _, _)), = sel._divided.values()
+    owner = [(s, sid) for s, span in enumerate(spans) for sid in span]
+    n_pages = -(-n // page)
+    votes = segment_votes_f64(q, k)
+    pieces = []  # per block: the pieces' summed keys [Hkv, D]
+    for b0 in range(0, n_pages, block):
+        members: dict = {}
+        for a in range(b0, min(n_pages, b0 + block)):
+            members.setdefault(owner[a], []).append(a)
+        row = []
+        for pages in members.values():
+            toks = [t for a in pages for t in range(a * page, min((a + 1) * page, n))]
+            count = max(1, round(vectors * len(pages) / block))
+            best = sorted(toks, key=lambda t: (-float(votes[t]), t))[:count]
+            row.append(k[:, best].double())  # [Hkv, count, D]
+        pieces.append(row)
+    assert any(len(row) > 1 for row in pieces) and any(len(row) == 1 for row in pieces)
+
+    def score(a, g, qv):  # qv [D]: the KV head's query heads summed
+        dots = [piece[g] @ qv for piece in pieces[a // block]]
+        return max(float(x.sum() if reduce == "sum" else x.max()) for x in dots)
+
+    group = h // hkv
+    q_last = q[:, -sel.last_q:].double().sum(1).view(hkv, group, d).sum(1)
+    n_new = n + 1
+    k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
+    v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
+    qd = torch.randn(h, d, generator=gen)
+    got = sel.attend(0, qd, k2, v2, d ** -0.5).double()
+    pages_new = -(-n_new // page)
+    assert pages_new == n_pages  # the decode step writes into the prompt's last page
+    for g in range(hkv):
+        middle = [a for a in range(n_pages) if sink <= a < n_pages - recent]
+        flagged = sorted(middle, key=lambda a: (-score(a, g, q_last[g]), a))[:persist]
+        assert [a for a in range(n_pages) if sel._flags[0][a, g]] == sorted(flagged)
+        qg = qd[g * group:(g + 1) * group].double().sum(0)
+        forced = [a for a in range(pages_new) if a < sink or a >= pages_new - recent or a in flagged]
+        rest = sorted((a for a in range(pages_new) if a not in forced), key=lambda a: (-score(a, g, qg), a))
         toks = [t for a in sorted(forced + rest[:budget]) for t in range(a * page, min((a + 1) * page, n_new))]
         for head in range(g * group, (g + 1) * group):
             p = torch.softmax(k2[g, toks].double() @ qd[head].double() * d ** -0.5, 0)
