@@ -461,7 +461,8 @@ class SpansSelector:
         # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
-        scores = torch.einsum("phd,hd->ph", span_keys, q_sum.view(k.shape[0], group, -1).sum(1))  # [pages, Hkv]
+        q_last = q_sum.view(k.shape[0], group, -1).sum(1)  # [Hkv, D]: each KV head's query heads summed
+        scores = torch.einsum("phd,hd->ph", span_keys, q_last)  # [pages, Hkv]
         if self.index in ("bounds", "pagebounds"):  # what-if: each page holds its span's (its own) key min / max
             smin = torch.empty(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
             smax = torch.empty_like(smin)
@@ -477,10 +478,9 @@ class SpansSelector:
         if self.index == "blocks":
             self._blocks[layer] = block_pieces(spans, votes, keys, self.page_size, self.block_pages,
                                                self.block_vectors)
-            scores = block_scores(q_sum.view(k.shape[0], group, -1).sum(1), *self._blocks[layer], self.block_pages,
-                                  n_pages, self.score)
+            scores = block_scores(q_last, *self._blocks[layer], self.block_pages, n_pages, self.score)
         if second is not None:
-            scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_sum.view(k.shape[0], group, -1).sum(1)))
+            scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_last))
             self._keys2[layer] = second
         j = torch.arange(n_pages)
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")

@@ -468,12 +468,11 @@ def main() -> None:
 
     import torch
     import vllm
-    structure = args.structure
     print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
           f"shape, {args.layers} layers, bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
           f"{args.tensor_parallel_size}, "
           f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
-          f"prefix caching {'on' if args.prefix_cache else 'off'}, structure {structure}; "
+          f"prefix caching {'on' if args.prefix_cache else 'off'}, structure {args.structure}; "
           f"variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]

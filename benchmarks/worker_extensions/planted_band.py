@@ -20,8 +20,7 @@ def plant_band(worker, logit_at_zero: float = 12.0) -> str:
     """Rewrite one worker's (one tensor-parallel rank's) dummy weights: see the module doc."""
     import torch
 
-    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
-    inner = runner.model.model
+    inner = worker.model_runner.model.model
     with torch.no_grad():
         emb = inner.embed_tokens.weight
         gen = torch.Generator(device=emb.device).manual_seed(0)
