@@ -14,6 +14,13 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
   ``--decode-batch`` each, or one for all) run one after the other in the same engine; tokens/s =
   B * decode_tokens / (difference in time), and the decode step time from vLLM's per-request
   token timestamps (mean inter-token time of the request whose first token came last);
+* decode from the prefix cache (``--decode-cached``, prefix caching on): per context, the largest
+  batch's prompts are prefilled once (untimed, one ``cache_salt``), then each batch decodes from
+  those cached pages: its prefill is vLLM's recompute of the last token, so the timed ``generate``
+  is the decode steps of B requests together (with the difference method above, the first
+  requests of a large batch at a long context can finish decoding while the last one still
+  prefills). tokens/s = B * decode_tokens / wall time; step time = the median request's mean
+  inter-token time; vLLM's count of cached tokens shows the cache held (``cached``).
 * mixed (``--mixed``): one long request (the largest length) with 7 short ones (1K) in one
   batch; time and whether the short requests' tokens equal the first variant's.
 * prefix cache (``--prefix-cache``): vLLM's prefix caching on; every measurement above gets its own
@@ -41,6 +48,11 @@ projection is its KV head's K projection, the input norms are 1 and every token 
 shared vector plus 17% token noise. Logits then depend mostly on distance: at 128K the top 6096
 diagonals lie within ~9K of the main one and cover about half of a row's attention mass. The
 same weights serve every variant. ``none`` keeps vLLM's dummy weights.
+
+Real weights (``--model-dir DIR``, with ``--structure none``): the model folder is loaded as it
+is (weights and config; prompts stay random token ids, no tokenizer), ``--yarn FACTOR`` serving
+it through a YaRN copy of its config (``tools.evaluation.accuracy.yarn_model_dir``) for contexts
+past its trained length.
 
 Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
 ``dense=sparse-prefill:VLLM_SPARSE_DEFAULT_PATTERN=dense,VLLM_SPARSE_MAX_DENSITY=1`` (density 1
@@ -115,6 +127,10 @@ def write_model(out: Path, layers: int, max_len: int) -> Path:
 # Kernel-name patterns -> category of the profile breakdown (first match wins).
 KERNEL_CATEGORIES = [
     ("sparse attention (ours)", r"_sparse_fwd_kernel"),
+    ("decode-mode state (ours)", r"_update_summaries_kernel|_update_span_keys_kernel|_local_map_kernel|_nms_kernel"
+                                 r"|_divide_kernel|_index_tokens_kernel|_span_scores_kernel|_build_summaries_kernel"),
+    ("decode-mode attention (ours)", r"_page_scores_kernel|_token_scores_kernel|_topk_decode_kernel"
+                                     r"|_combine_splits_kernel"),
     ("last-q scores (ours)", r"_lastq_|_merge_row_stats|_skew_colsum"),
     ("vs conversion (ours)", r"_vs_convert_kernel"),
     ("top-k select (ours)", r"_hist_kernel|_compact_kernel"),
@@ -201,10 +217,11 @@ def worker(args) -> None:
     extra = {} if profile_dir is None else {"profiler_config": {
         "profiler": "torch", "torch_profiler_dir": str(profile_dir), "torch_profiler_with_stack": False,
         "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False}}
-    llm = LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    llm = LLM(model=args.model, load_format="auto" if args.real_weights else "dummy", skip_tokenizer_init=True,
+              dtype="bfloat16",
               attention_backend=args.backend, max_model_len=args.max_len, enforce_eager=not args.cudagraphs,
               tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_batched_tokens=args.chunk, enable_prefix_caching=args.prefix_cache,
+              max_num_batched_tokens=args.chunk, enable_prefix_caching=args.prefix_cache or args.decode_cached,
               gpu_memory_utilization=0.85,
               worker_extension_cls=WORKER_EXTENSION if args.structure == "band" else "",
               seed=0, max_num_seqs=max([8] + args.decode_batch),
@@ -217,7 +234,7 @@ def worker(args) -> None:
     salts = itertools.count()
 
     def timed(prompts, params):
-        if args.prefix_cache:  # a fresh salt per call: the timed measurements never hit the cache
+        if args.prefix_cache or args.decode_cached:  # a fresh salt per call: these never hit the cache
             salt = f"e2e-{next(salts)}"
             prompts = [{**p, "cache_salt": salt} for p in prompts]
         t = time.perf_counter()
@@ -251,7 +268,29 @@ def worker(args) -> None:
                 break
             time.sleep(1)
         emit("profile", n=n, seconds=t, files=[p.name for p in new], **kernel_breakdown(new))
-    for batch, context in decode_specs(args):
+    if args.decode_cached:
+        for context, batches in cached_decode_groups(decode_specs(args)):
+            salt = f"decode-{context}"  # one salt for the priming and the timed runs: those hit the cache
+            prompts = [{"prompt_token_ids": prompt_ids(context, 1000 + i), "cache_salt": salt}
+                       for i in range(max(batches))]
+            t = time.perf_counter()
+            llm.generate(prompts, greedy(1), use_tqdm=False)
+            emit("decode_prime", context=context, requests=len(prompts), seconds=time.perf_counter() - t)
+            for batch in batches:
+                runs = []
+                for _ in range(args.repeats):
+                    t = time.perf_counter()
+                    out = llm.generate(prompts[:batch], greedy(1 + args.decode_tokens), use_tqdm=False)
+                    runs.append((time.perf_counter() - t, out))
+                wall, out = min(runs, key=lambda r: r[0])
+                steps = sorted((o.metrics.last_token_ts - o.metrics.first_token_ts) / args.decode_tokens
+                               for o in out if o.metrics is not None and o.metrics.last_token_ts > 0)
+                emit("decode", batch=batch, context=context, steps=args.decode_tokens, total_s=wall,
+                     tokens_per_s=batch * args.decode_tokens / wall,
+                     step_ms=1000 * steps[len(steps) // 2] if steps else None,
+                     cached=sum(o.num_cached_tokens or 0 for o in out) / (batch * context),
+                     tokens=[list(o.outputs[0].token_ids) for o in out])
+    for batch, context in [] if args.decode_cached else decode_specs(args):
         prompts = [{"prompt_token_ids": prompt_ids(context, 1000 + i)} for i in range(batch)]
         # decode time = (prefill + 1 + N tokens) - (prefill + 1 token); both vary with the prefill, so
         # each is the best of --repeats (one run each gave +-20% on an H100)
@@ -370,6 +409,15 @@ def decode_specs(args) -> list[tuple[int, int]]:
     return [(b, n) for b, n in zip(batches, lens) if b > 0]
 
 
+def cached_decode_groups(specs: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """(context, batches) in first-seen order: --decode-cached primes each context once, for its
+    largest batch, and measures every batch of that context from those cached prompts."""
+    groups: dict[int, list[int]] = {}
+    for batch, context in specs:
+        groups.setdefault(context, []).append(batch)
+    return list(groups.items())
+
+
 def parse_variant(spec: str) -> tuple[str, str, dict[str, str]]:
     label, _, rest = spec.partition("=")
     backend, _, env = rest.partition(":")
@@ -392,6 +440,11 @@ def main() -> None:
                     help="requests per decode measurement: one for every --decode-len, or one each")
     ap.add_argument("--decode-len", type=int, nargs="+", default=[32768], help="context of each decode measurement")
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-cached", action="store_true",
+                    help="decode measured from the prefix cache (see the module doc); turns prefix caching on")
+    ap.add_argument("--model-dir", default=None,
+                    help="a real model folder instead of the dummy Llama-3-8B shape (needs --structure none)")
+    ap.add_argument("--yarn", type=float, default=None, help="with --model-dir: serve a YaRN copy (rope factor)")
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="prefix caching on, with a prompt whose first half is cached (see the module doc)")
@@ -413,6 +466,7 @@ def main() -> None:
     ap.add_argument("--label", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--real-weights", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -421,7 +475,15 @@ def main() -> None:
         raise SystemExit("--prefix-cache measures through the offline engine; it does not combine with --server")
     specs = decode_specs(args)  # checks the two lists fit together
     args.max_len = max(args.max_model_len, max([max(args.lengths)] + [n for _, n in specs]) + 128)
-    args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
+    if args.model_dir:
+        if args.structure != "none" or args.server:
+            raise SystemExit("--model-dir takes --structure none (its weights are the model's) and the offline engine")
+        args.model = args.model_dir
+        if args.yarn:
+            from vllm_sparse_backend.tools.evaluation.accuracy import yarn_model_dir
+            args.model = str(yarn_model_dir(args.model_dir, args.yarn, tempfile.mkdtemp(prefix="e2e-yarn-")))
+    else:
+        args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
     variants = [parse_variant(v) for v in args.variants]
     envs = {label: run_env(venv) for label, _, venv in variants}  # a refused variant stops before any run
     results: dict[str, list[dict]] = {}
@@ -448,7 +510,8 @@ def main() -> None:
               (["--profile-lengths", *map(str, args.profile_lengths)]
                if args.profile_variants is None or label in args.profile_variants else []) + \
               (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else []) + \
-              (["--prefix-cache"] if args.prefix_cache else [])
+              (["--prefix-cache"] if args.prefix_cache else []) + \
+              (["--decode-cached"] if args.decode_cached else []) + (["--real-weights"] if args.model_dir else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
         log.write_text(proc.stderr)
@@ -468,11 +531,13 @@ def main() -> None:
 
     import torch
     import vllm
-    print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; dummy Llama-3-8B "
-          f"shape, {args.layers} layers, bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
+    model = (f"{Path(args.model_dir).name} (real weights{f', YaRN x{args.yarn:g}' if args.yarn else ''})"
+             if args.model_dir else f"dummy Llama-3-8B shape, {args.layers} layers")
+    print(f"\n{torch.cuda.get_device_name()}, vllm {vllm.__version__}, torch {torch.__version__}; {model}, "
+          f"bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
           f"{args.tensor_parallel_size}, "
           f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
-          f"prefix caching {'on' if args.prefix_cache else 'off'}, structure {args.structure}; "
+          f"prefix caching {'on' if args.prefix_cache or args.decode_cached else 'off'}, structure {args.structure}; "
           f"variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]
@@ -500,7 +565,10 @@ def main() -> None:
                                                   if r["kind"] == "server") for label in labels))
         return
     for batch, context in specs:
-        print(f"\ndecode: {batch} requests x {context} tokens of context, {args.decode_tokens} new tokens each")
+        print(f"\ndecode: {batch} requests x {context} tokens of context, {args.decode_tokens} new tokens each"
+              + (" (from the prefix cache; cached share: " + ", ".join(
+                  f"{label} {d['cached']:.3f}" for label in labels
+                  if (d := get(label, "decode", batch=batch, context=context))) + ")" if args.decode_cached else ""))
         print("| variant | decode tokens/s | vs first | decode step ms (last request) | speed vs first "
               "| tokens equal first |")
         print("|---|---|---|---|---|---|")

@@ -364,7 +364,8 @@ def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch
     monkeypatch.setattr(vllm, "LLM", fake_llm)
     args = SimpleNamespace(profile_lengths=[], label="tp", model="m", backend="sparse-prefill", max_len=4096,
                            cudagraphs=False, chunk=2048, decode_batch=[0], tensor_parallel_size=2,
-                           kv_cache_dtype="fp8", prefix_cache=False, structure="band")
+                           kv_cache_dtype="fp8", prefix_cache=False, structure="band",
+                           decode_cached=False, real_weights=False)
     with pytest.raises(Stop):
         e2e.worker(args)
     assert seen["tensor_parallel_size"] == 2 and seen["attention_backend"] == "sparse-prefill"
@@ -374,6 +375,10 @@ def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch
     with pytest.raises(Stop):
         e2e.worker(args)
     assert seen["enable_prefix_caching"] is True and seen["worker_extension_cls"] == ""
+    args.prefix_cache, args.decode_cached, args.real_weights = False, True, True  # a real model, decode from the cache
+    with pytest.raises(Stop):
+        e2e.worker(args)
+    assert seen["enable_prefix_caching"] is True and seen["load_format"] == "auto"
 
 
 def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
@@ -397,3 +402,14 @@ def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": env["PYTHONPATH"].split(os.pathsep)[0]},
                          capture_output=True, text=True, cwd="/")
     assert out.stdout.split() == ["PlantedBandWorker", "True"], out.stderr[-2000:]
+
+
+def test_e2e_cached_decode_groups_prime_each_context_once():
+    """--decode-cached primes each context once, for its largest batch, then measures every batch
+    of that context from the cache, contexts in the order given."""
+    from conftest import load_script
+
+    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
+    specs = [(1, 32768), (8, 32768), (1, 131072), (8, 131072), (4, 32768)]
+    assert e2e.cached_decode_groups(specs) == [(32768, [1, 8, 4]), (131072, [1, 8])]
+    assert e2e.cached_decode_groups([]) == []
