@@ -47,7 +47,10 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   ``pagebounds``, the control of ``bounds``: every page's own key min / max, so that only the span
   grouping differs from ``bounds``), ``next``
   (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
-  the same budget).
+  the same budget), ``persist_by`` (``index``, the backend's: the persistent pages are those the
+  last 64 prompt queries score highest by the same index decode uses; ``attention``: those that
+  get the most of the last 64 prompt queries' exact attention, the last chunk's retrieval when the
+  whole cache stays on the GPU; issue 24).
 
 Variant specs: ``NAME[:KEY=VALUE,...]``, the spec is the variant's label. ``topk`` keys: ``sink``
 (default 1 page), ``recent`` (8), ``budget`` (64) or ``share`` (budget as a share of the prompt's
@@ -322,13 +325,15 @@ class SpansSelector:
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
                                          "share": float, "page": int, "score": str, "index": str, "next": int,
-                                         "block": int, "vectors": int}
+                                         "block": int, "vectors": int, "persist_by": str,
+                                         "persist_next": int}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
     _divided: ClassVar[dict[tuple, tuple[torch.Tensor, tuple]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
                  page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0,
-                 block_pages: int = 8, block_vectors: int = 12):
+                 block_pages: int = 8, block_vectors: int = 12, persist_by: str = "index",
+                 persist_next: int = 0):
         from vllm_sparse_backend.decode_spans import span_params
         from sparse_prefill_kernels import span_decode, topk_decode
 
@@ -356,6 +361,18 @@ class SpansSelector:
         # the next_pages pages after it (a value's tokens cut by a page boundary), out of the same
         # budget (select_with_next)
         self.next_pages = next_pages
+        # "persist_by": how the last prompt queries flag the persistent pages. "index" (the
+        # backend's): by the same page scores decode uses (q . span key, or the index what-if's
+        # score). "attention" (issue 24 what-if): by their exact attention, the paper's persistent
+        # mechanism as it maps onto a cache that stays on the GPU: the last chunk's retrieval is
+        # the pages its queries actually attend to (softmax over each query's causal context,
+        # summed over the KV head's query heads and the last queries, pooled to pages)
+        self.persist_by = persist_by
+        # "persist_next": the persistent pages come in runs of 1 + persist_next pages from each of
+        # the persist // (1 + persist_next) best-scoring pages on (persistent_runs): the retrieval
+        # unit is a short run of pages from the attended one on (the paper retrieves 128-token
+        # blocks), so that a value whose tokens cross a page boundary is kept whole
+        self.persist_next = persist_next
         self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
         # index=bounds: per layer, each page's span key min / max [pages, Hkv, D] (float64)
         self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -368,7 +385,14 @@ class SpansSelector:
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
         TopkSelector.check_params({k: v for k, v in params.items()
-                                   if k not in ("persist", "score", "index", "next", "block", "vectors")})
+                                   if k not in ("persist", "score", "index", "next", "block", "vectors",
+                                                "persist_by", "persist_next")})
+        if params.get("persist_next", 0) < 0:
+            raise ValueError(f"persist_next must be >= 0, got {params['persist_next']}")
+        if params.get("persist_next", 0) and params.get("persist_by", "attention") != "attention":
+            raise ValueError("persist_next takes persist_by=attention (the backend's decode_persist_next)")
+        if params.get("persist_by", "attention") not in ("index", "attention"):
+            raise ValueError(f"persist_by must be index or attention, got {params['persist_by']}")
         if params.get("next", 0) < 0:
             raise ValueError(f"next must be >= 0, got {params['next']}")
         if params.get("index", "span") not in ("span", "page", "page2", "bounds", "pagebounds", "blocks"):
@@ -394,7 +418,10 @@ class SpansSelector:
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
                    score=params.get("score", "sum"), index=params.get("index", "span"),
                    next_pages=params.get("next", 0), block_pages=params.get("block", 8),
-                   block_vectors=params.get("vectors", 12))
+                   block_vectors=params.get("vectors", 12),
+                   persist_by=params.get("persist_by", cfg.decode_span_persist),
+                   persist_next=params.get("persist_next", cfg.decode_persist_next
+                                           if params.get("persist_by", cfg.decode_span_persist) == "attention" else 0))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -482,6 +509,8 @@ class SpansSelector:
         if second is not None:
             scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_last))
             self._keys2[layer] = second
+        if self.persist_by == "attention":
+            scores = last_queries_page_mass(q, k, self.last_q, page, scale)
         j = torch.arange(n_pages)
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
         flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
@@ -490,6 +519,8 @@ class SpansSelector:
             order = scores.sort(dim=0, descending=True, stable=True)
             top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
         flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
+        if self.persist_next:  # persist // (1 + next) anchors, each flagging itself and the next pages
+            flags = persistent_runs(scores, self.persist_pages, self.persist_next)
         self._keys[layer], self._flags[layer] = span_keys, flags
 
     def attend(self, layer, q, k, v, scale) -> torch.Tensor:
@@ -550,6 +581,24 @@ class SpansSelector:
         return out[0].to(q.dtype)
 
 
+def last_queries_page_mass(q: torch.Tensor, k: torch.Tensor, last_q: int, page: int, scale: float) -> torch.Tensor:
+    """float64 [pages, Hkv]: the attention mass each page gets from the prompt's last ``last_q``
+    queries (q ``[H, N, D]``, k ``[Hkv, N, D]``): each query's causal softmax, summed over the
+    queries and the KV head's query heads, then over the page's keys."""
+    h, n, _ = q.shape
+    hkv = k.shape[0]
+    n_last = min(last_q, n)
+    qs = q[:, n - n_last:].double()  # [H, n_last, D]
+    kk = k.double().repeat_interleave(h // hkv, 0)  # [H, N, D]
+    logits = torch.einsum("hqd,hkd->hqk", qs, kk) * scale
+    pos = torch.arange(n - n_last, n)[:, None]
+    logits = logits.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
+    mass = logits.softmax(-1).sum(1).view(hkv, h // hkv, n).sum(1)  # [Hkv, N]
+    n_pages = -(-n // page)
+    mass = torch.nn.functional.pad(mass, (0, n_pages * page - n))
+    return mass.view(hkv, n_pages, page).sum(-1).t().contiguous()
+
+
 def block_pieces(spans: list, votes: torch.Tensor, keys: torch.Tensor, page: int, block_pages: int,
                  block_vectors: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Spans' ``blocks`` what-if: the prompt's pages in blocks of ``block_pages``; the pages of a
@@ -605,6 +654,24 @@ def span_bounds(q: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor) -> torc
     lo = qh[None] * smin[:, :, None]  # [pages, Hkv, group, D]
     hi = qh[None] * smax[:, :, None]
     return torch.maximum(lo, hi).sum((2, 3))
+
+
+def persistent_runs(scores: torch.Tensor, persist: int, next_pages: int) -> torch.Tensor:
+    """uint8 flags [pages, Hkv]: per KV head, the ``persist // (1 + next_pages)`` best pages of
+    ``scores`` [pages, Hkv] (-inf: never; ties to the lower page) and the ``next_pages`` pages after
+    each, where those may be flagged (finite score). Runs that overlap flag fewer pages."""
+    n_pages, hkv = scores.shape
+    anchors = min(persist // (1 + next_pages), n_pages)
+    order = scores.sort(dim=0, descending=True, stable=True)
+    flags = torch.zeros(n_pages, hkv, dtype=torch.uint8)
+    for g in range(hkv):
+        for value, j in zip(order.values[:anchors, g].tolist(), order.indices[:anchors, g].tolist()):
+            if value == float("-inf"):
+                break
+            for p in range(j, min(j + 1 + next_pages, n_pages)):
+                if scores[p, g] > float("-inf"):
+                    flags[p, g] = 1
+    return flags
 
 
 def select_with_next(score: torch.Tensor, forced: torch.Tensor, budget: int, next_pages: int

@@ -240,7 +240,7 @@ def test_spans_selector(da, with_references):
         base = torch.randn(d, generator=gen) * 1.5
         q[:, t:t + 48] += base
         k[:, t:t + 48] += base
-    sel = da.build_selector(da.parse_variant("spans:persist=3,budget=2"), n)
+    sel = da.build_selector(da.parse_variant("spans:persist=3,budget=2,persist_by=index"), n)
     maps, votes, lens = sel.local_maps(q, k, d ** -0.5)
     assert lens.tolist() == [1024, 76]
     for s, (s0, t) in enumerate(((0, 1024), (1024, 76))):
@@ -325,7 +325,8 @@ def test_spans_selector_next_pages(da, with_references):
     """spans:next=1 at decode: every KV head attends to the same number of pages (the attention
     reference takes one count per sequence), and the output is float64 attention over them."""
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
-    sel, gen, q, k, v = _prefilled_spans(da, "spans:sink=1,recent=8,persist=2,budget=6,index=page,next=1", 8)
+    sel, gen, q, k, v = _prefilled_spans(
+        da, "spans:sink=1,recent=8,persist=2,budget=6,index=page,next=1,persist_by=index", 8)
     k2 = torch.cat([k, torch.randn(hkv, 1, d, generator=gen)], 1)
     v2 = torch.cat([v, torch.randn(hkv, 1, d, generator=gen)], 1)
     qd = torch.randn(h, d, generator=gen)
@@ -350,7 +351,7 @@ def test_spans_selector_page_index(da, with_references):
     of its own most-voted token (float64 votes of an independent softmax), the page decode writes
     its mean key."""
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
-    sel, gen, q, k, v = _prefilled_spans(da, "spans:persist=2,budget=3,index=page", 6)
+    sel, gen, q, k, v = _prefilled_spans(da, "spans:persist=2,budget=3,index=page,persist_by=index", 6)
     votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     for a in range(n_pages):
@@ -369,6 +370,40 @@ def test_spans_selector_page_index(da, with_references):
         da.parse_variant("spans:score=max")
 
 
+def test_spans_selector_persist_by_attention(da, with_references):
+    """spans:persist_by=attention (issue 24): the persistent pages of each KV head are those that
+    get the most attention mass from the last 64 prompt queries (each query's own causal softmax,
+    float64, computed here query by query), sink and recent pages excluded; span keys unchanged."""
+    h, hkv, d, n, page, persist = 4, 2, 16, 1100, 16, 5
+    sel, _, q, k, _ = _prefilled_spans(da, f"spans:persist={persist},budget=3,persist_by=attention,persist_next=0", 11)
+    base, *_ = _prefilled_spans(da, f"spans:persist={persist},budget=3,persist_by=index", 11)
+    torch.testing.assert_close(sel._keys[0], base._keys[0], rtol=0, atol=0)
+    n_pages = -(-n // page)
+    mass = torch.zeros(n_pages, hkv, dtype=torch.float64)
+    for head in range(h):
+        kv = head // (h // hkv)
+        for t in range(n - 64, n):
+            w = torch.softmax(k[kv, :t + 1].double() @ q[head, t].double() * d ** -0.5, 0)
+            for j in range(t + 1):
+                mass[j // page, kv] += w[j]
+    j = torch.arange(n_pages)
+    mass[(j < sel.sink_pages) | (j >= n_pages - sel.recent_pages)] = float("-inf")
+    for kv in range(hkv):
+        want = set(mass[:, kv].topk(persist).indices.tolist())
+        assert set(torch.nonzero(sel._flags[0][:, kv]).flatten().tolist()) == want
+    assert not torch.equal(sel._flags[0], base._flags[0])  # the what-if changes which pages persist
+    # persist_next=1: runs of 2 pages from the persist // 2 = 2 most attended pages on
+    runs, *_ = _prefilled_spans(da, f"spans:persist={persist},budget=3,persist_next=1", 11)
+    for kv in range(hkv):
+        anchors = mass[:, kv].topk(persist // 2).indices.tolist()
+        want = {p for a in anchors for p in (a, a + 1) if mass[p, kv] > float("-inf")}
+        assert set(torch.nonzero(runs._flags[0][:, kv]).flatten().tolist()) == want
+    with pytest.raises(ValueError, match="persist_by must be index or attention"):
+        da.parse_variant("spans:persist_by=votes")
+    with pytest.raises(ValueError, match="persist_next takes persist_by=attention"):
+        da.parse_variant("spans:persist_by=index,persist_next=1")
+
+
 def test_spans_selector_page2_index(da, with_references):
     """spans:index=page2 (harness-only what-if): every prompt page holds the keys of its own 2
     most-voted tokens (float64 votes of an independent softmax), pages are scored by the larger
@@ -377,7 +412,7 @@ def test_spans_selector_page2_index(da, with_references):
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
     sink, recent, persist, budget = 1, 8, 2, 3
     sel, gen, q, k, v = _prefilled_spans(
-        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=page2", 6)
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=page2,persist_by=index", 6)
     votes = segment_votes_f64(q, k)
     n_pages = -(-n // page)
     top2 = []
@@ -424,7 +459,7 @@ def test_spans_selector_bounds_index(da, with_references, index):
     h, hkv, d, n, page = 4, 2, 16, 1100, 16
     sink, recent, persist, budget = 1, 8, 2, 5
     sel, gen, q, k, v = _prefilled_spans(
-        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index={index}", 12)
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index={index},persist_by=index", 12)
     (_, (spans, _, _)), = sel._divided.values()
     seg = sel.params.segment_tokens
     owner = [(s, sid) for s, span in enumerate(spans) for sid in span]  # a span id per prompt page
@@ -482,8 +517,8 @@ def test_spans_selector_blocks_index(da, with_references, reduce):
     h, hkv, d, n, page, block, vectors = 4, 2, 16, 1100, 16, 4, 6
     sink, recent, persist, budget = 1, 8, 2, 8
     sel, gen, q, k, v = _prefilled_spans(
-        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=blocks,block={block},"
-            f"vectors={vectors},score={reduce}", 13)
+        da, f"spans:sink={sink},recent={recent},persist={persist},budget={budget},index=blocks,persist_by=index,"
+            f"block={block},vectors={vectors},score={reduce}", 13)
     (_, (spans, _, _)), = sel._divided.values()
     owner = [(s, sid) for s, span in enumerate(spans) for sid in span]
     n_pages = -(-n // page)
