@@ -40,10 +40,16 @@ management (freeing, preemption, prefix caching) without any per-request bookkee
    granularity; fallback: 1 x the mean key): measured on a real model
    (``benchmarks/decode_spans_probe.py``), a needle sits inside a kept span of 4-32 pages whose
    at most 24 index tokens miss it, so no span-level key ranks its page within the budget.
-4. **Persistent pages** (:func:`mark_persistent_pages`): the paper keeps the last prefill chunk's
-   retrieval for the whole decode. Here the last ``last_q`` queries of each prefill chunk, summed,
-   score the row's pages; the ``persist_pages`` best (sink and recent pages excluded) get a flag per
-   KV head, after every flag of the row is cleared, so the last chunk's choice is what decode sees.
+4. **Persistent pages**: the paper keeps the last prefill chunk's retrieval for the whole decode.
+   Per prefill chunk, the ``persist_pages`` best pages of the row (sink and recent pages excluded)
+   get a flag per KV head, after every flag of the row is cleared, so the last chunk's choice is
+   what decode sees. "Best" is either by the index (:func:`mark_persistent_pages`: the chunk's
+   last ``last_q`` queries, summed, score the pages' span keys, as decode does) or by attention
+   (:func:`mark_persistent_pages_by_attention`: the attention mass those queries give each page,
+   their exact softmax over the row's cached context). The paper's chunk retrieves through the
+   index because its context sits in CPU memory; here the whole cache stays on the GPU, so what
+   the last chunk attends to can be read exactly (issue 24: with the index the needles' pages were
+   never among the persistent ones).
 5. **Selection** (:func:`select_span_pages`, Triton scores + :func:`topk_select.topk_ascending`):
    per sequence and KV head, sink, recent and flagged pages are forced, and the ``budget_pages``
    best-scoring other pages (``sum over the group's query heads of q . span_key``) are added; the
@@ -66,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .estimate import representative_scores
 from .topk_decode import _check_cache, last_written_slot, page_key_tile, top_pages
 
 TILE = 64  # query and key rows of a local-map tile; segments and pages must divide into it
@@ -191,6 +198,8 @@ class SpanSegments:
     persist_weight: torch.Tensor  # fp32 [R, last_q]: 1, or 0 for padding (rows with fewer queries)
     persist_seq_len: torch.Tensor  # int32 [R]
     segment_tokens: int
+    # host copy of the persist rows: (batch row, first query token, end token, sequence length)
+    persist_host: tuple[tuple[int, int, int, int], ...] = ()
 
     @property
     def num_segments(self) -> int:
@@ -697,6 +706,47 @@ def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: t
         torch.int64)).view(chosen.shape), sink_row)  # [R, Hkv, persist]
     heads = torch.arange(hkv, device=bt.device)[None, :, None].expand_as(phys)
     flags[phys.reshape(-1), heads.reshape(-1)] = 1
+    flags[sink_row] = 0
+
+
+def mark_persistent_pages_by_attention(query: torch.Tensor, key_cache: torch.Tensor, flags: torch.Tensor,
+                                       block_table: torch.Tensor, segments: SpanSegments, page_size: int,
+                                       scale: float, *, sink_pages: int, recent_pages: int,
+                                       persist_pages: int, next_pages: int = 0) -> None:
+    """Flag, per prefill row of the step and KV head, the pages (sink and recent pages excluded)
+    that get the most attention from the chunk's last queries: each query's softmax over its
+    causal context in the paged cache (``estimate.representative_scores``, the vertical sums of
+    the last-q estimation), summed over the KV head's query heads and the queries, pooled to
+    pages. The ``persist_pages // (1 + next_pages)`` best pages are flagged with the
+    ``next_pages`` pages after each (runs that overlap, or reach the recent pages, flag fewer), so
+    at most ``persist_pages``. Every flag of the row is cleared first. ``query``: the step's
+    ``[tokens, H, D]``; the cache already holds the chunk's keys. One last-q pass per row and
+    layer (a host loop over the step's prefill rows, from ``segments.persist_host``)."""
+    anchors = persist_pages // (1 + next_pages)
+    if anchors == 0 or not segments.persist_host:
+        return
+    hkv = key_cache.shape[2]
+    last_q = segments.persist_tok.shape[1]
+    sink_row = flags.shape[0] - 1
+    dev = flags.device
+    for row, q0, q1, seq_len in segments.persist_host:
+        n_pages = (seq_len + page_size - 1) // page_size
+        bt = block_table[row, :n_pages].to(torch.int64)
+        mass = representative_scores(query[q0:q1], key_cache, block_table[row], seq_len, min(last_q, q1 - q0),
+                                     scale, group_sum=True)[0][:, :seq_len]  # [Hkv, seq_len]
+        mass = torch.nn.functional.pad(mass, (0, n_pages * page_size - seq_len)).view(hkv, n_pages, page_size).sum(-1)
+        lp = torch.arange(n_pages, device=dev)
+        excluded = (lp < sink_pages) | (lp >= n_pages - recent_pages)
+        mass[:, excluded] = float("-inf")
+        top = mass.topk(min(anchors, n_pages), dim=1)  # [Hkv, A]
+        run = top.indices[:, :, None] + torch.arange(next_pages + 1, device=dev)  # [Hkv, A, 1 + next]
+        inside = run < n_pages
+        run = run.clamp(max=n_pages - 1)
+        ok = (top.values > float("-inf"))[:, :, None] & inside & ~excluded[run]
+        phys = torch.where(ok, bt[run], sink_row).flatten(1)  # [Hkv, A * (1 + next)]
+        flags[bt] = 0
+        heads = torch.arange(hkv, device=dev)[:, None].expand_as(phys)
+        flags[phys.reshape(-1), heads.reshape(-1)] = 1
     flags[sink_row] = 0
 
 

@@ -54,7 +54,7 @@ class _Recorder:
     def update(self, key_cache, slot_mapping):
         self.calls.append(("update", slot_mapping))
 
-    def prefill(self, query, key, plan, block_table, scale):
+    def prefill(self, query, key, key_cache, plan, block_table, scale):
         self.calls.append(("prefill", plan, query.shape[0], block_table, scale))
 
     def decode(self, query, key_cache, value_cache, block_table, seq_lens, scale, out):

@@ -40,6 +40,9 @@ def test_env_overrides_file(tmp_path):
     ({"VLLM_SPARSE_BLOCK_MASS": "0.9"}, "block_mass applies to block_scoring=antidiagonal"),
     ({"VLLM_SPARSE_DECODE_SPAN_IOU": "2"}, "VLLM_SPARSE_DECODE_SPAN_IOU"),
     ({"VLLM_SPARSE_DECODE_SPAN_MIN_INDEX": "30"}, "decode_span_min_index=30"),
+    ({"VLLM_SPARSE_DECODE_SPAN_PERSIST": "votes"}, "VLLM_SPARSE_DECODE_SPAN_PERSIST"),
+    ({"VLLM_SPARSE_DECODE_PERSIST_NEXT": "1", "VLLM_SPARSE_DECODE_SPAN_PERSIST": "index"},
+     "decode_persist_next runs of persistent pages need decode_span_persist=attention"),
     ({"VLLM_SPARSE_DECODE_SINK_PAGES": "0", "VLLM_SPARSE_DECODE_RECENT_PAGES": "0",
       "VLLM_SPARSE_DECODE_BUDGET_PAGES": "0"}, "decode_budget_pages"),
 ])

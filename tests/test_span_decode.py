@@ -395,6 +395,23 @@ def test_bad_params_are_refused():
 # shared steps (with a decode row of a third sequence and padding), then decoded together
 # ------------------------------------------------------------------------------------------
 
+def last_queries_page_mass(q_last, k, page, scale):
+    """float64 [pages, Hkv]: the attention mass each page of k ``[n, Hkv, D]`` gets from the last
+    queries q_last ``[m, H, D]`` (positions n - m .. n - 1, each its own causal softmax), summed
+    over the queries and each KV head's query heads; a loop over queries and heads."""
+    m, h, _ = q_last.shape
+    n, hkv, _ = k.shape
+    mass = torch.zeros(cdiv(n, page), hkv, dtype=torch.float64)
+    for i in range(m):
+        pos = n - m + i
+        for head in range(h):
+            g = head // (h // hkv)
+            w = torch.softmax(k[:pos + 1, g] @ q_last[i, head] * scale, 0)
+            padded = torch.nn.functional.pad(w, (0, cdiv(n, page) * page - pos - 1))
+            mass[:, g] += padded.view(-1, page).sum(1)
+    return mass
+
+
 def check_flags(flagged, scores, n_pages, sink, recent, persist):
     """``flagged`` are ``persist`` best-scoring pages outside the sink and recent pages. Pages of
     one span share their key, so their scores tie: any of tied pages may be flagged."""
@@ -406,10 +423,14 @@ def check_flags(flagged, scores, n_pages, sink, recent, persist):
         assert worst >= max(float(scores[j]) for j in rest) - 1e-6 * max(1.0, abs(worst))
 
 
-@pytest.mark.parametrize("index", ["span", "page"])
-def test_backend_step_prefill_and_decode(index):
+@pytest.mark.parametrize("index, persist, persist_next", [("span", "index", 0), ("page", "index", 0),
+                                                          ("span", "attention", 0), ("span", "attention", 1)])
+def test_backend_step_prefill_and_decode(index, persist, persist_next):
     """index="span": pages keyed by their span's index keys; "page" (issue 24): by their own
-    most-voted key, decode-written pages by their mean key."""
+    most-voted key, decode-written pages by their mean key. persist="index": the persistent pages
+    are those the last queries score highest by the span keys; "attention" (issue 24): those
+    that get the most of the last queries' attention (float64 softmax over the prompt here);
+    with persist_next=1 in runs of 2 pages from the persist // 2 most attended ones."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.decode_spans import SpanIndex, plan_step_segments
 
@@ -417,7 +438,8 @@ def test_backend_step_prefill_and_decode(index):
     h = hkv * group
     dtype = torch.float32  # exact maps, as in test_span_keys_through_chunks
     cfg = SparseSettings(decode_mode="spans", decode_sink_pages=1, decode_recent_pages=1, decode_persist_pages=2,
-                         decode_budget_pages=3, last_q=16, decode_span_index=index)
+                         decode_budget_pages=3, last_q=16, decode_span_index=index, decode_span_persist=persist,
+                         decode_persist_next=persist_next)
     gen = torch.Generator().manual_seed(4)
     prompt = [330, 290, 40]  # sequence 2 is short: already decoding when the others prefill
     chunks = [[0, 200, 330], [0, 170, 290]]
@@ -467,7 +489,7 @@ def test_backend_step_prefill_and_decode(index):
         assert planned.persist_row.tolist() == segs.persist_row.tolist()
         if segs is not None:
             step_table = table[[r for r, _ in rows]]
-            index.prefill(query, key, segs, step_table, d ** -0.5)
+            index.prefill(query, key, key_cache, segs, step_table, d ** -0.5)
         return query
 
     step([(2, 40)])
@@ -491,11 +513,18 @@ def test_backend_step_prefill_and_decode(index):
                 want[a] = params.fallback_count * k[a * page:(a + 1) * page].to(dtype).double().mean(0)
         tol = 1e-4 if INTERPRET else 2e-2
         assert torch.allclose(got, want, rtol=tol, atol=tol), (seq, (got - want).abs().max())
-        q_last = q[prompt[seq] - cfg.last_q:prompt[seq]].to(dtype).double().sum(0)
+        q_last = q[prompt[seq] - cfg.last_q:prompt[seq]].to(dtype).double()
         n_pages = cdiv(prompt[seq], page)
+        mass = last_queries_page_mass(q_last, k[:prompt[seq]].to(dtype).double(), page, d ** -0.5)
         for g in range(hkv):
             flagged = [j for j in range(n_pages) if index.flags[phys[j], g]]
-            check_flags(flagged, got[:, g] @ q_last[g * group:(g + 1) * group].sum(0), n_pages, 1, 1, 2)
+            by_index = got[:, g] @ q_last.sum(0)[g * group:(g + 1) * group].sum(0)
+            score = mass[:, g] if persist == "attention" else by_index
+            if persist_next:  # the one best page outside sink (page 0) and recent (the last) + the next
+                best = 1 + int(mass[1:n_pages - 1, g].argmax())
+                assert flagged == [j for j in (best, best + 1) if j < n_pages - 1]
+            else:
+                check_flags(flagged, score, n_pages, 1, 1, 2)
     # decode steps of all three sequences: equal to float64 attention over the reference selection
     for _ in range(steps):
         sl = torch.cat([write(s, [lens[s]]) for s in range(3)])

@@ -163,7 +163,7 @@ class SparseSettings(BaseModel):
     decode_budget_pages: int = Field(64, ge=0, description="topk/spans decode: pages chosen by score per KV head.")
     decode_topk_tokens: int = Field(0, ge=0, description="topk decode: keep only this many best keys; 0 = all.")
     decode_persist_pages: int = Field(
-        16, ge=0, description="spans decode: pages the prompt's last queries retrieve, kept for the whole decode.")
+        32, ge=0, description="spans decode: pages the prompt's last queries retrieve, kept for the whole decode.")
     decode_span_theta: float = Field(
         0.9, ge=0.0, le=1.0, description="spans: quantile of the local map's cell means subtracted as baseline.")
     decode_span_iou: float = Field(0.01, ge=0.0, le=1.0, description="spans: NMS IoU threshold between spans.")
@@ -172,6 +172,12 @@ class SparseSettings(BaseModel):
     decode_span_max_index: int = Field(24, ge=1, description="spans: most index tokens per span.")
     decode_span_index: Literal["span", "page"] = Field(
         "span", description="spans: page keys from the span's index tokens (span) or the page's most-voted token (page).")
+    decode_span_persist: Literal["attention", "index"] = Field(
+        "attention", description="spans: persistent pages by the last queries' exact attention (attention) or "
+                                 "by the span index decode uses (index).")
+    decode_persist_next: int = Field(
+        1, ge=0, description="spans, persist by attention: each of the persist_pages // (1 + N) best pages "
+                             "persists with the N pages after it (index: no runs).")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":
@@ -188,6 +194,9 @@ class SparseSettings(BaseModel):
             raise ValueError("flex_block_size and block_size must divide one another")
         if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:
             raise ValueError("decode_sink_pages, decode_recent_pages and decode_budget_pages are all 0")
+        if ("decode_persist_next" in self.model_fields_set and self.decode_persist_next
+                and self.decode_span_persist != "attention"):
+            raise ValueError("decode_persist_next runs of persistent pages need decode_span_persist=attention")
         if self.decode_span_min_index > self.decode_span_max_index:
             raise ValueError(f"decode_span_min_index={self.decode_span_min_index} is above "
                              f"decode_span_max_index={self.decode_span_max_index}")

@@ -37,10 +37,12 @@ class SpanDecodeBudget:
     recent_pages: int
     persist_pages: int
     budget_pages: int
+    persist_next: int = 0
 
     @classmethod
     def from_settings(cls, cfg: SparseSettings) -> "SpanDecodeBudget":
-        return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_persist_pages, cfg.decode_budget_pages)
+        return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_persist_pages, cfg.decode_budget_pages,
+                   cfg.decode_persist_next if cfg.decode_span_persist == "attention" else 0)
 
 
 def span_params(cfg: SparseSettings):
@@ -60,7 +62,7 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
     tables, n_tok = [], []
     p_seg, p_idx, p_row, p_lp = [], [], [], []
     per_seg = segment_tokens // page_size
-    persist_row, persist_tok, persist_weight, persist_len = [], [], [], []
+    persist_row, persist_tok, persist_weight, persist_len, persist_host = [], [], [], [], []
     for r in range(len(seq_lens)):
         q0, q1 = query_start_loc[r], query_start_loc[r + 1]
         q_len = q1 - q0
@@ -73,6 +75,7 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
         persist_tok.append([q1 - n_last + min(i, n_last - 1) for i in range(last_q)])
         persist_weight.append([1.0 if i < n_last else 0.0 for i in range(last_q)])
         persist_len.append(c1)
+        persist_host.append((r, q0, q1, c1))
         first_page = -(-c0 // page_size)
         end_page = -(-c1 // page_size)
         for s in range(first_page, end_page, per_seg):
@@ -96,7 +99,7 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
     table = dev(tables or [[0] * span_decode.SEGMENT_COLUMNS], torch.int32)[: len(tables)]
     return span_decode.SpanSegments(table, tuple(n_tok), dev(p_seg), dev(p_idx), dev(p_row), dev(p_lp),
                                     dev(persist_row), dev(persist_tok), dev(persist_weight, torch.float32),
-                                    dev(persist_len, torch.int32), segment_tokens)
+                                    dev(persist_len, torch.int32), segment_tokens, tuple(persist_host))
 
 
 def plan_step_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, cfg: SparseSettings,
@@ -114,6 +117,7 @@ class SpanIndex:
         self.page_size = key_cache.shape[1]
         self.params = span_params(cfg)
         self.budget = SpanDecodeBudget.from_settings(cfg)
+        self.persist_by = cfg.decode_span_persist
         # a page written before these existed scores 0 until it is written again
         self.keys, self.flags = span_decode.allocate_span_index(key_cache)
 
@@ -125,15 +129,22 @@ class SpanIndex:
         """After the cache update of a step: fallback keys for the written pages."""
         span_decode.update_span_keys(key_cache, self.keys, self.flags, slot_mapping, self.params.fallback_count)
 
-    def prefill(self, query: torch.Tensor, key: torch.Tensor, segments, block_table: torch.Tensor,
-                scale: float) -> None:
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, segments,
+                block_table: torch.Tensor, scale: float) -> None:
         """Spans, span keys and persistent flags of the step's prefill rows (after :meth:`update`).
-        query ``[tokens, H, D]`` / key ``[tokens, Hkv, D]``: the step's new tokens."""
+        query ``[tokens, H, D]`` / key ``[tokens, Hkv, D]``: the step's new tokens; key_cache
+        holds them already."""
         if segments.num_segments:
             span_decode.build_span_keys(query, key, segments, self.keys, block_table, self.page_size, scale, self.params)
         b = self.budget
-        span_decode.mark_persistent_pages(query, self.keys, self.flags, block_table, segments, self.page_size,
-                              sink_pages=b.sink_pages, recent_pages=b.recent_pages, persist_pages=b.persist_pages)
+        widths = dict(sink_pages=b.sink_pages, recent_pages=b.recent_pages, persist_pages=b.persist_pages)
+        if self.persist_by == "attention":
+            span_decode.mark_persistent_pages_by_attention(query, key_cache, self.flags, block_table, segments,
+                                                           self.page_size, scale, next_pages=b.persist_next,
+                                                           **widths)
+        else:
+            span_decode.mark_persistent_pages(query, self.keys, self.flags, block_table, segments, self.page_size,
+                                              **widths)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:

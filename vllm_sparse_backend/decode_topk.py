@@ -58,7 +58,7 @@ class PageSummaries:
         """After the cache update of a step: re-summarise the pages ``slot_mapping`` wrote to."""
         kernels.update_page_summaries(key_cache, self.min, self.max, slot_mapping)
 
-    def prefill(self, query, key, segments, block_table, scale) -> None:
+    def prefill(self, query, key, key_cache, segments, block_table, scale) -> None:
         """Nothing to do after a prefill: :meth:`update` already followed the written pages."""
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

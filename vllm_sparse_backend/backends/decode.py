@@ -40,9 +40,10 @@ class DecodeState(Protocol):
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After vLLM's cache update of a step: follow the pages ``slot_mapping`` wrote."""
 
-    def prefill(self, query: torch.Tensor, key: torch.Tensor, plan: Any, block_table: torch.Tensor,
-                scale: float) -> None:
-        """The step's prefill rows, with the mode's plan of the step (after :meth:`update`)."""
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, plan: Any,
+                block_table: torch.Tensor, scale: float) -> None:
+        """The step's prefill rows, with the mode's plan of the step (after :meth:`update`: the
+        cache holds the step's keys)."""
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ class LayerDecode:
         state.update(key_cache, md.slot_mapping)
         plan = md.decode_plan if isinstance(md, (DecodePlanMetadata, SparsePrefillMetadata)) else None
         if plan is not None and key is not None:
-            state.prefill(query, key, plan, md.block_table, scale)
+            state.prefill(query, key, key_cache, plan, md.block_table, scale)
         if isinstance(md, SparsePrefillMetadata) or md.max_query_len != 1:
             return False
         n = md.num_actual_tokens  # one token per sequence
