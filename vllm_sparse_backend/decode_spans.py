@@ -9,7 +9,10 @@ the algorithm):
 2. steps with prefill rows (more than one query token) divide each row's chunk into spans from the
    chunk's local attention maps and write every page's span key (the sum of its span's index
    keys), then flag the ``decode_persist_pages`` pages the chunk's last ``last_q`` queries
-   retrieve: the last chunk of a prompt leaves its retrieval for the whole decode;
+   retrieve: the last chunk of a prompt leaves its retrieval for the whole decode. With
+   ``decode_span_persist=attention`` (the default) those are the pages the queries attend to
+   most (their exact softmax over the cached context), in runs of ``1 + decode_persist_next``
+   pages; with ``index`` the pages their summed query scores highest by span key;
 3. pure decode batches score every page by ``q . span_key`` and attend to the sink, recent and
    flagged pages plus the ``decode_budget_pages`` best others (one selection per KV head), with
    the top-k decode attention kernel.
