@@ -413,15 +413,14 @@ class SpansSelector:
         page = params.get("page", DEFAULT_PAGE_SIZE)
         budget = (budget_pages_for_share(params["share"], prompt_tokens, page) if "share" in params
                   else params.get("budget", cfg.decode_budget_pages))
+        persist_by = params.get("persist_by", cfg.decode_span_persist)
         return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
                    score=params.get("score", "sum"), index=params.get("index", "span"),
                    next_pages=params.get("next", 0), block_pages=params.get("block", 8),
-                   block_vectors=params.get("vectors", 12),
-                   persist_by=params.get("persist_by", cfg.decode_span_persist),
-                   persist_next=params.get("persist_next", cfg.decode_persist_next
-                                           if params.get("persist_by", cfg.decode_span_persist) == "attention" else 0))
+                   block_vectors=params.get("vectors", 12), persist_by=persist_by,
+                   persist_next=params.get("persist_next", cfg.decode_persist_next if persist_by == "attention" else 0))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from
@@ -513,14 +512,15 @@ class SpansSelector:
             scores = last_queries_page_mass(q, k, self.last_q, page, scale)
         j = torch.arange(n_pages)
         scores[(j < self.sink_pages) | (j >= n_pages - self.recent_pages)] = float("-inf")
-        flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
-        top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
-        if self.index in ("bounds", "pagebounds", "blocks"):  # a span's pages tie: the lowest ones, as at decode
-            order = scores.sort(dim=0, descending=True, stable=True)
-            top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
-        flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
         if self.persist_next:  # persist // (1 + next) anchors, each flagging itself and the next pages
             flags = persistent_runs(scores, self.persist_pages, self.persist_next)
+        else:
+            flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
+            top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
+            if self.index in ("bounds", "pagebounds", "blocks"):  # a span's pages tie: the lowest, as at decode
+                order = scores.sort(dim=0, descending=True, stable=True)
+                top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
+            flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
         self._keys[layer], self._flags[layer] = span_keys, flags
 
     def attend(self, layer, q, k, v, scale) -> torch.Tensor:

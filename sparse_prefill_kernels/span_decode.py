@@ -690,7 +690,6 @@ def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: t
     flag of the row (after :func:`build_span_keys` of the same step)."""
     if persist_pages == 0 or segments.persist_row.numel() == 0:
         return
-    hkv = span_keys.shape[1]
     q_sum = torch.einsum("rt,rthd->rhd", segments.persist_weight, query[segments.persist_tok].float())  # [R, H, D]
     bt = block_table[segments.persist_row]
     max_pages = bt.shape[1]
@@ -701,10 +700,18 @@ def mark_persistent_pages(query: torch.Tensor, span_keys: torch.Tensor, flags: t
     sink_row = flags.shape[0] - 1
     lp = torch.arange(max_pages, device=bt.device)
     row_pages = torch.where(lp[None, :] < n_pages[:, None], bt.to(torch.int64), sink_row)  # [R, max_pages]
-    flags[row_pages.view(-1)] = 0
     phys = torch.where(chosen >= 0, bt.to(torch.int64).gather(1, chosen.clamp(min=0).view(len(bt), -1).to(
         torch.int64)).view(chosen.shape), sink_row)  # [R, Hkv, persist]
-    heads = torch.arange(hkv, device=bt.device)[None, :, None].expand_as(phys)
+    _reflag_rows(flags, row_pages, phys)
+
+
+def _reflag_rows(flags: torch.Tensor, row_pages: torch.Tensor, phys: torch.Tensor) -> None:
+    """Clear the flags of the physical pages ``row_pages`` (any shape), then flag ``phys``
+    ``[..., Hkv, n]`` for its KV head (dim -2). Either may name the sink row (the flags' last,
+    a page no sequence owns) for "none"; it stays unflagged."""
+    sink_row = flags.shape[0] - 1
+    flags[row_pages.reshape(-1)] = 0
+    heads = torch.arange(phys.shape[-2], device=phys.device)[:, None].expand_as(phys)
     flags[phys.reshape(-1), heads.reshape(-1)] = 1
     flags[sink_row] = 0
 
@@ -743,11 +750,7 @@ def mark_persistent_pages_by_attention(query: torch.Tensor, key_cache: torch.Ten
         inside = run < n_pages
         run = run.clamp(max=n_pages - 1)
         ok = (top.values > float("-inf"))[:, :, None] & inside & ~excluded[run]
-        phys = torch.where(ok, bt[run], sink_row).flatten(1)  # [Hkv, A * (1 + next)]
-        flags[bt] = 0
-        heads = torch.arange(hkv, device=dev)[:, None].expand_as(phys)
-        flags[phys.reshape(-1), heads.reshape(-1)] = 1
-    flags[sink_row] = 0
+        _reflag_rows(flags, bt, torch.where(ok, bt[run], sink_row).flatten(1))  # [Hkv, A * (1 + next)]
 
 
 # --------------------------------------------------------------------------------------------
