@@ -42,12 +42,12 @@ if str(ROOT) not in sys.path:
 
 from kernels import PAGE, bench, graph_ms, paged_cache, sdpa_times  # noqa: E402
 
-from vllm_sparse_backend.config import PatternName, SparseSettings  # noqa: E402
+from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.index import SparseIndex, count_pairs  # noqa: E402
-from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
-from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.plan import SparseRow  # noqa: E402
+from vllm_sparse_backend.prefill.index import SparseIndex, count_pairs  # noqa: E402
+from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged  # noqa: E402
+from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.prefill.plan import SparseRow  # noqa: E402
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
 
 
@@ -287,16 +287,16 @@ def main():
                      # diagonals kept in bands of a key block: the tiles hold what was selected
                      # (benchmarks/density_breakdown.py: 0.10 computed vs 0.24 at 128K, 16K chunks)
                      ("VS 1000/6096 shared, bands of 64", base.model_copy(update={"slash_band": 64, **shared})),
-                     ("BS top-100 shared", base.model_copy(update={"default_pattern": PatternName.BLOCK_SPARSE,
+                     ("BS top-100 shared", base.model_copy(update={"default_pattern": "block_sparse",
                                                                     **shared})),
                      # the same lists' cost, scored by anti-diagonal block mass (a matmul at 1/16 of
                      # QK's work over K gathered out of the pages, instead of pooled keys)
                      ("BS top-100 shared, anti-diagonal", base.model_copy(update={
-                         "default_pattern": PatternName.BLOCK_SPARSE, "block_scoring": "antidiagonal", **shared})),
-                     ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL, "gamma": 0.9})),
-                     ("FlexPrefill g0.95", base.model_copy(update={"default_pattern": PatternName.FLEX_PREFILL,
+                         "default_pattern": "block_sparse", "block_scoring": "antidiagonal", **shared})),
+                     ("FlexPrefill g0.9", base.model_copy(update={"default_pattern": "flex_prefill", "gamma": 0.9})),
+                     ("FlexPrefill g0.95", base.model_copy(update={"default_pattern": "flex_prefill",
                                                                    "gamma": 0.95})),
-                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": PatternName.A_SHAPE, **shared}))]
+                     ("A-shape 128+2048", base.model_copy(update={"default_pattern": "a_shape", **shared}))]
     if args.skip_flex:
         settings_list = [x for x in settings_list if not x[0].startswith("Flex")]
     if args.variants:

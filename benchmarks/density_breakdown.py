@@ -44,14 +44,14 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 from backend_path import structured_qkv  # noqa: E402
 
-from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.index import build_index, count_pairs  # noqa: E402
-from vllm_sparse_backend.patterns import kv_head_map  # noqa: E402
-from vllm_sparse_backend.patterns.common import (last_queries_probs, sum_head_groups,  # noqa: E402
+from vllm_sparse_backend.prefill.index import build_index, count_pairs  # noqa: E402
+from vllm_sparse_backend.prefill.patterns import kv_head_map  # noqa: E402
+from vllm_sparse_backend.prefill.patterns.base import (last_queries_probs, sum_head_groups,  # noqa: E402
                                                  vertical_and_slash_sums)
-from vllm_sparse_backend.patterns.vertical_slash import (keep_columns, keep_diagonals,  # noqa: E402
+from vllm_sparse_backend.prefill.patterns.vertical_slash import (keep_columns, keep_diagonals,  # noqa: E402
                                                          vertical_slash_to_selection)
 from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
 

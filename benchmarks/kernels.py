@@ -38,7 +38,7 @@ from decode_topk import capture_graph, event_median  # noqa: E402
 
 
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
-from vllm_sparse_backend.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
           "qwen2.5-1.5b": (12, 2, 128)}
@@ -105,7 +105,7 @@ def plant_vs(h, n, nv, ns, device, gen, band=None):
 
 
 def vs_index(h, n, nv, ns, device, gen, band=None):
-    from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_to_selection
     v, s = plant_vs(h, n, nv, ns, device, gen, band)
     sel = vertical_slash_to_selection(v, s, n, 0, 64)
     del v, s
@@ -254,8 +254,8 @@ def run_shape(shape, sizes, args, gen, results):
 def index_bench(n: int, gen) -> str:
     """Vertical-slash index building at n (Llama shape), last 64 queries, VS 1000/6096:
     the package's torch path vs sparse_prefill_kernels/vs_index.py (estimation + top-k + conversion)."""
-    from vllm_sparse_backend.patterns.common import keep_top, last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
+    from vllm_sparse_backend.prefill.patterns.base import keep_top, last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_to_selection
     from vllm_sparse_backend.reference import kv_head_map
     from sparse_prefill_kernels import vs_index as vsi
     h, hkv, d = SHAPES["llama3-8b"]
@@ -455,8 +455,8 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     Prints one line per measurement; returns the lines."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
-    from vllm_sparse_backend.budgets import kv_group_share
+    from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
+    from vllm_sparse_backend.prefill.budgets import kv_group_share
     from sparse_prefill_kernels import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
@@ -557,8 +557,8 @@ def lastq_bench(sizes, gen, chunk: int = 16384, shape="llama3-8b") -> list[str]:
     timed the scratch mode that skew replaced, removed since.)"""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
-    from vllm_sparse_backend.budgets import kv_group_share
+    from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
+    from vllm_sparse_backend.prefill.budgets import kv_group_share
     from sparse_prefill_kernels import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     scale = 1.0 / math.sqrt(d)

@@ -41,11 +41,11 @@ if str(ROOT) not in sys.path:
 
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
 
-from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
+from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.paged_estimate import HeadGroups  # noqa: E402
-from vllm_sparse_backend.plan import SparseRow  # noqa: E402
-from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps  # noqa: E402
+from vllm_sparse_backend.prefill.estimate import HeadGroups  # noqa: E402
+from vllm_sparse_backend.prefill.plan import SparseRow  # noqa: E402
+from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps  # noqa: E402
 from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
 
 GIB = 2 ** 30

@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import causal_mask, masked_attention_f64
 
-from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.tools.evaluation import attention_check as ac
 from vllm_sparse_backend.tools.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
 from vllm_sparse_backend.head_configs import resolve_head
-from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask
-from vllm_sparse_backend.patterns import estimate_index
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask
+from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.reference import causal_pairs
 
 N, H, HKV, D = 600, 4, 2, 16
@@ -35,7 +35,7 @@ def _mixed_index(q, k):
     s = SparseSettings(block_size=16, flex_block_size=16, vertical_size=8, slash_size=6, last_q=16,
                        keep_first_columns=2, keep_last_diagonals=2, sink_tokens=16, local_window=48,
                        topk_blocks=4, min_budget=16, gamma=0.7, slash_tiles="ranges")
-    heads = [resolve_head(None, s.model_copy(update={"default_pattern": PatternName(p)}))
+    heads = [resolve_head(None, s.model_copy(update={"default_pattern": p}))
              for p in ("vertical_slash", "a_shape", "block_sparse", "flex_prefill")]
     return estimate_index(q, k, 0, heads, s, SCALE).index
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.config import ConfigError, PatternName, SparseSettings, load_settings
+from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
 
@@ -13,7 +13,7 @@ def test_defaults_follow_the_papers():
     s = load_settings({})
     assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)
     assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
-    assert s.default_pattern is PatternName.VERTICAL_SLASH and s.enabled
+    assert s.default_pattern == "vertical_slash" and s.enabled
     assert s.decode_mode == "dense"  # top-k decode is opt-in (issue 8)
 
 
@@ -23,7 +23,7 @@ def test_env_overrides_file(tmp_path):
     s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
                        "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
     assert (s.vertical_size, s.default_pattern, s.gamma, s.enabled, s.max_budget) == \
-        (10, PatternName.FLEX_PREFILL, 0.8, False, None)
+        (10, "flex_prefill", 0.8, False, None)
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -82,7 +82,7 @@ def test_head_config_round_trip_and_resolution(tmp_path):
     assert load_head_config(tmp_path / "again.json") == cfg
     s = SparseSettings(local_window=999)
     heads = layer_heads(cfg, s, 1, 3)
-    assert [h.pattern for h in heads] == [PatternName.VERTICAL_SLASH] * 2 + [PatternName.A_SHAPE]
+    assert [h.pattern for h in heads] == ["vertical_slash"] * 2 + ["a_shape"]
     assert heads[0].vertical_size == 100 and heads[2].sink_tokens == 64 and heads[2].local_window == 999
     # tensor parallel: rank 1 of 3 local heads... of a 3-head layer with 1 head per rank
     assert layer_heads(cfg, s, 0, 1, tp_rank=2)[0].vertical_size == 102
@@ -126,7 +126,7 @@ def test_import_minference_format():
     h = cfg.layers[0].heads
     assert h[0] == HeadPattern(pattern="vertical_slash", vertical_size=1000, slash_size=6096, score=0.91)
     assert h[1] == HeadPattern(pattern="a_shape", sink_tokens=100, local_window=800, score=0.5)
-    assert h[2].pattern is PatternName.BLOCK_SPARSE and h[2].topk_blocks is None
+    assert h[2].pattern == "block_sparse" and h[2].topk_blocks is None
     assert cfg.layers[1].heads[1].vertical_size == 3500
 
 

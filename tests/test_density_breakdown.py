@@ -54,8 +54,8 @@ def test_lines_index_is_the_estimated_index(db):
     group, every head of a group alike), for block tiles, range tiles and bands."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.index import count_pairs
-    from vllm_sparse_backend.patterns import estimate_index
+    from vllm_sparse_backend.prefill.index import count_pairs
+    from vllm_sparse_backend.prefill.estimate import estimate_index
 
     gen = torch.Generator().manual_seed(1)
     q, k, _ = db.structured_qkv(1024, 4, 2, 128, gen, dev="cpu")

@@ -64,7 +64,7 @@ def test_a_vllm_server_process_loads_no_offline_tool(tmp_path):
                                  "vllm_sparse_backend.backends.cuda.SparsePrefillBackend"]
     assert Path(report["plugin_file"]).resolve().parent.parent == ROOT, "the child ran another checkout"
     new = report["new_modules"]
-    assert f"{PACKAGE}.backends.common" in new and f"{PACKAGE}.sparse_prefill" in new  # the core did load
+    assert f"{PACKAGE}.backends.common" in new and f"{PACKAGE}.prefill.run" in new  # the core did load
     assert [m for m in new if m == TOOLS or m.startswith(TOOLS + ".") or m == COMMAND_LINE] == []
     tool_deps = _tool_only_dependencies()
     assert tool_deps, "pyproject.toml lists no tool dependencies to check"
@@ -104,7 +104,7 @@ def _imported_modules(path: Path, package: str) -> list[str]:
 
 def test_no_core_module_imports_the_tools():
     sources = _core_sources()
-    assert len(sources) > 20 and any(p.name == "sparse_prefill.py" for _, p in sources)
+    assert len(sources) > 20 and any(p.name == "run.py" and p.parent.name == "prefill" for _, p in sources)
     offending = [f"{path.relative_to(ROOT)}: {name}"
                  for package, path in sources for name in _imported_modules(path, package)
                  if name == TOOLS or name.startswith(TOOLS + ".") or name == COMMAND_LINE]

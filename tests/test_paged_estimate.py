@@ -18,15 +18,16 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.prefill.patterns import PATTERNS
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-from vllm_sparse_backend.patterns import estimate_index
-from vllm_sparse_backend.budgets import kv_group_share
+from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.budgets import kv_group_share
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 kernel_module("estimate")
-from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
+from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged  # noqa: E402
 
 from test_triton_estimate import assert_same_index, make_row, no_host_sync  # noqa: E402
 
@@ -66,7 +67,8 @@ def check(patterns, q_len, ctx_len, hkv, d, page, dtype, seed, device, settings,
     for name in {p for p in patterns if p != "flex_prefill"}:
         assert got.head_patterns[name] == ref.head_patterns[name]
     if "flex_prefill" in patterns:
-        assert int(got.query_aware_heads) == ref.head_patterns["flex_prefill/query_aware"]
+        (split,) = got.splits
+        assert int(split.count) == ref.head_patterns["flex_prefill/query_aware"]
 
 
 # one selection per query head (per-head budgets differ); SHARED below covers kv_group_shared
@@ -167,7 +169,7 @@ def check_fp8(patterns, q_len, ctx_len, hkv, d, dtype, seed, device, settings, k
     same = estimate_index_paged(q_dev, deq, table, ctx_len, groups, settings, scale)
     assert_same_index(got.index, same.index)
     if "flex_prefill" in patterns:
-        assert int(got.query_aware_heads) == int(same.query_aware_heads)
+        assert int(got.splits[0].count) == int(same.splits[0].count)
     if reference:
         ref = estimate_index(q_dev.float().cpu(), k_deq, ctx_len, heads, settings, scale)
         assert_same_index(got.index.repeat_heads(share), ref.index)
@@ -218,7 +220,7 @@ def test_gpu_layer_kv_group_shared():
 
 
 def test_pattern_names_cover_the_enum():
-    assert set(MIXED) == {p.value for p in PatternName}
+    assert set(MIXED) == set(PATTERNS)
 
 
 def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample_every=0):
@@ -230,11 +232,11 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     ``sample_every`` = 1 the forward is a timed sample whose pair counts and flags are read back
     later, still without a sync in the forward: the stats are exact once drained."""
     from conftest import masked_attention_f64
-    from vllm_sparse_backend.index import index_to_dense_mask
-    from vllm_sparse_backend.index import count_pairs
-    from vllm_sparse_backend.plan import SparseRow
+    from vllm_sparse_backend.prefill.index import index_to_dense_mask
+    from vllm_sparse_backend.prefill.index import count_pairs
+    from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.reference import causal_pairs
-    from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
@@ -299,8 +301,8 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     """``estimated_dense_rows="flash"``: the flags are read on the host and a row
     whose estimated index is too dense goes to dense_row (FlashAttention in the backend), counted
     as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
@@ -326,8 +328,8 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
     flags on the host (nothing known yet); after a call without flagged rows the next one leaves
     the flags on the device (the kernel gets them and runs a flagged row in its dense mode, no
     dense_row), copies whether any was flagged back, and the call after that reads again."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import DenseRowHistory, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import DenseRowHistory, run_sparse_rows_paged
 
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
@@ -361,7 +363,7 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
 def test_gpu_dense_row_history_copies_back_without_waiting():
     """On CUDA the flags' summary comes back through pinned memory and an event: not read until
     the GPU has written it, and then read without a sync."""
-    from vllm_sparse_backend.sparse_prefill import DenseRowHistory
+    from vllm_sparse_backend.prefill.run import DenseRowHistory
 
     for flags, expect in (([False, False], False), ([False, True], True)):
         history = DenseRowHistory()
@@ -383,7 +385,7 @@ def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, 
     """The profiling-run claim launches the kernel variants serving will: with rows flagged on
     the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
     that it compiles at start-up, not in the first request that has a flagged row."""
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
+    from vllm_sparse_backend.prefill.run import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
@@ -417,9 +419,9 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
     kernel stacking or repeating the lists) give float64 attention over the torch path's
     per-head index, and the stats count every query head's pairs."""
     from conftest import masked_attention_f64
-    from vllm_sparse_backend.index import count_pairs, index_to_dense_mask
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.index import count_pairs, index_to_dense_mask
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
@@ -446,7 +448,7 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
 
 
 def test_index_density_bounds_count_pairs():
-    from vllm_sparse_backend.index import count_pairs, index_density
+    from vllm_sparse_backend.prefill.index import count_pairs, index_density
     settings = SETTINGS.model_copy(update={"vertical_size": 8, "slash_size": 16})
     q, k, _, _ = make_row(200, 300, 2, 2, 64, 16, torch.float32, 7, "cpu")
     ix = estimate_index(q, k, 300, [resolve_head(None, settings)] * 4, settings, 0.125).index
@@ -482,8 +484,8 @@ def test_index_widths_do_not_depend_on_the_data():
 def test_worst_case_steps_take_the_whole_query(page_size):
     # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import compile_row, run_worst_case_steps
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import compile_row, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -511,7 +513,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
     """The profiling run's last row compiles the short-context variants (the last-q pass's skew
     diagonals, vs_index.last_q_scores): its context stays far below where that pass switches to
     gathering, even when max_model_len is 1M, and it fits any chunk and context."""
-    from vllm_sparse_backend.sparse_prefill import compile_row
+    from vllm_sparse_backend.prefill.run import compile_row
     from sparse_prefill_kernels import vs_index
 
     for q_len, kv_len, min_q in [(16384, 1048704, 4096), (8192, 131200, 512), (150, 500, 64), (40, 60, 4096),
@@ -525,7 +527,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
 
 
 def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
-    from vllm_sparse_backend.sparse_prefill import MAX_CLAIMED_ROWS, worst_case_steps
+    from vllm_sparse_backend.prefill.run import MAX_CLAIMED_ROWS, worst_case_steps
 
     steps = worst_case_steps(16384, 131200, 4096)
     for rows in steps:  # one chunk, every row at the longest context, each in its own table row
@@ -543,8 +545,8 @@ def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
 @cpu_only
 def test_worst_case_steps_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -580,8 +582,8 @@ def gpu_peak_bytes(fn) -> int:
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])
 def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     """What the profiling run sees must be at least what a real row of that size allocates."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings()
@@ -607,8 +609,8 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     """A step of two unequal sparse rows keeps both rows' index lists until its one kernel
     launch; the claim's split steps must cover it (one row of the whole chunk did not: 1.8x at
     budgets near the context, benchmarks/scratch_memory.py)."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings(**budgets)
@@ -634,8 +636,8 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     """At a 1M max_model_len the claim's rows sum diagonals by gathering (the skew slabs would
     not fit); its compile row must leave nothing for an ordinary row to compile in a request
     (vLLM's JIT monitor flagged _lastq_skew_pass and _skew_colsum in the first 32K request)."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
     from sparse_prefill_kernels import vs_index as vsi
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
@@ -664,8 +666,8 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
 def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
     """Default budgets (1000 + 6096 keys per query) on a 4K pure prefill: at best 3.5x more than
     max_density allows, so the row goes to the dense kernel before anything is estimated."""
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 
     settings = SparseSettings()
     q = torch.randn(4096, 2, 64)

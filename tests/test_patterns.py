@@ -7,13 +7,13 @@ import torch
 
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-from vllm_sparse_backend.index import build_index, count_pairs, index_to_dense_mask, num_blocks, range_stops
-from vllm_sparse_backend.patterns import estimate_index
-from vllm_sparse_backend.patterns.a_shape import a_shape_selection
-from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
-from vllm_sparse_backend.patterns.common import cumulative_budget, keep_top
-from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
-from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
+from vllm_sparse_backend.prefill.index import build_index, count_pairs, index_to_dense_mask, num_blocks, range_stops
+from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.prefill.patterns.block_sparse import block_sparse_selection
+from vllm_sparse_backend.prefill.patterns.base import cumulative_budget, keep_top
+from vllm_sparse_backend.prefill.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
+from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
 from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
 
 
@@ -315,7 +315,7 @@ def test_slash_bands_keep_whole_bands_by_summed_score():
     the budget in diagonals rounded up to bands."""
     import torch
 
-    from vllm_sparse_backend.patterns.vertical_slash import (band_shift, slash_band_scores,
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import (band_shift, slash_band_scores,
                                                              slash_bands_to_diagonals)
 
     assert band_shift(0, 64) == 0 and band_shift(333, 64) == 51 and band_shift(320, 64) == 0
@@ -339,7 +339,7 @@ def test_slash_bands_cost_two_key_blocks_per_band():
     buys blocks, not scattered lines."""
     import torch
 
-    from vllm_sparse_backend.patterns.vertical_slash import band_shift, slash_block_mask
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import band_shift, slash_block_mask
 
     for ctx in (0, 64, 333, 1000):
         q_len, kv_len, b = 256, ctx + 256, 64

@@ -1,7 +1,7 @@
 import pytest
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.plan import SparseRow, plan_step
+from vllm_sparse_backend.prefill.plan import SparseRow, plan_step
 
 
 def _qsl(lens):
@@ -47,9 +47,9 @@ def test_rows_no_layer_could_run_sparse_enough_stay_in_dense_runs():
 def test_budget_density_by_hand():
     from collections import Counter
 
-    from vllm_sparse_backend.config import PatternName
+    from vllm_sparse_backend.prefill.patterns import PATTERNS
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.budgets import budget_density
+    from vllm_sparse_backend.prefill.budgets import budget_density
 
     s = SparseSettings(block_size=64, min_budget=256)
     vs = resolve_head(HeadPattern(pattern="vertical_slash", vertical_size=100, slash_size=300), s)
@@ -57,7 +57,7 @@ def test_budget_density_by_hand():
              resolve_head(HeadPattern(pattern="block_sparse", topk_blocks=4), s),
              resolve_head(HeadPattern(pattern="a_shape", sink_tokens=64, local_window=1000), s),
              resolve_head(HeadPattern(pattern="flex_prefill"), s)]
-    assert {h.pattern for h in heads} == set(PatternName)
+    assert {h.pattern for h in heads} == set(PATTERNS)
     visible = 2000 + 1001 / 2  # a query of a 1000-token chunk after 2000 cached tokens sees 2500.5 keys on average
     want = (2 * 400 / visible + 1 + 256 / visible + 1064 / visible + 256 / visible) / 6
     assert budget_density(heads, 1000, 2000, s) == pytest.approx(want)
@@ -71,7 +71,7 @@ def test_budget_density_by_hand():
 
 def test_kv_group_share_needs_the_setting_and_uniform_groups():
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.budgets import kv_group_share
+    from vllm_sparse_backend.prefill.budgets import kv_group_share
 
     on, off = SparseSettings(), SparseSettings(kv_group_shared=False)
     vs = resolve_head(None, on)
@@ -91,7 +91,8 @@ def test_budgets_growing_with_the_row():
     """vertical_share / slash_share raise a row's budgets to a share of its keys, never lower
     them, never past the keys; budget_density sees the same budgets."""
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.budgets import budget_density, vs_budget, vs_budgets
+    from vllm_sparse_backend.prefill.budgets import budget_density
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import vs_budget, vs_budgets
 
     assert vs_budget(1000, None, 500_000) == 1000
     assert vs_budget(1000, 0.02, 10_000) == 1000  # the fixed budget is larger
@@ -110,8 +111,8 @@ def test_torch_estimator_with_shares_equals_explicit_budgets():
     import torch
 
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.patterns import estimate_index
-    from vllm_sparse_backend.budgets import vs_budgets
+    from vllm_sparse_backend.prefill.estimate import estimate_index
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import vs_budgets
 
     g = torch.Generator().manual_seed(0)
     q_len, ctx, h, hkv, d = 300, 500, 4, 2, 32
@@ -148,9 +149,9 @@ def test_budgets_cover_every_key_only_where_every_key_is_selected(head, settings
     import torch
 
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.index import count_pairs
-    from vllm_sparse_backend.patterns import estimate_index
-    from vllm_sparse_backend.budgets import budgets_cover_every_key
+    from vllm_sparse_backend.prefill.index import count_pairs
+    from vllm_sparse_backend.prefill.estimate import estimate_index
+    from vllm_sparse_backend.prefill.budgets import budgets_cover_every_key
     from vllm_sparse_backend.reference import causal_pairs
 
     s = SparseSettings(last_q=32, **settings_kw)
@@ -173,7 +174,7 @@ def test_rows_whose_selection_is_every_key_are_counted_dense(monkeypatch):
     import torch
     from prometheus_client import CollectorRegistry
 
-    from vllm_sparse_backend import sparse_prefill
+    from vllm_sparse_backend.prefill import run as sparse_prefill
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.metrics import PrometheusMetrics
     from vllm_sparse_backend.stats import SparseStats

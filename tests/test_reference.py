@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import causal_mask, masked_attention_f64
-from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask, num_blocks
-from vllm_sparse_backend.plan import SparseRow
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.reference import causal_pairs, gather_paged_kv, sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
@@ -101,7 +101,7 @@ def test_softcap(rng):
 def test_batch_of_rows_through_the_paged_cache(rng):
     """Several rows of different lengths, some with cached context, K/V read from a shuffled
     paged cache: each row equals its own masked dense attention."""
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows
+    from vllm_sparse_backend.prefill.run import run_sparse_rows
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head, HeadPattern
 
@@ -131,7 +131,7 @@ def test_batch_of_rows_through_the_paged_cache(rng):
                     lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
                     heads, settings, d ** -0.5)
     assert torch.isfinite(output).all()
-    from vllm_sparse_backend.patterns import estimate_index
+    from vllm_sparse_backend.prefill.estimate import estimate_index
     for r in rows:
         k, v = gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len)
         # independent K/V: straight from the logical cache, page by page

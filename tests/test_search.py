@@ -17,13 +17,13 @@ from conftest import causal_mask, masked_attention_f64
 
 from vllm_sparse_backend.tools import search as S
 from vllm_sparse_backend.cli import main as main_cli
-from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.tools.evaluation import attention_check as ac
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head
-from vllm_sparse_backend.index import build_index, causal_block_mask, index_to_dense_mask
-from vllm_sparse_backend.patterns import estimate_index
-from vllm_sparse_backend.patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from vllm_sparse_backend.budgets import kv_group_share
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, index_to_dense_mask
+from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from vllm_sparse_backend.prefill.budgets import kv_group_share
 from vllm_sparse_backend.reference import kv_head_map
 from vllm_sparse_backend.tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_backend.tools.search import search_head, search_layer
@@ -43,9 +43,9 @@ def _head(logits, gen):
 def _planted(kind, gen):
     i = torch.arange(N)[:, None]
     j = torch.arange(N)[None, :]
-    if kind is PatternName.A_SHAPE:
+    if kind == "a_shape":
         hot = (j < 16) | ((i - j) >= 0) & ((i - j) < 100)
-    elif kind is PatternName.VERTICAL_SLASH:
+    elif kind == "vertical_slash":
         cols = torch.randperm(N, generator=gen)[:12]
         diags = torch.tensor([0, 1, 2, 333])
         hot = torch.isin(j, cols) | torch.isin(i - j, diags)
@@ -58,7 +58,7 @@ def _planted(kind, gen):
     return _head(torch.where(hot, 8.0, 0.0), gen)
 
 
-@pytest.mark.parametrize("kind", [PatternName.A_SHAPE, PatternName.VERTICAL_SLASH, PatternName.BLOCK_SPARSE])
+@pytest.mark.parametrize("kind", ["a_shape", "vertical_slash", "block_sparse"])
 def test_search_picks_the_planted_pattern(kind):
     gen = torch.Generator().manual_seed(11)
     q, k, v = _planted(kind, gen)
@@ -81,12 +81,12 @@ def test_kernel_tiles_counts_blocks_and_column_tiles():
 
 def test_search_layer_scores_every_head():
     gen = torch.Generator().manual_seed(3)
-    heads = [_planted(kind, gen) for kind in (PatternName.A_SHAPE, PatternName.BLOCK_SPARSE)]
+    heads = [_planted(kind, gen) for kind in ("a_shape", "block_sparse")]
     q = torch.cat([h[0] for h in heads], dim=1)
     k = torch.cat([h[1] for h in heads], dim=1)
     v = torch.cat([h[2] for h in heads], dim=1)
     best = search_layer(q, k, v, density=DENSITY, settings=SparseSettings(keep_first_columns=0), scale=1.0)
-    assert [b.pattern for b in best] == [PatternName.A_SHAPE, PatternName.BLOCK_SPARSE]
+    assert [b.pattern for b in best] == ["a_shape", "block_sparse"]
     assert all(b.score is not None and 0 <= b.score < 0.5 for b in best)
 
 
@@ -228,10 +228,10 @@ def test_vs_tile_counts_equal_the_estimators_index(n, b, share, settings, slash_
             slash = max(1, round(ratio * knob))
             pred = S.vs_tiles(vr, sr, torch.full((units,), min(knob, n)), torch.full((units,), min(slash, n)),
                               tables.causal, b, slash_tiles)
-            index = _served_index(q, k, (PatternName.VERTICAL_SLASH, ratio), [knob] * units, share, s, scale)
+            index = _served_index(q, k, ("vertical_slash", ratio), [knob] * units, share, s, scale)
             assert torch.equal(pred, ac.kernel_tiles_per_head(index)[::share]), (knob, ratio)
-    for family, knobs, tiles in ((PatternName.A_SHAPE, tables.ashape_knobs, tables.ashape_tiles),
-                                 (PatternName.BLOCK_SPARSE, tables.block_knobs, tables.block_tiles)):
+    for family, knobs, tiles in (("a_shape", tables.ashape_knobs, tables.ashape_tiles),
+                                 ("block_sparse", tables.block_knobs, tables.block_tiles)):
         for i in range(0, len(knobs), 4):
             index = _served_index(q, k, (family, None), [int(knobs[i])] * units, share, s, scale)
             assert (ac.kernel_tiles_per_head(index) == tiles[i]).all(), (family, int(knobs[i]))
@@ -254,7 +254,7 @@ def test_batched_search_tunes_every_unit_to_the_budget(share):
         assert all(t <= res.target or res.knobs[i][hh // share] == 1 for hh, t in enumerate(res.tiles[i])), fam
         for hh in range(h):  # heads of a unit run the same selection
             assert res.tiles[i][hh] == res.tiles[i][(hh // share) * share]
-        if fam[0] is PatternName.VERTICAL_SLASH:
+        if fam[0] == "vertical_slash":
             more = _served_index(q, k, fam, [x + 1 for x in res.knobs[i]], share, s, 0.18)
             assert (ac.kernel_tiles_per_head(more)[::share] > res.target).all(), fam
     # A-shape and block-sparse (one block per query block per knob step) within 10% of the budget
@@ -268,7 +268,7 @@ def test_budget_cap_keeps_layers_under_the_backends_density_gate(cap):
     """With max_budget_density every candidate's budgets pass the CUDA backend's check
     (budgets.budget_density <= max_density at this length), so the layer is not routed dense; the
     cap only lowers knobs (never raises tiles)."""
-    from vllm_sparse_backend.budgets import budget_density
+    from vllm_sparse_backend.prefill.budgets import budget_density
 
     n, h, hkv, b = 2048, 8, 2, 64
     q, k, v = _gqa(n, h, hkv, seed=3)
@@ -310,7 +310,7 @@ def test_sampled_row_error_equals_float64_brute_force():
 
 
 def test_aggregate_picks_per_unit_and_averages_knobs():
-    fams = [[PatternName.A_SHAPE.value, None], [PatternName.VERTICAL_SLASH.value, 1.0]]
+    fams = [["a_shape".value, None], ["vertical_slash".value, 1.0]]
 
     def ls(knobs, err):
         return S.LayerSearch(share=2, families=fams, knobs=knobs, tiles=[[1] * 4, [1] * 4], err_sq=err,
@@ -319,7 +319,7 @@ def test_aggregate_picks_per_unit_and_averages_knobs():
     a = ls([[128, 128], [100, 200]], [[0.04, 0.04, 0.01, 0.01], [0.01, 0.01, 0.04, 0.04]])
     b = ls([[128, 128], [110, 210]], [[0.04, 0.04, 0.01, 0.01], [0.01, 0.01, 0.04, 0.04]])
     (layer,) = S.aggregate([[a], [b]], 4)
-    assert [hp.pattern for hp in layer] == [PatternName.VERTICAL_SLASH] * 2 + [PatternName.A_SHAPE] * 2
+    assert [hp.pattern for hp in layer] == ["vertical_slash"] * 2 + ["a_shape"] * 2
     assert layer[0].vertical_size == layer[1].vertical_size == 105 and layer[0].slash_size == 105
     assert layer[2].local_window == 128 and layer[2].score == pytest.approx(0.1)
 

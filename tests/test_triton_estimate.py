@@ -21,13 +21,13 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_backend.index import build_index, num_blocks
-from vllm_sparse_backend.patterns.a_shape import a_shape_selection
-from vllm_sparse_backend.patterns.block_sparse import block_sparse_selection
-from vllm_sparse_backend.patterns.common import block_means
-from vllm_sparse_backend.patterns.flex_prefill import flex_prefill_selection
+from vllm_sparse_backend.prefill.index import build_index, num_blocks
+from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.prefill.patterns.block_sparse import block_sparse_selection
+from vllm_sparse_backend.prefill.patterns.base import block_means
+from vllm_sparse_backend.prefill.patterns.flex_prefill import flex_prefill_selection
 from sparse_prefill_kernels.estimate_math import scored_block_mass
-from vllm_sparse_backend.paged_estimate import row_keys
+from vllm_sparse_backend.prefill.patterns.block_sparse import row_keys
 from vllm_sparse_backend.reference import kv_head_map
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU

@@ -19,8 +19,8 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_backend.index import build_index, index_to_dense_mask, num_blocks
-from vllm_sparse_backend.patterns.vertical_slash import slash_ranges
+from vllm_sparse_backend.prefill.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
 from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
@@ -593,8 +593,8 @@ def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False,
                    chunk=512):
     """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path,
     by ``select``). The GPU conversion must give the torch conversion's lists exactly."""
-    from vllm_sparse_backend.patterns.common import keep_top
-    from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
+    from vllm_sparse_backend.prefill.patterns.base import keep_top
+    from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_to_selection
 
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx_len + q_len
@@ -640,7 +640,7 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
     """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
     the reference sums the per-head float scores afterwards. ``odd_row``: the row's block table
     at an address that is not 16-byte aligned (:func:`odd_table_row`)."""
-    from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.reference import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
@@ -737,7 +737,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     within ``tol``, and the scores the same kernels give on a cache holding the dequantised keys
     in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
     of into the keys)."""
-    from vllm_sparse_backend.patterns.common import last_queries_probs, vertical_and_slash_sums
+    from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.reference import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
@@ -828,9 +828,9 @@ def _glue_case(dtype, device, seed=5):
     the torch path (run_sparse_rows: torch estimation + reference on gathered K/V)."""
     from vllm_sparse_backend.config import SparseSettings
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.paged_estimate import HeadGroups
-    from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.sparse_prefill import run_sparse_rows, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.estimate import HeadGroups
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill.run import run_sparse_rows, run_sparse_rows_paged
 
     gen = torch.Generator().manual_seed(seed)
     h, hkv, d, page = 8, 2, 64, 16

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-from enum import Enum
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 ENV_PREFIX = "VLLM_SPARSE_"
 CONFIG_FILE_ENV = "VLLM_SPARSE_CONFIG"
@@ -23,15 +22,18 @@ CONFIG_FILE_ENV = "VLLM_SPARSE_CONFIG"
 NON_SETTING_ENV = frozenset({CONFIG_FILE_ENV, "VLLM_SPARSE_CACHE"})
 
 
-class PatternName(str, Enum):
-    """Prefill patterns. Names follow the papers: MInference's A-shape, vertical-slash and
-    block-sparse heads, FlexPrefill's adaptive heads, and plain dense attention."""
+def check_pattern_name(name: str) -> str:
+    """A pydantic validator: ``name`` must be a registered prefill pattern
+    (:data:`vllm_sparse_backend.prefill.patterns.PATTERNS`)."""
+    from .prefill.patterns import PATTERNS  # the patterns import these settings: resolved when validating
 
-    DENSE = "dense"
-    A_SHAPE = "a_shape"
-    VERTICAL_SLASH = "vertical_slash"
-    BLOCK_SPARSE = "block_sparse"
-    FLEX_PREFILL = "flex_prefill"
+    if name not in PATTERNS:
+        raise ValueError(f"unknown pattern {name!r} (known: {', '.join(PATTERNS)})")
+    return name
+
+
+# A prefill pattern's name, as the settings and head-config files spell it.
+PatternName = Annotated[str, AfterValidator(check_pattern_name)]
 
 
 class ConfigError(ValueError):
@@ -43,7 +45,7 @@ class SparseSettings(BaseModel):
 
     enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
     default_pattern: PatternName = Field(
-        PatternName.VERTICAL_SLASH, description="Pattern of heads that no head-config file covers.")
+        "vertical_slash", description="Pattern of heads that no head-config file covers.")
     block_size: int = Field(64, description="Query and key block size of the sparse format (tokens).")
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
     vertical_size: int = Field(1000, ge=1, description="Vertical (column) budget per head.")

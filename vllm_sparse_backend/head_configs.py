@@ -216,9 +216,9 @@ def save_head_config(cfg: HeadConfigFile, path: str | Path) -> None:
 
 
 _MINFERENCE_PATTERNS = {
-    "vertical_and_slash": PatternName.VERTICAL_SLASH,
-    "stream_llm": PatternName.A_SHAPE,
-    "block_sparse": PatternName.BLOCK_SPARSE,
+    "vertical_and_slash": "vertical_slash",
+    "stream_llm": "a_shape",
+    "block_sparse": "block_sparse",
 }
 
 
@@ -261,9 +261,9 @@ def import_minference(data: Any, model: str, source: str = "<minference config>"
             if not isinstance(score, (int, float)) or isinstance(score, bool):
                 raise ConfigError(f"{where}, field 'score': expected a number, got {score!r}")
             pattern = _MINFERENCE_PATTERNS[name]
-            if pattern is PatternName.VERTICAL_SLASH:
+            if pattern == "vertical_slash":
                 hp = HeadPattern(pattern=pattern, vertical_size=vert, slash_size=slash, score=float(score))
-            elif pattern is PatternName.A_SHAPE:
+            elif pattern == "a_shape":
                 hp = HeadPattern(pattern=pattern, sink_tokens=vert, local_window=slash, score=float(score))
             else:
                 hp = HeadPattern(pattern=pattern, score=float(score))
@@ -278,7 +278,7 @@ def import_minference(data: Any, model: str, source: str = "<minference config>"
 class ResolvedHead:
     """A head's pattern with every budget filled in (what the estimators consume)."""
 
-    pattern: PatternName
+    pattern: str  # a registered pattern's name (vllm_sparse_backend.prefill.patterns)
     vertical_size: int
     slash_size: int
     topk_blocks: int

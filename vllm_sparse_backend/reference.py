@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .index import SparseIndex, range_stops
+from .prefill.index import SparseIndex, range_stops
 
 # Upper bound on gathered key elements per step (query blocks are processed in groups).
 _GATHER_BUDGET = 1 << 24

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 
 from ..config import ConfigError, SparseSettings, load_settings
 from ..head_configs import HeadConfigFile, ModelShape, check_fits_model, model_shape_from_hf_config, resolve_head_config
-from ..plan import RankHeads, SparseRow, plan_step, rank_heads
+from ..prefill.plan import RankHeads, SparseRow, plan_step, rank_heads
 from ..stats import STATS
 
 logger = logging.getLogger("vllm.sparse_prefill")

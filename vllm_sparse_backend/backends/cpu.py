@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from .._compat import current_vllm_config, sparse_backend_selected
-from ..sparse_prefill import run_sparse_rows
+from ..prefill.run import run_sparse_rows
 from .common import (SparsePrefillMetadata, backend_settings, build_sparse_metadata, check_head_config_fits,
                      count_dense_tokens, log_once, prepare_group)
 

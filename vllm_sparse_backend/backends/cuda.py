@@ -48,12 +48,12 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 
 from .. import kernels
 from .._compat import current_vllm_config, layer_kv_scales, sparse_backend_selected
-from ..budgets import budget_density
+from ..prefill.budgets import budget_density
 from ..config import load_settings
-from ..paged_estimate import HeadGroups
-from ..plan import RankHeads, SparseRow
+from ..prefill.estimate import HeadGroups
+from ..prefill.plan import RankHeads, SparseRow
 from ..reference import gather_paged_kv
-from ..sparse_prefill import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_steps
+from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_steps
 from ..stats import STATS
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
                      check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,

@@ -14,10 +14,27 @@ Everything is batched over heads.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..index import compact, num_blocks, query_block_bounds
-from .common import PatternSelection, keep_top, last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from ...kernels import estimate, vs_index
+from ..index import SparseIndex, compact, num_blocks, query_block_bounds
+from .base import (HeadGroup, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
+                   sum_head_groups, vertical_and_slash_sums)
+
+
+def vs_budget(size: int, share: float | None, kv_len: int) -> int:
+    """A vertical-slash budget for a row of ``kv_len`` keys: ``size``, or ``share`` of the keys
+    where that is more (``vertical_share`` / ``slash_share``), never more than the keys."""
+    budget = size if share is None else max(size, math.ceil(share * kv_len))
+    return min(budget, kv_len)
+
+
+def vs_budgets(vertical_size: int, slash_size: int, kv_len: int, settings) -> tuple[int, int]:
+    """(vertical, slash) budgets of one head for a row of ``kv_len`` keys (see :func:`vs_budget`)."""
+    return (vs_budget(vertical_size, settings.vertical_share, kv_len),
+            vs_budget(slash_size, settings.slash_share, kv_len))
 
 
 def slash_block_mask(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -168,3 +185,80 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
     v_keep = keep_columns(vertical, vertical_size[::share], keep_first_columns)
     s_keep = keep_diagonals(slash, slash_size[::share], keep_last_diagonals, ctx_len, slash_band)
     return vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, block_size, slash_tiles).repeat_heads(share)
+
+
+def band_diagonals(b_idx: torch.Tensor, band: int, shift: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending band ids (int32 [h, w], -1 padded) -> their diagonals (int32 [h, w * band],
+    ascending, -1 padded) and counts [h]; diagonals outside [0, kv_len) of the first and last
+    bands dropped."""
+    h, w = b_idx.shape
+    d = b_idx.to(torch.int64)[:, :, None] * band - shift + torch.arange(band, device=b_idx.device)
+    ok = (b_idx[:, :, None] >= 0) & (d >= 0) & (d < kv_len)
+    d = torch.where(ok, d, torch.full_like(d, 1 << 40)).view(h, w * band).sort(-1).values
+    d = torch.where(d == 1 << 40, torch.full_like(d, -1), d)
+    return d.to(torch.int32).contiguous(), ok.view(h, -1).sum(-1).to(torch.int32)
+
+
+def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGroup, settings, scale: float,
+                               share: int, k_scale=None) -> SparseIndex:
+    """The GPU estimator: the last queries' column and diagonal scores read through the block
+    table (one pass for every head of the layer), the group's heads picked, top-k on the device."""
+    q_len = q_row.shape[0]
+    kv_len = ctx_len + q_len
+    # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
+    vertical, slash = estimate.representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len),
+                                                     scale, group_sum=share > 1, k_scale=k_scale)
+    if not group.all_heads:
+        vertical, slash = vertical[group.ids], slash[group.ids]
+    vertical[:, : settings.keep_first_columns] = float("inf")
+    slash[:, : max(1, settings.keep_last_diagonals)] = float("inf")  # at least the main diagonal
+    shares = {"vertical_size": settings.vertical_share, "slash_size": settings.slash_share}
+
+    def budget(name):  # a host int when the group has one budget (vs_topk then skips the per-head cut)
+        lo, hi = group.min_params[name], group.max_params[name]
+        if lo == hi:
+            return vs_budget(int(hi), shares[name], kv_len)
+        return group.params[name].clamp(min=vs_budget(1, shares[name], kv_len), max=kv_len)
+
+    max_v = vs_budget(int(group.max_params["vertical_size"]), settings.vertical_share, kv_len)
+    max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
+    band = settings.slash_band
+    if band == 1:
+        v_idx, v_cnt, s_idx, s_cnt = vs_index.vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"),
+                                                      max_v, max_s)
+    else:  # whole bands of diagonals by their summed scores (slash_band_scores)
+        bands = slash_band_scores(slash, ctx_len, band)
+        # -inf past the last band: one width for both score rows (vs_topk's single-launch select)
+        bands = torch.nn.functional.pad(bands, (0, kv_len - bands.shape[1]), value=float("-inf"))
+        v_idx, v_cnt, b_idx, _ = vs_index.vs_topk(vertical, bands, budget("vertical_size"),
+                                                  band_count(budget("slash_size"), band), max_v,
+                                                  band_count(max_s, band))
+        s_idx, s_cnt = band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
+    return vs_index.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size,
+                                         slash_tiles=settings.slash_tiles)
+
+
+class VerticalSlash(Pattern):
+    name = "vertical_slash"
+    head_fields = ("vertical_size", "slash_size")
+
+    def keys_per_query(self, head, kv_len, visible, settings):
+        return sum(vs_budgets(head.vertical_size, head.slash_size, kv_len, settings))
+
+    def covers_every_key(self, head, kv_len, settings):
+        return max(vs_budgets(head.vertical_size, head.slash_size, kv_len, settings)) >= kv_len
+
+    def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        # budgets that grow with the row (vertical_share / slash_share) as on the GPU path
+        v_floor, s_floor = vs_budgets(1, 1, k.shape[0], settings)
+        sel = vertical_slash_selection(
+            q, k, kvh, ctx_len, params["vertical_size"].clamp(min=v_floor), params["slash_size"].clamp(min=s_floor),
+            last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
+            keep_last_diagonals=settings.keep_last_diagonals, block_size=settings.block_size, scale=scale,
+            share=share, slash_band=settings.slash_band, slash_tiles=settings.slash_tiles)
+        return sel, {self.name: q.shape[1]}
+
+    def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
+                       scale, share, k_scale=None):
+        return PagedSelection(paged_vertical_slash_index(q_row, key_cache, block_table_row, ctx_len, group, settings,
+                                                         scale, share, k_scale))

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 from sparse_prefill_kernels.estimate_math import mass_block_counts, scored_block_mass
+from sparse_prefill_kernels.kv_quant import scale_operand
 
+from ...kernels import estimate
+from ...reference import gather_pages
 from ..index import causal_block_mask, diagonal_block_mask
-from .common import PatternSelection, block_means, keep_top, sum_head_groups
+from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
 
 
 def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
@@ -46,3 +49,48 @@ def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     keep = keep_top(scores.reshape(h * nqb, nkb), counts)
     # A chunk that starts mid-block has two diagonal blocks; both stay even when k = 1.
     return PatternSelection.blocks_only((keep.view(h, nqb, nkb) | diag) & causal).repeat_heads(share)
+
+
+def row_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int, dtype: torch.dtype,
+             k_scale=None) -> torch.Tensor:
+    """The row's keys, contiguous [kv_len, Hkv, D] of ``dtype``, dequantised with ``k_scale``
+    from an fp8 cache: one gather of every key (2 bytes x Hkv x D per token, 64 MiB at 128K for
+    2 KV heads of 128), for the block scorings' torch matmuls (``block_scoring`` other than pooled)."""
+    k = gather_pages(key_cache, block_table_row, kv_len).to(dtype)
+    ks = scale_operand(k_scale, key_cache.device)
+    return k if ks is None else k * ks.to(dtype)
+
+
+class BlockSparse(Pattern):
+    name = "block_sparse"
+    head_fields = ("topk_blocks",)
+
+    def keys_per_query(self, head, kv_len, visible, settings):
+        return head.topk_blocks * settings.block_size
+
+    def covers_every_key(self, head, kv_len, settings):
+        return head.topk_blocks >= -(-kv_len // settings.block_size)
+
+    def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        sel = block_sparse_selection(q, k, kvh, ctx_len, params["topk_blocks"], block_size=settings.block_size,
+                                     share=share, scoring=settings.block_scoring,
+                                     stride=settings.antidiagonal_stride, block_mass=settings.block_mass,
+                                     scale=scale, samples=settings.block_samples)
+        return sel, {self.name: q.shape[1]}
+
+    def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
+                       scale, share, k_scale=None):
+        # scored for every list of the layer (one pass), the group's lists picked after
+        q_len, b = q_row.shape[0], settings.block_size
+        topk = torch.full((num_lists,), 1, dtype=torch.int64, device=q_row.device)
+        topk[group.ids] = group.params["topk_blocks"].to(torch.int64)
+        max_topk = int(group.max_params["topk_blocks"])
+        if settings.block_scoring != "pooled":
+            k_row = row_keys(key_cache, block_table_row, ctx_len + q_len, q_row.dtype, k_scale)
+            mass = scored_block_mass(settings.block_scoring, q_row, k_row, ctx_len, b, scale, share,
+                                     stride=settings.antidiagonal_stride, samples=settings.block_samples)
+            ix = estimate.mass_block_index(mass, topk, q_len, ctx_len, b, max_topk, settings.block_mass)
+        else:
+            pooled = estimate.pooled_keys(key_cache, block_table_row, ctx_len + q_len, b, k_scale)
+            ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=max_topk, share=share)
+        return PagedSelection(ix if group.all_heads else ix.map_lists(lambda t: t[group.ids]))

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .budgets import kv_group_share
-from .config import ConfigError, SparseSettings
-from .head_configs import HeadConfigFile, ResolvedHead, layer_heads
+from ..config import ConfigError, SparseSettings
+from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,13 @@ from typing import Callable
 import torch
 
 from .budgets import budgets_cover_every_key
-from .config import SparseSettings
-from .head_configs import ResolvedHead
+from ..config import SparseSettings
+from ..head_configs import ResolvedHead
 from .index import count_pairs, count_pairs_tensor, index_density
-from .paged_estimate import HeadGroups, estimate_index_paged
-from .patterns import estimate_index
+from .estimate import HeadGroups, estimate_index, estimate_index_paged
 from .plan import SparseRow
-from .reference import causal_pairs, sparse_attention
-from .stats import STATS
+from ..reference import causal_pairs, sparse_attention
+from ..stats import STATS
 
 KVForRow = Callable[[SparseRow], tuple[torch.Tensor, torch.Tensor]]
 
@@ -234,21 +233,21 @@ def _capturing(query: torch.Tensor) -> bool:
 def _defer_measured(row: SparseRow, num_heads: int, est, flag: torch.Tensor | None, patterns: dict) -> None:
     """Record a row now and its measured pairs once the device has counted them (no host sync;
     the stats file shows them once they arrive). A row flagged dense (``flag``)
-    computed all its causal pairs; FlexPrefill heads are split by their per-head choice."""
+    computed all its causal pairs; heads whose label the device decided (:class:`.patterns.base.HeadSplit`)
+    are recorded once read."""
     causal = causal_pairs(row.q_len, row.ctx_len, num_heads)
     computed = count_pairs_tensor(est.index, row.q_len, row.ctx_len) * est.heads_per_list
     if flag is not None:
         computed = torch.where(flag, causal, computed)
-    values, n_flex = [computed], None
-    if est.query_aware_heads is not None:
-        n_flex = patterns.pop("flex_prefill")
-        values.append(est.query_aware_heads)
+    totals = [patterns.pop(s.pattern) for s in est.splits]  # recorded once their split is known
+    values = [computed] + [s.count for s in est.splits]
     _record(row, num_heads, None, patterns)
 
     def measured(v: list[int]) -> None:
-        split = None if n_flex is None else {"flex_prefill/query_aware": v[1],
-                                             "flex_prefill/vertical_slash": n_flex - v[1]}
-        STATS.record_measured_pairs(causal, v[0], split)
+        labels = {}
+        for split, total, n in zip(est.splits, totals, v[1:]):
+            labels[split.label], labels[split.rest] = n, total - n
+        STATS.record_measured_pairs(causal, v[0], labels or None)
 
     STATS.read_later(values, measured)
 

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 from sparse_prefill_kernels.estimate_math import rescale_block_mask, sqrt_js_divergence
 
+from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
-from .common import (PatternSelection, block_means, cumulative_budget, keep_top, last_queries_probs,
-                     vertical_and_slash_sums)
+from .base import (HeadGroup, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget, keep_top,
+                   last_queries_probs, vertical_and_slash_sums)
 from .vertical_slash import vertical_slash_to_selection
 
 
@@ -93,3 +94,41 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     block_mask = torch.where(qa, qa_mask, vs.block_mask)
     column_keep = vs.column_keep & ~query_aware[:, None]
     return PatternSelection(block_mask, vs.columns, column_keep), FlexDecision(query_aware, jsd)
+
+
+class FlexPrefill(Pattern):
+    """Per input, each head is query-aware or vertical-slash (the stats count both labels)."""
+
+    name = "flex_prefill"
+    head_fields = ("gamma",)
+    group_shareable = False  # the per-head query-aware decision has no group form
+
+    def keys_per_query(self, head, kv_len, visible, settings):
+        return settings.min_budget
+
+    def covers_every_key(self, head, kv_len, settings):
+        # both its vertical-slash lines and its query-aware blocks then keep everything
+        return settings.min_budget >= kv_len
+
+    def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        sel, decision = flex_prefill_selection(
+            q, k, kvh, ctx_len, params["gamma"].float(), tau=settings.tau, flex_block_size=settings.flex_block_size,
+            min_budget=settings.min_budget, max_budget=settings.max_budget, block_size=settings.block_size,
+            scale=scale)
+        n_qa = int(decision.query_aware.sum())
+        return sel, {f"{self.name}/query_aware": n_qa, f"{self.name}/vertical_slash": q.shape[1] - n_qa}
+
+    def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
+                       scale, share, k_scale=None):
+        if share > 1:
+            raise ValueError("FlexPrefill heads cannot share one selection per KV group")
+        gamma = torch.full((num_lists,), settings.gamma, dtype=torch.float32, device=q_row.device)
+        gamma[group.ids] = group.params["gamma"].float()
+        ix, qa = estimate.flex_prefill_index(
+            q_row, key_cache, block_table_row, ctx_len, gamma, tau=settings.tau,
+            flex_block_size=settings.flex_block_size, min_budget=settings.min_budget,
+            max_budget=settings.max_budget, block_size=settings.block_size, scale=scale, k_scale=k_scale)
+        if not group.all_heads:
+            ix, qa = ix.map_lists(lambda t: t[group.ids]), qa[group.ids]
+        return PagedSelection(ix, HeadSplit(self.name, f"{self.name}/query_aware", f"{self.name}/vertical_slash",
+                                            qa.sum()))

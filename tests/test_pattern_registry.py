@@ -1,0 +1,146 @@
+"""The pattern registry is the one extension point for prefill patterns: a new pattern is a
+Pattern subclass plus one registry entry, and then every part of the backend that handles
+patterns handles it (settings, head-config files, the planner's budget checks, both
+estimators, the attention that follows), with nothing else edited.
+
+The pattern here is a toy made for this test: each query sees only the key blocks within
+``local_window`` keys of its own block (an A-shape with no sink). Its selection is checked
+against a brute-force mask and its attention against float64 attention under that mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.head_configs import parse_head_config, resolve_head
+from vllm_sparse_backend.prefill.budgets import budget_density, budgets_cover_every_key, kv_group_share
+from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index, estimate_index_paged
+from vllm_sparse_backend.prefill.index import index_to_dense_mask, num_blocks, query_block_bounds
+from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
+from vllm_sparse_backend.prefill.patterns.base import PagedSelection, Pattern, PatternSelection
+from vllm_sparse_backend.reference import sparse_attention
+
+
+class LocalBlocks(Pattern):
+    """Toy pattern: the key blocks reaching back ``local_window`` keys from each query block."""
+
+    name = "local_blocks"
+    head_fields = ("local_window",)
+
+    def keys_per_query(self, head, kv_len, visible, settings):
+        return head.local_window
+
+    def covers_every_key(self, head, kv_len, settings):
+        return head.local_window >= kv_len
+
+    def _selection(self, window: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> PatternSelection:
+        q_first, q_last = query_block_bounds(q_len, ctx_len, block_size, window.device)
+        kb = torch.arange(num_blocks(ctx_len + q_len, block_size), device=window.device)
+        k_first, k_last = kb * block_size, kb * block_size + block_size - 1
+        near = k_last[None, None, :] >= q_first[None, :, None] - window[:, None, None]
+        causal = k_first[None, None, :] <= q_last[None, :, None]
+        return PatternSelection.blocks_only(near & causal)
+
+    def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        return self._selection(params["local_window"], q.shape[0], ctx_len, settings.block_size), {
+            self.name: q.shape[1]}
+
+    def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group, num_lists, settings, scale, share,
+                       k_scale=None):
+        q_len, b = q_row.shape[0], settings.block_size
+        return PagedSelection(self._selection(group.params["local_window"], q_len, ctx_len, b).to_index(
+            b, q_len, ctx_len))
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The one line a new pattern adds to the registry (undone after the test)."""
+    monkeypatch.setitem(PATTERNS, LocalBlocks.name, LocalBlocks())
+
+
+def _brute_force_mask(q_len: int, ctx_len: int, window: int, block_size: int) -> torch.Tensor:
+    """bool [q_len, kv_len]: causal pairs whose key block ends within ``window`` keys of the
+    first query of the query's block."""
+    kv_len = ctx_len + q_len
+    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    for i in range(q_len):
+        pos = ctx_len + i
+        block_first = ctx_len + (i // block_size) * block_size
+        for key in range(pos + 1):
+            key_block_last = (key // block_size) * block_size + block_size - 1
+            mask[i, key] = key_block_last >= block_first - window
+    return mask
+
+
+def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(registered):
+    settings = SparseSettings(default_pattern="local_blocks")
+    assert resolve_head(None, settings).pattern == "local_blocks"
+    assert load_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"}).default_pattern == "local_blocks"
+    cfg = parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
+                             "num_heads": 2, "layers": [{"heads": [{"pattern": "local_blocks", "local_window": 64},
+                                                                   {"pattern": "dense"}]}]}, "file.json")
+    assert [h.pattern for h in cfg.layers[0].heads] == ["local_blocks", "dense"]
+
+
+def test_an_unregistered_pattern_fails_naming_the_known_ones():
+    with pytest.raises(ConfigError, match="local_blocks.*known: dense, a_shape"):
+        load_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"})
+    with pytest.raises(ConfigError, match="layer 0, head 0, field 'pattern'.*unknown pattern 'local_blocks'"):
+        parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
+                           "num_heads": 1, "layers": [{"heads": [{"pattern": "local_blocks"}]}]}, "file.json")
+    with pytest.raises(KeyError, match="local_blocks"):
+        get_pattern("local_blocks")
+
+
+def test_the_budget_checks_ask_the_registered_pattern(registered):
+    settings = SparseSettings(default_pattern="local_blocks", local_window=128)
+    heads = [resolve_head(None, settings)] * 4
+    q_len, ctx_len = 1024, 1024
+    visible = ctx_len + (q_len + 1) / 2
+    assert budget_density(heads, q_len, ctx_len, settings) == pytest.approx(128 / visible)
+    assert not budgets_cover_every_key(heads, q_len, ctx_len, settings)
+    wide = [resolve_head(None, settings.model_copy(update={"local_window": 4096}))] * 4
+    assert budgets_cover_every_key(wide, q_len, ctx_len, settings)
+    assert kv_group_share(heads, 2, settings) == 2  # group_shareable by default
+
+
+@pytest.mark.parametrize("q_len,ctx_len", [(300, 0), (200, 150)])
+def test_both_estimators_and_the_attention_follow_the_registered_pattern(registered, q_len, ctx_len, rng):
+    block, window = 64, 100
+    settings = SparseSettings(default_pattern="local_blocks", local_window=window, kv_group_shared=False)
+    # two heads of the toy pattern beside two dense ones: the registry serves mixed layers too
+    heads = [resolve_head(None, settings)] * 2 + [resolve_head(None, settings.model_copy(
+        update={"default_pattern": "dense"}))] * 2
+    h, hkv, d = 4, 2, 16
+    q = torch.randn(q_len, h, d, generator=rng)
+    k = torch.randn(ctx_len + q_len, hkv, d, generator=rng)
+    v = torch.randn(ctx_len + q_len, hkv, d, generator=rng)
+
+    est = estimate_index(q, k, ctx_len, heads, settings, d ** -0.5)
+    assert est.head_patterns == {"local_blocks": 2, "dense": 2}
+    mask = index_to_dense_mask(est.index, q_len, ctx_len)
+    want = _brute_force_mask(q_len, ctx_len, window, block)
+    causal = torch.ones(q_len, ctx_len + q_len, dtype=torch.bool).tril(ctx_len)
+    assert torch.equal(mask[0], want) and torch.equal(mask[1], want)
+    assert torch.equal(mask[2], causal) and torch.equal(mask[3], causal)
+
+    # the paged estimator lists the same keys (a layer of the toy pattern only: it runs on CPU
+    # tensors, where the built-in patterns' GPU estimators need triton)
+    page = 16
+    pages = -(-(ctx_len + q_len) // page)
+    key_cache = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pages * page - k.shape[0])).view(pages, page, hkv, d)
+    paged = estimate_index_paged(q, key_cache, torch.arange(pages, dtype=torch.int32), ctx_len,
+                                 HeadGroups.from_heads(heads[:2] * 2, "cpu"), settings, d ** -0.5)
+    assert paged.head_patterns == {"local_blocks": 4}
+    assert torch.equal(index_to_dense_mask(paged.index, q_len, ctx_len), mask[:2].repeat(2, 1, 1))
+
+    # attention over the index equals float64 attention under the brute-force mask
+    out, _ = sparse_attention(q, k, v, est.index, ctx_len, d ** -0.5)
+    kvh = torch.arange(h) // (h // hkv)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k[:, kvh].double()) * d ** -0.5
+    allowed = torch.stack([want, want, causal, causal])
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    ref = torch.einsum("hqk,khd->qhd", probs, v[:, kvh].double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

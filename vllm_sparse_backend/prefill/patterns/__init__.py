@@ -1,0 +1,31 @@
+"""The prefill patterns, by name: the one place that lists them.
+
+A new pattern is a new file of this folder holding a :class:`~.base.Pattern` subclass, plus one
+line below. Head-config files, the ``default_pattern`` setting, the planner's budget checks and
+both estimators find it here; nothing else names patterns.
+"""
+
+from __future__ import annotations
+
+from .a_shape import AShape
+from .base import Pattern
+from .block_sparse import BlockSparse
+from .dense import Dense
+from .flex_prefill import FlexPrefill
+from .vertical_slash import VerticalSlash
+
+PATTERNS: dict[str, Pattern] = {p.name: p for p in (
+    Dense(),
+    AShape(),
+    VerticalSlash(),
+    BlockSparse(),
+    FlexPrefill(),
+)}
+
+
+def get_pattern(name: str) -> Pattern:
+    """The registered pattern called ``name`` (KeyError naming the known ones otherwise)."""
+    try:
+        return PATTERNS[name]
+    except KeyError:
+        raise KeyError(f"unknown pattern {name!r} (known: {', '.join(PATTERNS)})") from None
