@@ -11,7 +11,7 @@ import pytest
 
 from vllm_sparse_backend.config import ConfigError
 from vllm_sparse_backend.head_configs import check_fits_model, load_head_config, read_model_shape
-from vllm_sparse_backend.tools import layer_budgets as lb
+from vllm_sparse_tools import layer_budgets as lb
 
 VARIANTS = {"small": {"vertical_size": "100", "slash_size": "400"},
             "mid": {"vertical_size": "300", "slash_size": "1200"},

@@ -37,15 +37,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import PatternName, SparseSettings
-from ..head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
-from ..index import causal_block_mask, num_blocks, range_cover
-from ..patterns import estimate_index
-from ..patterns.a_shape import a_shape_selection
-from ..patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from ..patterns.vertical_slash import slash_block_mask, slash_ranges
-from ..budgets import budget_density, kv_group_share, vs_budgets
-from ..reference import kv_head_map
+from vllm_sparse_backend.config import PatternName, SparseSettings
+from vllm_sparse_backend.head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
+from vllm_sparse_backend.index import causal_block_mask, num_blocks, range_cover
+from vllm_sparse_backend.patterns import estimate_index
+from vllm_sparse_backend.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from vllm_sparse_backend.patterns.vertical_slash import slash_block_mask, slash_ranges
+from vllm_sparse_backend.budgets import budget_density, kv_group_share, vs_budgets
+from vllm_sparse_backend.reference import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
                                          selection_stats)
