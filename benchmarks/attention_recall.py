@@ -7,7 +7,7 @@ layer's post-RoPE Q/K/V goes, on the model's device and inside the capture callb
 kept), through every variant's estimator (the backend's own code, KV-group sharing decided as the
 backend decides it) and is scored against exact dense attention on sampled query rows: the share
 of the true softmax mass the selection keeps (recall), the relative output error, the exact
-density and the kernel's tile density. See ``vllm_sparse_backend.tools.evaluation.attention_check``.
+density and the kernel's tile density. See ``vllm_sparse_tools.evaluation.attention_check``.
 
     python benchmarks/attention_recall.py --model qwen-coder --lengths 8192 16384 \\
         --variants vs flex0.9 flex0.95 ashape block 'vs-small=vertical_size=250,slash_size=1000'
@@ -38,9 +38,9 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from vllm_sparse_backend.tools.evaluation import attention_check as ac  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import inputs  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
+from vllm_sparse_tools.evaluation import attention_check as ac  # noqa: E402
+from vllm_sparse_tools.evaluation import inputs  # noqa: E402
+from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
 
 REPO = _HERE.parent
 DEFAULT_VARIANTS = ["vs", "flex0.9", "flex0.95", "ashape", "block"]

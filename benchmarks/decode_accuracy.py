@@ -110,8 +110,8 @@ import torch  # noqa: E402
 
 from vllm_sparse_backend.config import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode_topk import TopkDecodeBudget  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.tasks import score  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation.tasks import score  # noqa: E402
 
 REPO = _HERE.parent
 _ATTENTION_NAME = "vllm_sparse_decode_accuracy"
@@ -906,8 +906,8 @@ def relative_to(summary: dict[str, dict], base: str) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_sparse_backend.tools.evaluation import inputs
-    from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer, make_samples
+    from vllm_sparse_tools.evaluation import inputs
+    from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer, make_samples
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen-coder", help=f"{', '.join(inputs.MODELS)}, or a model folder")

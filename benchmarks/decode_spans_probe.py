@@ -4,7 +4,7 @@ For needle prompts of the accuracy harness (``evaluation.tasks``, same prompts a
 ``benchmarks/decode_accuracy.py``), transformers (fp32, CPU) prefills densely while the spans and
 top-k selectors of ``decode_accuracy.py`` (the backend's float64 references: division, span keys,
 persistent flags, page summaries) build their state from the prompt's q/k; then one decode step
-runs with exact attention and, per layer, ``vllm_sparse_backend.tools.evaluation.span_probe``
+runs with exact attention and, per layer, ``vllm_sparse_tools.evaluation.span_probe``
 reports where the needle's pages (the pages holding the needle's value tokens) rank under the
 exact attention of the decode query, the top-k bound, the span key score (sum, mean, best index
 token), whether they lie in an NMS-kept span, are persistent, are selected; and how the spans
@@ -37,7 +37,7 @@ da = importlib.util.module_from_spec(_spec)
 sys.modules["decode_accuracy"] = da
 _spec.loader.exec_module(da)
 
-from vllm_sparse_backend.tools.evaluation import span_probe  # noqa: E402
+from vllm_sparse_tools.evaluation import span_probe  # noqa: E402
 
 REPO = _HERE.parent
 # Qwen2.5-Coder-0.5B: layers 9-22 are where the decode query finds the needle (exact rank 0-1)
@@ -135,8 +135,8 @@ class ProbeSelector:
 
 
 def main(argv=None) -> int:
-    from vllm_sparse_backend.tools.evaluation import inputs
-    from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer, depths_for
+    from vllm_sparse_tools.evaluation import inputs
+    from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer, depths_for
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen-coder")

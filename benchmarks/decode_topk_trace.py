@@ -400,8 +400,8 @@ def format_layers(results: dict, frac: float, ps: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_sparse_backend.tools.evaluation import inputs
-    from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer, make_samples
+    from vllm_sparse_tools.evaluation import inputs
+    from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer, make_samples
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen-coder", help=f"{', '.join(inputs.MODELS)}, or a model folder")

@@ -53,7 +53,7 @@ from vllm_sparse_backend.prefill.patterns.base import (last_queries_probs, sum_h
                                                  vertical_and_slash_sums)
 from vllm_sparse_backend.prefill.patterns.vertical_slash import (keep_columns, keep_diagonals,  # noqa: E402
                                                          vertical_slash_to_selection)
-from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
+from vllm_sparse_tools.evaluation.variants import parse_variant  # noqa: E402
 
 
 def kept_lines(q: torch.Tensor, k: torch.Tensor, ctx_len: int, cfg: SparseSettings, share: int,
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, nargs="+", default=[16384, 0], help="prefill chunks (0: one row)")
     ap.add_argument("--variants", nargs="+", default=["default", "ranges=slash_tiles=ranges",
                                                       "bands=slash_band=64"],
-                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (tools.evaluation.variants)")
+                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (vllm_sparse_tools.evaluation.variants)")
     ap.add_argument("--residual-slash", action="store_true",
                     help="also each variant with diagonal sums that leave out the kept columns (a what-if)")
     ap.add_argument("--seed", type=int, default=0)

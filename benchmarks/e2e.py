@@ -51,7 +51,7 @@ same weights serve every variant. ``none`` keeps vLLM's dummy weights.
 
 Real weights (``--model-dir DIR``, with ``--structure none``): the model folder is loaded as it
 is (weights and config; prompts stay random token ids, no tokenizer), ``--yarn FACTOR`` serving
-it through a YaRN copy of its config (``tools.evaluation.accuracy.yarn_model_dir``) for contexts
+it through a YaRN copy of its config (``vllm_sparse_tools.evaluation.accuracy.yarn_model_dir``) for contexts
 past its trained length.
 
 Variants: ``LABEL=BACKEND[:VAR=VALUE,VAR=VALUE]``, e.g. ``vs=sparse-prefill`` or
@@ -480,7 +480,7 @@ def main() -> None:
             raise SystemExit("--model-dir takes --structure none (its weights are the model's) and the offline engine")
         args.model = args.model_dir
         if args.yarn:
-            from vllm_sparse_backend.tools.evaluation.accuracy import yarn_model_dir
+            from vllm_sparse_tools.evaluation.accuracy import yarn_model_dir
             args.model = str(yarn_model_dir(args.model_dir, args.yarn, tempfile.mkdtemp(prefix="e2e-yarn-")))
     else:
         args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))

@@ -26,7 +26,7 @@ from typing import Any
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
-from vllm_sparse_backend.tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 
 
 def points(run: dict[str, Any]) -> dict[str, list[tuple[int, float, float, float]]]:

@@ -16,8 +16,8 @@
 #   2. install the carried gguf wheel into /tmp/site-gguf (the GPU image has no gguf; its
 #      other needs, numpy, pyyaml, requests and tqdm, are there);
 #   3. convert the GGUF to /tmp/models/<folder> with
-#      `python3 -m vllm_sparse_backend.tools.assets convert-gguf` (the same code path as the asset
-#      cache, sha256 checked against the digest recorded in vllm_sparse_backend/tools/assets.py);
+#      `python3 -m vllm_sparse_tools.assets convert-gguf` (the same code path as the asset
+#      cache, sha256 checked against the digest recorded in vllm_sparse_tools/assets.py);
 #   4. copy austen.txt to /tmp/austen.txt.
 # Prints the model folder on the last line. Environment overrides: STAGE, GGUF_SITE,
 # MODELS_DIR, TEXT_OUT (/tmp/austen.txt), PYTHON.
@@ -30,7 +30,7 @@ case $name in
   m05b | qwen-coder) name=m05b ;;
   *) echo "$usage" >&2; exit 2 ;;
 esac
-[ -f vllm_sparse_backend/tools/assets.py ] || { echo "run from the repository root" >&2; exit 2; }
+[ -f vllm_sparse_tools/assets.py ] || { echo "run from the repository root" >&2; exit 2; }
 
 stage=${STAGE:-/tmp/mstage-$name}
 unpacked=$stage/unpacked
@@ -80,9 +80,9 @@ else
   # first on sys.path). PYTHONPATH holds only the gguf site: the conversion child runs in a
   # scratch directory and inherits it, and should not see the checkout's top-level folders.
   sha=$("$py" -c 'import sys
-from vllm_sparse_backend.tools.assets import known_gguf_sha256
+from vllm_sparse_tools.assets import known_gguf_sha256
 print(known_gguf_sha256()[sys.argv[1]])' "$base")
-  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m vllm_sparse_backend.tools.assets convert-gguf \
+  PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} "$py" -m vllm_sparse_tools.assets convert-gguf \
     "$gguf" "$folder" --sha256 "$sha"
   echo "[3/4] convert: $(since "$t") s ($(du -sm "$folder" | cut -f1) MB)"
 fi

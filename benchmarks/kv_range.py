@@ -82,7 +82,7 @@ def kv_ranges(model, input_ids: torch.Tensor) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_sparse_backend.tools.evaluation import inputs
+    from vllm_sparse_tools.evaluation import inputs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen-coder-1.5b", help=f"{', '.join(inputs.MODELS)}, or a model folder")

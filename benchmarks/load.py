@@ -95,10 +95,10 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 import aiohttp  # noqa: E402  (a dependency of vLLM)
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from vllm_sparse_backend.tools.demo import ServerError, ServerHandle, cuda_available, start_server, wait_ready  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.inputs import resolve_model, resolve_text  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.variants import Variant, parse_variant  # noqa: E402
+from vllm_sparse_tools.demo import ServerError, ServerHandle, cuda_available, start_server, wait_ready  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation.inputs import resolve_model, resolve_text  # noqa: E402
+from vllm_sparse_tools.evaluation.variants import Variant, parse_variant  # noqa: E402
 
 # kind -> what its requests are; the table's row order
 KINDS: dict[str, str] = {

@@ -38,9 +38,9 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
 
-from vllm_sparse_backend.tools.evaluation import attention_check as ac  # noqa: E402
-from vllm_sparse_backend.tools.evaluation import inputs  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
+from vllm_sparse_tools.evaluation import attention_check as ac  # noqa: E402
+from vllm_sparse_tools.evaluation import inputs  # noqa: E402
+from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
 
 REPO = _HERE.parent
 DEFAULT_VARIANTS = ["vs", "vs-ranges=slash_tiles=ranges", "vs-small=vertical_size=250,slash_size=1000",

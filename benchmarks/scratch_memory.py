@@ -46,7 +46,7 @@ from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import HeadGroups  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps  # noqa: E402
-from vllm_sparse_backend.tools.evaluation.variants import parse_variant  # noqa: E402
+from vllm_sparse_tools.evaluation.variants import parse_variant  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -82,7 +82,7 @@ def main() -> None:
                          "the claim before 2026-11-26")
     ap.add_argument("--variants", nargs="+",
                     default=["default", "full=max_density=1,vertical_size=131072,slash_size=131072"],
-                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (tools.evaluation.variants)")
+                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (vllm_sparse_tools.evaluation.variants)")
     args = ap.parse_args()
 
     h, hkv, d = args.heads

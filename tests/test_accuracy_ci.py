@@ -19,12 +19,12 @@ import threading
 
 import pytest
 
-from vllm_sparse_backend.tools import assets
-from vllm_sparse_backend.tools.demo import ServerError
-from vllm_sparse_backend.tools.evaluation import accuracy as acc
-from vllm_sparse_backend.tools.evaluation.accuracy import run_variant
-from vllm_sparse_backend.tools.evaluation.tasks import HFTokenizer, make_samples
-from vllm_sparse_backend.tools.evaluation.variants import Variant
+from vllm_sparse_tools import assets
+from vllm_sparse_tools.demo import ServerError
+from vllm_sparse_tools.evaluation import accuracy as acc
+from vllm_sparse_tools.evaluation.accuracy import run_variant
+from vllm_sparse_tools.evaluation.tasks import HFTokenizer, make_samples
+from vllm_sparse_tools.evaluation.variants import Variant
 
 TASKS = ["single_needle", "multi_value"]
 TOKENS = 2048
@@ -223,7 +223,7 @@ def test_prompt_cache_returns_the_same_samples_for_the_same_inputs(tmp_path):
     import argparse
 
     from conftest import load_script
-    from vllm_sparse_backend.tools.evaluation.tasks import Sample
+    from vllm_sparse_tools.evaluation.tasks import Sample
 
     bench = load_script("benchmarks/accuracy.py", "accuracy_bench")
     sample = Sample("multi_value", 2048, 0, 0.5, [1, 2, 3], ("11", "22"), "The values are:", 48,

@@ -22,7 +22,7 @@ import zlib
 
 import pytest
 
-from vllm_sparse_backend.tools import assets, demo
+from vllm_sparse_tools import assets, demo
 
 # ---------------------------------------------------------------------------------------------
 # A minimal writer of R's XDR serialization, enough to build test inputs for the reader

@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from vllm_sparse_backend.tools import assets
-from vllm_sparse_backend.tools.evaluation import inputs
+from vllm_sparse_tools import assets
+from vllm_sparse_tools.evaluation import inputs
 
 
 def test_qwen_coder_1p5b_parts_name_the_22_chunk_wheels_in_order():

@@ -9,8 +9,8 @@ import torch
 from conftest import causal_mask, masked_attention_f64
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.tools.evaluation import attention_check as ac
-from vllm_sparse_backend.tools.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
+from vllm_sparse_tools.evaluation import attention_check as ac
+from vllm_sparse_tools.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
 from vllm_sparse_backend.head_configs import resolve_head
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index

@@ -36,7 +36,7 @@ def tiny(tmp_path_factory):
 
 
 def test_attention_recall_runs_end_to_end_on_cpu(recall_module, tiny, capsys):
-    from vllm_sparse_backend.cli import main as cli
+    from vllm_sparse_tools.cli import main as cli
 
     tmp, model_dir, text = tiny
     searched = tmp / "searched.json"

@@ -145,7 +145,7 @@ def test_import_minference_errors(bad, needle):
 
 
 def test_cli_import_and_check(tmp_path, capsys):
-    from vllm_sparse_backend.cli import main
+    from vllm_sparse_tools.cli import main
     src = tmp_path / "mi.json"
     src.write_text(json.dumps([{"0": ["vertical_and_slash", 100, 800, 0.5], "1": ["stream_llm", 64, 512, 0.1]}]))
     out = tmp_path / "ours.json"
@@ -215,7 +215,7 @@ def test_per_kv_group_file_on_another_gqa_layout_is_refused(tmp_path):
 
 
 def test_cli_check_head_config_against_a_model_and_settings_check_the_file(tmp_path, capsys, monkeypatch):
-    from vllm_sparse_backend.cli import main
+    from vllm_sparse_tools.cli import main
 
     path = tmp_path / "toy.json"
     path.write_text(json.dumps(_head_file()))

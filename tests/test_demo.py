@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 
 def test_demo_finds_the_passkey_with_sparse_prefill():
-    proc = subprocess.run([sys.executable, "-m", "vllm_sparse_backend.tools.demo", "--tokens", "3000"],
+    proc = subprocess.run([sys.executable, "-m", "vllm_sparse_tools.demo", "--tokens", "3000"],
                           capture_output=True, text=True, timeout=1500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.tools import assets
-from vllm_sparse_backend.tools.evaluation import inputs
+from vllm_sparse_tools import assets
+from vllm_sparse_tools.evaluation import inputs
 
 
 def test_resolve_model_by_name_or_folder(tmp_path, monkeypatch):

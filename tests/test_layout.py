@@ -1,13 +1,15 @@
-"""The package's layers: the serving core never reaches the offline tools.
+"""The repository's layers, bottom to top, and the rule that each imports only those below it.
 
-Serving core: every module of ``vllm_sparse_backend`` outside ``tools/`` and ``cli.py``, and the
-kernels (``sparse_prefill_kernels/``). Offline tools: ``vllm_sparse_backend.tools`` (assets, demo,
-evaluation, search). ``cli.py`` is the ``vllm-sparse`` command, above both; vLLM never loads it.
+* ``sparse_prefill_kernels``: the Triton kernels (torch and triton only).
+* ``vllm_sparse_backend``: the plugin a vLLM server loads (the serving package).
+* ``vllm_sparse_tools``: the offline tools (assets, demo, evaluation, search, layer budgets) and
+  the ``vllm-sparse`` command. ``benchmarks/`` sits at the same level: scripts, never imported.
 
-Two checks, one per direction of failure: what a vLLM server actually imports (the plugin's
-entry point, then the backend classes it registered) loads nothing of the tools, in a fresh
-interpreter; and no core source file imports the tools anywhere, even inside a function, so
-the first check cannot pass only because some code path was not taken.
+Three rules, a test each: the kernels import neither the plugin nor vLLM nor the tools; no
+serving source file imports the tools or the benchmarks, at any depth (inside a function too);
+and what a vLLM server actually imports (the plugin's entry point, then the backend classes it
+registered) loads nothing of the tools nor of what only the tools need, in a fresh interpreter.
+The source scans make sure the server check cannot pass only because a code path was not taken.
 """
 
 from __future__ import annotations
@@ -23,17 +25,74 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = "vllm_sparse_backend"
-TOOLS = f"{PACKAGE}.tools"
-COMMAND_LINE = f"{PACKAGE}.cli"
-# Import name -> folder of the modules that belong to the serving core.
-CORE_FOLDERS = {PACKAGE: ROOT / PACKAGE, "sparse_prefill_kernels": ROOT / "sparse_prefill_kernels"}
+KERNELS = "sparse_prefill_kernels"
+SERVING = "vllm_sparse_backend"
+TOOLS = "vllm_sparse_tools"
+BENCHMARKS = "benchmarks"
 
 
 def _tool_only_dependencies() -> set[str]:
-    """Import names of the ``assets`` extra (GGUF conversion): only the tools use them."""
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["assets"]
+    """Import names of the ``tools`` extra (GGUF conversion, search): only the tools use them."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["tools"]
     return {req.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip() for req in extra}
+
+
+def _sources(package: str) -> list[tuple[str, Path]]:
+    """(package the file's relative imports start from, path) for every source file of a
+    top-level package of the checkout."""
+    folder = ROOT / package
+    return [(".".join([package, *path.relative_to(folder).parent.parts]), path)
+            for path in sorted(folder.rglob("*.py"))]
+
+
+def _imported_modules(path: Path, package: str) -> list[str]:
+    """Absolute names of every module a file imports, at any depth (functions included); for
+    ``from X import y`` both ``X`` and ``X.y`` (``y`` may be a submodule)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _imports_of(package: str, forbidden: set[str]) -> list[str]:
+    """``file: module`` for every import in ``package`` of a module under a top-level name in
+    ``forbidden``."""
+    return [f"{path.relative_to(ROOT)}: {name}"
+            for base, path in _sources(package) for name in _imported_modules(path, base)
+            if name.split(".")[0] in forbidden]
+
+
+def test_the_kernels_import_neither_the_plugin_nor_vllm_nor_the_tools():
+    sources = _sources(KERNELS)
+    assert len(sources) > 5 and any(p.name == "__init__.py" for _, p in sources)
+    assert _imports_of(KERNELS, {SERVING, "vllm", TOOLS, BENCHMARKS}) == []
+
+
+def test_the_serving_package_imports_neither_the_tools_nor_the_benchmarks():
+    sources = _sources(SERVING)
+    assert len(sources) > 20 and any(p.name == "run.py" and p.parent.name == "prefill" for _, p in sources)
+    assert _imports_of(SERVING, {TOOLS, BENCHMARKS}) == []
+
+
+def test_the_import_scan_resolves_relative_imports(tmp_path):
+    """The scans above resolve relative imports from any package depth and see imports inside
+    functions."""
+    source = tmp_path / "mod.py"
+    source.write_text("def f():\n    from ..config import x\n    from .. import startup\n"
+                      "    import vllm_sparse_tools.demo\n")
+    names = _imported_modules(source, f"{SERVING}.backends")
+    assert {f"{SERVING}.config", f"{SERVING}.config.x", f"{SERVING}.startup", f"{TOOLS}.demo"} <= set(names)
+    source.write_text("from . import estimate\n")
+    assert f"{KERNELS}.estimate" in _imported_modules(source, KERNELS)
 
 
 # What vLLM does in each of its processes: run the general plugins (our `register`), then
@@ -55,67 +114,17 @@ _SERVER_IMPORTS = textwrap.dedent("""
 
 def test_a_vllm_server_process_loads_no_offline_tool(tmp_path):
     pytest.importorskip("vllm")
-    # cwd: not the checkout, so that the installed plugin is what the child imports.
+    # cwd: not the checkout, so that the installed plugin (or PYTHONPATH's) is what the child imports.
     proc = subprocess.run([sys.executable, "-c", _SERVER_IMPORTS], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["classes"] == ["vllm_sparse_backend.backends.cpu.SparsePrefillCPUBackend",
-                                 "vllm_sparse_backend.backends.cuda.SparsePrefillBackend"]
+    assert report["classes"] == [f"{SERVING}.backends.cpu.SparsePrefillCPUBackend",
+                                 f"{SERVING}.backends.cuda.SparsePrefillBackend"]
     assert Path(report["plugin_file"]).resolve().parent.parent == ROOT, "the child ran another checkout"
     new = report["new_modules"]
-    assert f"{PACKAGE}.backends.common" in new and f"{PACKAGE}.prefill.run" in new  # the core did load
-    assert [m for m in new if m == TOOLS or m.startswith(TOOLS + ".") or m == COMMAND_LINE] == []
+    assert f"{SERVING}.backends.common" in new and f"{SERVING}.prefill.run" in new  # the plugin did load
+    assert [m for m in new if m.split(".")[0] in {TOOLS, BENCHMARKS}] == []
     tool_deps = _tool_only_dependencies()
     assert tool_deps, "pyproject.toml lists no tool dependencies to check"
     assert [m for m in new if m.split(".")[0] in tool_deps] == []
-
-
-def _core_sources() -> list[tuple[str, Path]]:
-    """(package the file's relative imports start from, path) for every core source file."""
-    out = []
-    for package, folder in CORE_FOLDERS.items():
-        for path in sorted(folder.rglob("*.py")):
-            rel = path.relative_to(folder)
-            if package == PACKAGE and (rel.parts[0] == "tools" or rel == Path("cli.py")):
-                continue
-            parts = [package, *rel.parent.parts]
-            out.append((".".join(parts), path))
-    return out
-
-
-def _imported_modules(path: Path, package: str) -> list[str]:
-    """Absolute names of every module a file imports, at any depth (functions included); for
-    ``from X import y`` both ``X`` and ``X.y`` (``y`` may be a submodule)."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module
-            names.append(module)
-            names += [f"{module}.{alias.name}" for alias in node.names]
-    return names
-
-
-def test_no_core_module_imports_the_tools():
-    sources = _core_sources()
-    assert len(sources) > 20 and any(p.name == "run.py" and p.parent.name == "prefill" for _, p in sources)
-    offending = [f"{path.relative_to(ROOT)}: {name}"
-                 for package, path in sources for name in _imported_modules(path, package)
-                 if name == TOOLS or name.startswith(TOOLS + ".") or name == COMMAND_LINE]
-    assert offending == []
-
-
-def test_the_import_scan_resolves_relative_imports(tmp_path):
-    """The scan above sees a relative import of the tools from any depth."""
-    source = tmp_path / "mod.py"
-    source.write_text("def f():\n    from ..tools import demo\n    from .. import cli\n")
-    names = _imported_modules(source, f"{PACKAGE}.backends")
-    assert f"{TOOLS}.demo" in names and COMMAND_LINE in names
-    source.write_text("from . import tools\n")
-    assert TOOLS in _imported_modules(source, PACKAGE)

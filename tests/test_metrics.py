@@ -265,7 +265,7 @@ def _scrape(url, timeout=30.0):
 
 
 def test_own_metrics_port_serves_the_worker_registry():
-    from vllm_sparse_backend.tools.demo import free_port
+    from vllm_sparse_tools.demo import free_port
 
     port = free_port()
     proc = _worker({"VLLM_SPARSE_METRICS_PORT": str(port)}, "serve", stdin=subprocess.PIPE)
@@ -297,7 +297,7 @@ def test_server_metrics_at_vllm_metrics_after_a_long_request(tmp_path):
     pytest.importorskip("vllm")
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny_llama import make_tiny_llama
-    from vllm_sparse_backend.tools.demo import free_port, start_server, wait_ready
+    from vllm_sparse_tools.demo import free_port, start_server, wait_ready
 
     model = make_tiny_llama(tmp_path / "tiny-llama")
     prom_dir = tmp_path / "prometheus"

@@ -15,18 +15,18 @@ import torch
 
 from conftest import causal_mask, masked_attention_f64
 
-from vllm_sparse_backend.tools import search as S
-from vllm_sparse_backend.cli import main as main_cli
+from vllm_sparse_tools import search as S
+from vllm_sparse_tools.cli import main as main_cli
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.tools.evaluation import attention_check as ac
+from vllm_sparse_tools.evaluation import attention_check as ac
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.prefill.budgets import kv_group_share
 from vllm_sparse_backend.reference import kv_head_map
-from vllm_sparse_backend.tools.evaluation.attention_check import causal_tiles, kernel_tiles
-from vllm_sparse_backend.tools.search import search_head, search_layer
+from vllm_sparse_tools.evaluation.attention_check import causal_tiles, kernel_tiles
+from vllm_sparse_tools.search import search_head, search_layer
 
 N, B = 1024, 64
 DENSITY = 0.6  # of the causal key tiles: enough for every planted pattern, far from dense
@@ -64,7 +64,7 @@ def test_search_picks_the_planted_pattern(kind):
     q, k, v = _planted(kind, gen)
     settings = SparseSettings(last_q=64, keep_first_columns=0, keep_last_diagonals=3)
     results = search_head(q, k, v, 0, density=DENSITY, settings=settings, scale=1.0)
-    assert results[0].pattern.pattern is kind, [(r.pattern.pattern.value, r.tiles, round(r.error, 4)) for r in results]
+    assert results[0].pattern.pattern == kind, [(r.pattern.pattern, r.tiles, round(r.error, 4)) for r in results]
     target = int(DENSITY * causal_tiles(N, 0, B))
     assert all(r.tiles <= target for r in results), "candidates were tuned to the same kernel cost"
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tiny_llama import make_tiny_llama  # noqa: E402
-from vllm_sparse_backend.tools.demo import ServerError, start_server, wait_ready  # noqa: E402
+from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
 from vllm_sparse_backend.prefill.run import EVERY_KEY_REASON  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

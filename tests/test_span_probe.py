@@ -1,4 +1,4 @@
-"""The spans probe's helpers (vllm_sparse_backend/tools/evaluation/span_probe.py) and the
+"""The spans probe's helpers (vllm_sparse_tools/evaluation/span_probe.py) and the
 diagnostics ``span_decode.reference_divide`` hands it (issue 24)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_sparse_backend.tools.evaluation import span_probe
+from vllm_sparse_tools.evaluation import span_probe
 
 # The references below live in kernel modules that import triton: `make test` runs this module
 # again with triton under its interpreter; in the main suite (no triton) those tests skip.

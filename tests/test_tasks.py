@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from vllm_sparse_backend.tools import assets
-from vllm_sparse_backend.tools.evaluation import tasks as T
+from vllm_sparse_tools import assets
+from vllm_sparse_tools.evaluation import tasks as T
 
 # Text: numbered sentences on short lines, so every position is identifiable, with 2000
 # made-up words (8 letters, each used 18 times) for the common-words vocabulary.

@@ -1,12 +1,12 @@
 """The accuracy harness's report of kernels a server compiled while serving
-(vllm_sparse_backend/tools/evaluation/triton_cache.py), on a cache laid out as Triton 3.x writes
+(vllm_sparse_tools/evaluation/triton_cache.py), on a cache laid out as Triton 3.x writes
 it: one folder per compile with NAME.json (metadata with "name"), NAME.ttir and a __grp__ file."""
 
 from __future__ import annotations
 
 import json
 
-from vllm_sparse_backend.tools.evaluation.triton_cache import compiled_since, describe, snapshot
+from vllm_sparse_tools.evaluation.triton_cache import compiled_since, describe, snapshot
 
 
 def _compile(root, key, name, args):

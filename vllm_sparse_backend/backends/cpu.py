@@ -44,7 +44,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); vLLM's "
                          "'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU platform "
                          "always picks CPU_ATTN, which this plugin replaces with the CPU twin",
-                         cfg.min_sparse_query_len, cfg.default_pattern.value)
+                         cfg.min_sparse_query_len, cfg.default_pattern)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         if self.sparse_enabled:

@@ -185,7 +185,7 @@ class SparsePrefillImpl(FlashAttentionImpl):
         # an fp8 layer's kernel variants, and the page size serving uses (the kernels specialise on
         # it: with 64-key pages the TMA variant), compile here rather than in the first request
         kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
-        signature = (tuple((g.pattern, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
+        signature = (tuple((g.pattern.name, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
                      q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, output.dtype, kv_dtype)
         if signature in _scratch_claimed:
             return

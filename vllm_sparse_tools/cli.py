@@ -1,27 +1,75 @@
-"""The offline-tool subcommands of ``vllm-sparse`` (the command itself: :mod:`vllm_sparse_backend.cli`).
+"""The ``vllm-sparse`` command.
 
-  vllm-sparse search-patterns --model DIR --out FILE.json   kernel-aware per-head search (search.py)
+  vllm-sparse import-minference IN.json OUT.json --model NAME   convert MInference's per-head file
+  vllm-sparse check-head-config FILE.json [--model DIR]         validate a head-config file (and
+                                                                 that it fits the model in DIR)
+  vllm-sparse settings                                           validate and print the effective
+                                                                 settings (and their head-config file)
+  vllm-sparse search-patterns --model DIR --out FILE.json        kernel-aware per-head search (search.py)
+      [--length 16384] [--density 0.3] [--samples 2] [--device auto] [--text FILE]
   vllm-sparse layer-budgets RECALL.json --model DIR --density D --out FILE.json
-                                                            per-layer budgets from a recall run (layer_budgets.py)
-  vllm-sparse demo [...]                                    passkey demo through vllm serve (demo.py)
+                                                                 per-layer budgets from a recall run
+                                                                 (layer_budgets.py)
+  vllm-sparse demo [--tokens 4000] [...]                         passkey demo through vllm serve (demo.py)
+
+The first three wrap the serving package's own checks (:mod:`vllm_sparse_backend.head_configs`,
+:mod:`vllm_sparse_backend.startup`), so a file or setting the command accepts is one a server
+accepts. This module belongs to the tools package: vLLM never imports it, and the serving package
+never imports it either (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 from pathlib import Path
 
-from ..config import ConfigError, load_settings
-from ..head_configs import load_head_config
+from vllm_sparse_backend.config import ConfigError, load_settings
+from vllm_sparse_backend.head_configs import (check_fits_model, import_minference, load_head_config,
+                                              read_model_shape, save_head_config)
+from vllm_sparse_backend.startup import check_settings
+
 from . import assets, demo, layer_budgets
 
-def add_tool_commands(sub) -> None:
-    """Add the tool subcommands to ``vllm-sparse``'s subparsers."""
+DESCRIPTION = ("Tools for the sparse-prefill attention backend of vLLM: check and convert head-config "
+               "files and settings, search per-head patterns for a model, and run a demo. The backend "
+               "itself runs inside 'vllm serve MODEL --attention-backend sparse-prefill'.")
+EPILOG = "Run 'vllm-sparse COMMAND --help' for the options of a command."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-sparse", description=DESCRIPTION, epilog=EPILOG)
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("import-minference", help="convert a MInference per-head config",
+                       description="Convert MInference's per-head pattern file (a JSON list of layers) "
+                       "into a head-config file the backend reads (VLLM_SPARSE_HEAD_CONFIG).")
+    p.add_argument("input", help="MInference's per-head JSON file")
+    p.add_argument("output", help="head-config JSON file to write")
+    p.add_argument("--model", required=True, help="model name recorded in the file")
+    p.set_defaults(run=_import_minference)
+
+    p = sub.add_parser("check-head-config", help="validate a head-config file",
+                       description="Validate a head-config file the way the server does at start-up, "
+                       "and optionally check that it fits a model.")
+    p.add_argument("path", help="head-config JSON file")
+    p.add_argument("--model", help="Hugging Face model folder: the file must fit its config.json "
+                   "(num_hidden_layers, num_attention_heads, num_key_value_heads)")
+    p.set_defaults(run=_check_head_config)
+
+    p = sub.add_parser("settings", help="validate and print the effective settings",
+                       description="Validate the settings that VLLM_SPARSE_* and VLLM_SPARSE_CONFIG give "
+                       "(and the head-config file they name) the way the server does, and print them "
+                       "as JSON on stdout.")
+    p.set_defaults(run=_settings)
+
     p = sub.add_parser("search-patterns", help="kernel-aware per-head pattern search (MInference Alg. 1)",
                        description="Kernel-aware pattern search at the serving length: per layer and KV "
                        "group (or head), the candidate family with the lowest output error against dense "
-                       "attention at the same kernel cost (--density of the causal key tiles).")
+                       "attention at the same kernel cost (--density of the causal key tiles). Writes a "
+                       "head-config file. Needs the 'tools' extra (transformers).")
     p.add_argument("--model", required=True, help="Hugging Face model folder (transformers loads it)")
     p.add_argument("--out", required=True, help="head-config JSON to write (with <out>.partial.json as "
                    "the run goes)")
@@ -57,6 +105,8 @@ def add_tool_commands(sub) -> None:
                    "for the same inputs")
     p.add_argument("--no-verify", dest="verify", action="store_false", help="skip the final pass "
                    "that measures the file's achieved density and error on the calibration prompts")
+    p.set_defaults(run=_search_patterns)
+
     p = sub.add_parser("layer-budgets", help="per-layer vertical-slash budgets from an attention_recall run",
                        description="One budget rung per layer from a benchmarks/attention_recall.py run over a "
                        "ladder of vertical-slash budgets (and dense): the least summed loss with the mean "
@@ -73,22 +123,57 @@ def add_tool_commands(sub) -> None:
     p.add_argument("--lengths", nargs="+", type=int, default=None, help="lengths of the run to average "
                    "over (default: all)")
     p.add_argument("--name", help="model name recorded in the file (default: folder name)")
-    p = sub.add_parser("demo", help="passkey demo through a real vLLM server", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(run=_layer_budgets)
+
+    p = sub.add_parser("demo", help="passkey demo through a real vLLM server",
+                       description=demo.DESCRIPTION + " The model and text are fetched once into the "
+                       "asset cache (needs the 'tools' extra for the model's conversion).")
+    demo.add_demo_arguments(p)
+    p.set_defaults(run=demo.run_demo)
+    return parser
 
 
-def run_tool_command(args) -> int:
-    """Run a tool subcommand parsed by :func:`add_tool_commands`; ConfigError for bad input."""
-    if args.cmd == "search-patterns":
-        return _search_patterns(args)
-    if args.cmd == "layer-budgets":
-        return _layer_budgets(args)
-    if args.cmd == "demo":
-        return demo.main(args.rest)
-    raise ValueError(f"not a tool command: {args.cmd}")
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
-def _layer_budgets(args) -> int:
+def _import_minference(args: argparse.Namespace) -> int:
+    try:
+        with open(args.input, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{args.input}: {e}") from None
+    cfg = import_minference(data, args.model, source=args.input)
+    save_head_config(cfg, args.output)
+    print(f"wrote {args.output}: {cfg.num_layers} layers x {cfg.num_heads} heads")
+    return 0
+
+
+def _check_head_config(args: argparse.Namespace) -> int:
+    cfg = load_head_config(args.path)
+    fits = ""
+    if args.model:
+        check_fits_model(cfg, read_model_shape(args.model), args.path)
+        fits = f"; fits {args.model}"
+    print(f"{args.path}: OK ({cfg.model}, {cfg.num_layers} layers x {cfg.num_heads} heads{fits})")
+    return 0
+
+
+def _settings(args: argparse.Namespace) -> int:
+    settings, head_config = check_settings()
+    print(json.dumps(settings.model_dump(mode="json"), indent=1))
+    if head_config is not None:  # stderr: stdout stays one JSON document
+        print(f"head_config {settings.head_config}: OK ({head_config.model}, {head_config.num_layers} "
+              f"layers x {head_config.num_heads} heads)", file=sys.stderr)
+    return 0
+
+
+def _layer_budgets(args: argparse.Namespace) -> int:
     picks = layer_budgets.run(args.recall, args.model, args.density, args.out, labels=args.rungs,
                               objective=args.objective, lengths=args.lengths, name=args.name)
     mean = sum(c.density for c in picks) / len(picks)
@@ -98,9 +183,9 @@ def _layer_budgets(args) -> int:
     return 0
 
 
-def _search_patterns(args) -> int:
+def _search_patterns(args: argparse.Namespace) -> int:
     """Calibration prompts: needle-retrieval prompts of ``--length`` tokens cut from offline text
-    with the model's own tokenizer (:func:`vllm_sparse_backend.tools.search.calibration_prompts`)."""
+    with the model's own tokenizer (:func:`vllm_sparse_tools.search.calibration_prompts`)."""
     # Imported when the search runs: the search pulls in torch and transformers, which the other
     # `vllm-sparse` commands (settings, check-head-config, demo) should not pay for at start-up.
     from transformers import AutoTokenizer
@@ -145,7 +230,7 @@ def _search_patterns(args) -> int:
     counts: dict[str, int] = {}
     for layer in cfg.layers:
         for h in layer.heads:
-            counts[h.pattern.value] = counts.get(h.pattern.value, 0) + 1
+            counts[h.pattern] = counts.get(h.pattern, 0) + 1
     load_head_config(args.out)  # what check-head-config and the backend run
     achieved = cfg.settings.get("achieved", {})
     print(f"wrote {args.out}: {cfg.num_layers} layers x {cfg.num_heads} heads; patterns {counts}; "
@@ -153,3 +238,7 @@ def _search_patterns(args) -> int:
           f"{achieved.get('density', float('nan')):.3f} (tiles {achieved.get('tile_density', float('nan')):.3f}); "
           f"{cfg.settings['total_seconds']:.0f} s", flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,8 +4,8 @@ sparse selection keep?
 transformers runs the model once on a real prompt with a custom attention function that hands
 each layer's post-RoPE Q, K, V (and the layer's own SDPA output) to a callback, on the device the
 model runs on. For every layer and every variant, the project's estimators
-(:func:`vllm_sparse_backend.patterns.estimate_index`, with the backend's own decision whether the
-heads of a KV group share one selection, :func:`vllm_sparse_backend.budgets.kv_group_share`) build
+(:func:`vllm_sparse_backend.prefill.patterns.estimate_index`, with the backend's own decision whether the
+heads of a KV group share one selection, :func:`vllm_sparse_backend.prefill.budgets.kv_group_share`) build
 the sparse index from that Q/K exactly as the backend would, and against exact dense attention we
 measure
 
@@ -37,12 +37,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ...head_configs import HeadConfigFile, layer_heads, load_head_config
-from ...index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
+from vllm_sparse_backend.head_configs import HeadConfigFile, layer_heads, load_head_config
+from vllm_sparse_backend.prefill.index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
                      range_cover)
-from ...patterns import estimate_index
-from ...budgets import budget_density, kv_group_share
-from ...reference import causal_pairs, kv_head_map
+from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.budgets import budget_density, kv_group_share
+from vllm_sparse_backend.reference import causal_pairs, kv_head_map
 from .rope import scaled_max_positions, yarn_parameters
 from .variants import Variant
 

@@ -9,5 +9,5 @@
   softmax mass the sparse selection covers (recall) and the output error against dense.
 * :mod:`.inputs`: the benchmarks' names for models, texts and variants, resolved to cached assets.
 
-Nothing here is imported by the backend itself (see :mod:`vllm_sparse_backend.tools`).
+Nothing here is imported by the serving package (see :mod:`vllm_sparse_tools`).
 """

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ...config import ENV_PREFIX, SparseSettings
+from vllm_sparse_backend.config import ENV_PREFIX, SparseSettings
 
 # The library's defaults ("default", and "vs" spelled out): MInference's vertical-slash with 1000
 # columns and 6096 diagonals per head. FlexPrefill at the paper's two gammas. A-shape and block-sparse at

@@ -25,12 +25,12 @@ sha256 of its files. Later calls find the marker and return at once.
 
 Command line (prints the resulting path on stdout, progress on stderr)::
 
-    python -m vllm_sparse_backend.tools.assets
+    python -m vllm_sparse_tools.assets
         {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,text} [--cache-dir D]
 
 and, for a machine without network that was given a GGUF file (same conversion as above)::
 
-    python -m vllm_sparse_backend.tools.assets convert-gguf FILE.gguf OUT_DIR [--sha256 HEX]
+    python -m vllm_sparse_tools.assets convert-gguf FILE.gguf OUT_DIR [--sha256 HEX]
 
 This module imports only the standard library; the GGUF conversion runs in a child process
 of the same interpreter, so transformers/torch memory never stays in the caller.
@@ -283,7 +283,7 @@ def _require_conversion_modules(what: str) -> None:
         raise AssetError(
             f"converting the {what} GGUF needs the Python package(s) " + ", ".join(missing)
             + f" in {sys.executable}: pip install " + " ".join(missing)
-            + "  (or: pip install 'vllm-sparse-backend[assets]')")
+            + "  (or: pip install 'vllm-sparse-backend[tools]')")
 
 
 def _check_sha256(path: pathlib.Path, expected: str, what: str) -> str:
@@ -1067,7 +1067,7 @@ CONVERT_COMMAND = "convert-gguf"
 
 def _convert_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog=f"python -m vllm_sparse_backend.tools.assets {CONVERT_COMMAND}",
+        prog=f"python -m vllm_sparse_tools.assets {CONVERT_COMMAND}",
         description="Convert a local GGUF file (no network needed) into a bf16 Hugging Face "
                     "folder, the way the model assets are converted; print the folder.")
     parser.add_argument("gguf", help="the GGUF file (left in place)")
@@ -1095,7 +1095,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == CONVERT_COMMAND:
         return _convert_main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="python -m vllm_sparse_backend.tools.assets",
+        prog="python -m vllm_sparse_tools.assets",
         description="Fetch (once) and print the path of an offline asset.",
         epilog=f"{CONVERT_COMMAND} FILE.gguf OUT_DIR [--sha256 HEX] [--force]: convert a local "
                f"GGUF file offline instead (see '{CONVERT_COMMAND} --help').")

@@ -14,7 +14,7 @@ from typing import Sequence
 from .. import assets
 from .variants import PRESETS, Variant, parse_variant, searched_variant
 
-# Name on the command line -> (asset in vllm_sparse_backend.tools.assets, the model's own name).
+# Name on the command line -> (asset in vllm_sparse_tools.assets, the model's own name).
 MODELS: dict[str, tuple[str, str]] = {
     "smollm2": ("smollm2", "SmolLM2-135M-Instruct"),
     "qwen-coder": ("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct"),

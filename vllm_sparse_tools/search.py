@@ -12,7 +12,7 @@ for all heads; the vertical-slash knob is found by a bisection run for all heads
 once on tile counts computed from ranks (no re-estimation per step, no host sync per step);
 A-shape and block-sparse costs do not depend on the data and come from tables built once per
 prompt length. Each family's tuned selection is then built by the backend's own estimator
-(:func:`vllm_sparse_backend.patterns.estimate_index`, group-shared exactly as the backend decides
+(:func:`vllm_sparse_backend.prefill.patterns.estimate_index`, group-shared exactly as the backend decides
 it) and scored against dense attention on sampled query rows (the prompt's last rows included), a
 tile of queries at a time against all keys (:func:`.evaluation.attention_check.selection_stats`):
 no n x n matrix is ever formed, everything stays on the device of the captured tensors.
@@ -37,15 +37,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import PatternName, SparseSettings
-from ..head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
-from ..index import causal_block_mask, num_blocks, range_cover
-from ..patterns import estimate_index
-from ..patterns.a_shape import a_shape_selection
-from ..patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
-from ..patterns.vertical_slash import slash_block_mask, slash_ranges
-from ..budgets import budget_density, kv_group_share, vs_budgets
-from ..reference import kv_head_map
+from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
+from vllm_sparse_backend.prefill.index import causal_block_mask, num_blocks, range_cover
+from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
+from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_block_mask, slash_ranges
+from vllm_sparse_backend.prefill.budgets import budget_density, kv_group_share
+from vllm_sparse_backend.prefill.patterns.vertical_slash import vs_budgets
+from vllm_sparse_backend.reference import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
                                          selection_stats)
@@ -54,7 +55,7 @@ from .evaluation.variants import Variant
 
 @dataclass
 class CandidateResult:
-    family: tuple  # its FAMILIES entry: (PatternName, vertical-slash ratio or None)
+    family: tuple  # its FAMILIES entry: (pattern name, vertical-slash ratio or None)
     pattern: HeadPattern
     tiles: int
     error: float  # ||y - y_dense|| / ||y_dense||
@@ -64,27 +65,27 @@ class CandidateResult:
 # three diagonal:column ratios (MInference's shipped budgets range from 8:1 to 1:35), A-shape keeps
 # one block of sink tokens, block-sparse scales its top-k.
 VS_RATIOS = (8.0, 1.0, 0.125)
-FAMILIES = ((PatternName.A_SHAPE, None),) + tuple((PatternName.VERTICAL_SLASH, r) for r in VS_RATIOS) + \
-    ((PatternName.BLOCK_SPARSE, None),)
+FAMILIES = (("a_shape", None),) + tuple(("vertical_slash", r) for r in VS_RATIOS) + \
+    (("block_sparse", None),)
 SINK_TOKENS = 64
 
 
 def family_name(family: tuple) -> str:
     pattern, ratio = family
-    short = {PatternName.A_SHAPE: "ashape", PatternName.VERTICAL_SLASH: "vs",
-             PatternName.BLOCK_SPARSE: "block"}.get(pattern, pattern.value)
+    short = {"a_shape": "ashape", "vertical_slash": "vs",
+             "block_sparse": "block"}.get(pattern, pattern)
     return short if ratio is None else f"{short}{ratio:g}"
 
 
-def candidate_pattern(pattern: PatternName, knob: int, ratio: float | None = None) -> HeadPattern:
+def candidate_pattern(pattern: str, knob: int, ratio: float | None = None) -> HeadPattern:
     """The head pattern of a family at a knob value: vertical-slash ``knob`` columns and
     ``round(ratio * knob)`` diagonals; A-shape a ``knob``-token window after 64 sink tokens;
     block-sparse ``knob`` key blocks per query block."""
-    if pattern is PatternName.VERTICAL_SLASH:
+    if pattern == "vertical_slash":
         return HeadPattern(pattern=pattern, vertical_size=max(1, knob), slash_size=max(1, round(ratio * knob)))
-    if pattern is PatternName.A_SHAPE:
+    if pattern == "a_shape":
         return HeadPattern(pattern=pattern, sink_tokens=SINK_TOKENS, local_window=max(1, knob))
-    if pattern is PatternName.BLOCK_SPARSE:
+    if pattern == "block_sparse":
         return HeadPattern(pattern=pattern, topk_blocks=max(1, knob))
     raise ValueError(f"no search knob for {pattern}")
 
@@ -95,7 +96,7 @@ _candidate = candidate_pattern  # earlier name
 # When errors tie (within TIE_TOLERANCE, relative), prefer the pattern that is cheaper to serve:
 # A-shape needs no estimation, vertical-slash a last-64-query pass, block-sparse pooled scores
 # for every query block.
-SERVING_PREFERENCE = (PatternName.A_SHAPE, PatternName.VERTICAL_SLASH, PatternName.BLOCK_SPARSE)
+SERVING_PREFERENCE = ("a_shape", "vertical_slash", "block_sparse")
 TIE_TOLERANCE = 0.05
 
 
@@ -250,7 +251,7 @@ class LayerSearch:
     seconds: float = 0.0
 
     def family_keys(self) -> list[tuple]:
-        return [(PatternName(p), r) for p, r in self.families]
+        return [(p, r) for p, r in self.families]
 
     def head_errors(self) -> list[list[float]]:
         return [[(e / max(r, 1e-300)) ** 0.5 for e, r in zip(row, self.ref_sq)] for row in self.err_sq]
@@ -282,7 +283,7 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     selection per query head) or the GQA group size (one per KV head, from the group's summed
     scores, as the backend runs ``kv_group_shared``). ``max_budget_density``: also keep every
     candidate's budgets within this share of the keys a query sees on average
-    (:func:`vllm_sparse_backend.budgets.budget_density`, the CUDA backend's check against
+    (:func:`vllm_sparse_backend.prefill.budgets.budget_density`, the CUDA backend's check against
     ``max_density``: a layer whose budgets are denser runs dense there)."""
     t0 = time.monotonic()
     n, h, _ = q.shape
@@ -298,7 +299,7 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     if max_budget_density is not None and max_budget_density < 1.0:
         max_keys = max_budget_density * (n + 1) / 2  # keys a query of the row sees on average
     knobs: dict[tuple, torch.Tensor] = {}
-    vs_families = [f for f in families if f[0] is PatternName.VERTICAL_SLASH]
+    vs_families = [f for f in families if f[0] == "vertical_slash"]
     if vs_families:
         kvh = kv_head_map(h, hkv, device)
         probs, qpos = last_queries_probs(q, k, kvh, 0, settings.last_q, scale)
@@ -313,17 +314,17 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             knobs[f] = tuned[i]
     big = torch.iinfo(torch.int64).max
     for f in families:
-        if f[0] is PatternName.A_SHAPE:
+        if f[0] == "a_shape":
             tiles = tables.ashape_tiles
             if max_keys is not None:
                 tiles = torch.where(tables.ashape_knobs + SINK_TOKENS <= max_keys, tiles, big)
             knobs[f] = torch.full((units,), tables.largest_within(tables.ashape_knobs, tiles, target))
-        elif f[0] is PatternName.BLOCK_SPARSE:
+        elif f[0] == "block_sparse":
             tiles = tables.block_tiles
             if max_keys is not None:
                 tiles = torch.where(tables.block_knobs * settings.block_size <= max_keys, tiles, big)
             knobs[f] = torch.full((units,), tables.largest_within(tables.block_knobs, tiles, target))
-        elif f[0] is not PatternName.VERTICAL_SLASH:
+        elif f[0] != "vertical_slash":
             raise ValueError(f"no search knob for {f[0]}")
     knob_lists = {f: [int(x) for x in knobs[f].tolist()] for f in families}
     indices = []
@@ -339,7 +340,7 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     tiles = torch.stack([kernel_tiles_per_head(ix) for ix in indices]).cpu()
     err = torch.stack([st.err_sq for st in stats]).cpu()
     ref = stats[0].ref_sq.cpu()
-    return LayerSearch(share=share, families=[[f[0].value, f[1]] for f in families],
+    return LayerSearch(share=share, families=[[f[0], f[1]] for f in families],
                        knobs=[knob_lists[f] for f in families], tiles=tiles.tolist(), err_sq=err.tolist(),
                        ref_sq=ref.tolist(), target=target, causal=tables.causal_per_head,
                        seconds=round(time.monotonic() - t0, 3))
@@ -485,7 +486,7 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
         f"{cap.dtype} on {cap.device} (loaded in {time.monotonic() - t_start:.1f} s); {len(samples)} prompt(s) "
         f"of {n} tokens; density {density}, selection per {'KV group' if selection == 'group' else 'head'}")
     share = cap.num_heads // cap.num_kv_heads if selection == "group" and cap.num_heads % cap.num_kv_heads == 0 else 1
-    fams = [[f[0].value, f[1]] for f in families]
+    fams = [[f[0], f[1]] for f in families]
     fp = _fingerprint(samples, model=model_name, density=density, selection=selection, share=share,
                       rows=rows, tail_rows=tail_rows, seed=seed, block_size=settings.block_size,
                       last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,

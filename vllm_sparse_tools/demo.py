@@ -1,7 +1,8 @@
 """Passkey demo: a real vLLM OpenAI server with the sparse-prefill backend finds a number
 hidden in a few thousand tokens of Jane Austen.
 
-    python -m vllm_sparse_backend.tools.demo [--tokens 4000] [--port 0] [--keep-server]
+    python -m vllm_sparse_tools.demo [--tokens 4000] [--port 0] [--keep-server]
+    vllm-sparse demo [the same options]
 
 Steps: fetch the model and the text (``assets``), start ``vllm serve`` in a child process
 group, wait for ``/health``, build a chat prompt with the needle "The secret passcode for the
@@ -453,11 +454,28 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_sparse_backend.tools.demo",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4000,
-                        help="prompt length in tokens (model context: 8192)")
+DESCRIPTION = ("Passkey demo: a real vLLM OpenAI server with the sparse-prefill backend finds a number "
+               "hidden in a few thousand tokens of Jane Austen. Exit status 0 if the answer is right, "
+               "1 otherwise.")
+MIN_TOKENS, MAX_TOKENS = 200, 8100  # the model's context is 8192
+
+
+def _prompt_tokens(value: str) -> int:
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if not MIN_TOKENS <= tokens <= MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be within {MIN_TOKENS}..{MAX_TOKENS} "
+                                         "(the model's context is 8192)")
+    return tokens
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options, on ``python -m vllm_sparse_tools.demo`` and ``vllm-sparse demo`` alike."""
+    parser.add_argument("--tokens", type=_prompt_tokens, default=4000,
+                        help=f"prompt length in tokens, {MIN_TOKENS}..{MAX_TOKENS} (model context: 8192; "
+                        "default 4000)")
     parser.add_argument("--port", type=int, default=0, help="server port (0: any free port)")
     parser.add_argument("--keep-server", action="store_true",
                         help="keep the server running after the answer, until Ctrl-C")
@@ -465,12 +483,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random passcode")
     parser.add_argument("--dense", action="store_true",
                         help="run vLLM's own attention backend instead (baseline)")
-    parser.add_argument("--cache-dir", default=None, help="asset cache (see assets.py)")
-    parser.add_argument("--start-timeout", type=float, default=300.0)
-    args = parser.parse_args(argv)
-    if not 200 <= args.tokens <= 8100:
-        parser.error("--tokens must be within 200..8100 (the model's context is 8192)")
+    parser.add_argument("--cache-dir", default=None, help=f"asset cache (default: ${assets.CACHE_ENV} or "
+                        f"{assets.DEFAULT_CACHE})")
+    parser.add_argument("--start-timeout", type=float, default=300.0,
+                        help="seconds to wait for the server to answer /health (default 300)")
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_sparse_tools.demo", description=DESCRIPTION)
+    add_demo_arguments(parser)
+    return run_demo(parser.parse_args(argv))
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo with the options :func:`add_demo_arguments` defines; the exit status."""
     t0 = time.monotonic()
     model_dir = assets.ensure_smollm2(args.cache_dir)
     text_path = assets.ensure_text(args.cache_dir)
