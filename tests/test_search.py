@@ -310,7 +310,7 @@ def test_sampled_row_error_equals_float64_brute_force():
 
 
 def test_aggregate_picks_per_unit_and_averages_knobs():
-    fams = [["a_shape".value, None], ["vertical_slash".value, 1.0]]
+    fams = [["a_shape", None], ["vertical_slash", 1.0]]
 
     def ls(knobs, err):
         return S.LayerSearch(share=2, families=fams, knobs=knobs, tiles=[[1] * 4, [1] * 4], err_sq=err,

@@ -241,7 +241,7 @@ class LayerSearch:
     error and squared dense norm over the sampled rows (float64)."""
 
     share: int
-    families: list  # [[pattern value, ratio or None], ...]
+    families: list  # [[pattern name, ratio or None], ...]
     knobs: list  # [F][U] int
     tiles: list  # [F][H] int
     err_sq: list  # [F][H] float
