@@ -31,7 +31,7 @@ GQA: a program may stack ``heads_per_program`` query heads of one KV group along
 one key list for the stacked heads: the dense mode (no lists; padded stacks for groups like 7),
 a group-shared index (one list per KV group or sub-group, ``pack_rows(..., heads_per_list=g)``)
 and a merged index (:func:`merge_group_heads`: union of the heads' lists plus a per-entry head
-bitmask) qualify. Measured (benchmarks/KERNEL_NOTES.md): stacking wins for dense at head dim
+bitmask) qualify. Measured (docs/kernel-notes.md): stacking wins for dense at head dim
 128 and for group-shared lists (4 heads: 1.5x at head dim 128 on H200); for per-head lists that
 differ between heads the union costs more than it saves, so those run one head per program.
 
@@ -40,7 +40,7 @@ K/V are read through the block table with the cache tensors' own strides
 size; a 64-key block may span several pages). With pages of a multiple of 64 keys on Hopper or
 later, listed blocks are loaded with the tensor memory accelerator instead (``tma``: one 4-D
 descriptor per cache, one box = 64 keys of one page and KV head; the pointer gathers cost
-registers and address math per key, 1.04-1.28x at 128K, benchmarks/KERNEL_NOTES.md); range and
+registers and address math per key, 1.04-1.28x at 128K, docs/kernel-notes.md); range and
 column tiles are always gathered.
 
 Imports nothing from vLLM or vllm_sparse_backend: torch, triton and this package only.
@@ -166,7 +166,7 @@ def pack_rows(rows: Sequence[Any], indices: Sequence[SparseIndex] | None, device
         """The rows' [LH, QB, w] lists as one [LH, TQB, width], -1 past each row's own width.
         One allocation, each row copied into its slice: padding a narrower row first would hold
         a padded copy of it beside the output, so a step of rows of unequal widths needed more
-        scratch than the profiling run's equal rows (1.19x, benchmarks/KERNEL_NOTES.md)."""
+        scratch than the profiling run's equal rows (1.19x, docs/kernel-notes.md)."""
         ts = [t.to(device=device, dtype=torch.int32) for t in ts]
         if len(ts) == 1:
             return _pad_last(ts[0], width).contiguous()
@@ -722,7 +722,7 @@ def _sparse_fwd_variants_kernel(
 
 def shared_stack(head_dim: int, heads_per_list: int) -> int:
     """Heads stacked per program for lists shared by ``heads_per_list`` query heads (H200,
-    benchmarks/KERNEL_NOTES.md run 15). Head dim 128: the largest power of two dividing it, at
+    docs/kernel-notes.md run 15). Head dim 128: the largest power of two dividing it, at
     most 4 (M = 256): 1.5x over one head per program, 2 heads 1.15x. Head dim 64: 4 when it
     divides (1.02-1.07x), else 1 (2 heads were 1.2x slower than one)."""
     if head_dim < 128:
@@ -735,7 +735,7 @@ def shared_stack(head_dim: int, heads_per_list: int) -> int:
 
 def default_config(head_dim: int, dense: bool, group: int, merged_heads: int = 1, shared: bool = False,
                    tma: bool = False) -> dict:
-    """Launch parameters measured at 128K (benchmarks/KERNEL_NOTES.md).
+    """Launch parameters measured at 128K (docs/kernel-notes.md).
 
     Gathered loads (pages of any size; H100 runs 2, 3 and 5, H200 sessions 6 and 15): dense,
     head dim 128: 4 heads of a KV group stacked per program (M = 256, 16 warps), so each K/V tile
@@ -923,7 +923,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     ``tma``: load the listed key blocks with the tensor memory accelerator (Hopper and later)
     through descriptors of the caches instead of per-key gathers; needs pages of a multiple of
     64 keys and 64-key tiles (see :func:`tma_unusable`). None: wherever it can read the caches on
-    a GPU (1.04-1.28x the gathered loads at 128K, benchmarks/KERNEL_NOTES.md). Range and column
+    a GPU (1.04-1.28x the gathered loads at 128K, docs/kernel-notes.md). Range and column
     tiles are gathered either way.
     """
     t, h, d, page, hkv = _check_operands(q, key_cache, value_cache, block_table, out)

@@ -6,7 +6,7 @@ fp32 scores. Used by the decode page selection (``topk_decode.select_pages``: 8.
 the table). Also the prefill estimation's (``vs_index.vs_topk`` with one host budget: 8..32 rows
 of up to 512K columns, k = 1000 / 6096): eagerly a call is bound by the host's launch cost (only
 1.0-1.6x faster), but in the engine the host runs ahead and the GPU time counts: 0.085 vs
-0.259 ms for torch's topk + sort at 8 x 128K (benchmarks/KERNEL_NOTES.md, run 29).
+0.259 ms for torch's topk + sort at 8 x 128K (docs/kernel-notes.md, run 29).
 
 Algorithm (no sort, no host synchronisation, shapes fixed by host ints: CUDA-graph capturable):
 

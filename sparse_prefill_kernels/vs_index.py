@@ -238,7 +238,7 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
     a width given smaller than that are cut (their counts say so). No host synchronisation.
     ``chunk`` (a power of two): diagonals or verticals a program handles per step (H200, 16K
     chunk at 112K, 6096 diagonals, blocks: 512 takes 0.078 ms, 128 0.097 ms;
-    benchmarks/KERNEL_NOTES.md).
+    docs/kernel-notes.md).
     """
     if slash_tiles not in ("ranges", "blocks"):
         raise ValueError(f"slash_tiles must be 'ranges' or 'blocks', not {slash_tiles!r}")

@@ -43,46 +43,40 @@ class ConfigError(ValueError):
 class SparseSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # Each description is the user-facing meaning; docs/configuration.md is generated from them
+    # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
+    # measurements behind them: docs/configuration-notes.md.
     enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
     default_pattern: PatternName = Field(
-        "vertical_slash", description="Pattern of heads that no head-config file covers.")
-    block_size: int = Field(64, description="Query and key block size of the sparse format (tokens).")
+        "vertical_slash", description="Pattern of heads that no head-config file covers (a registered pattern's name).")
+    block_size: int = Field(64, description=(
+        "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
-    vertical_size: int = Field(1000, ge=1, description="Vertical (column) budget per head.")
-    slash_size: int = Field(6096, ge=1, description="Slash (diagonal) budget per head.")
-    # Budgets that grow with the context: a row's vertical (slash) budget is the larger of the
-    # size above and this share of the row's keys (context + chunk). None = fixed budgets.
-    vertical_share: float | None = Field(None, gt=0.0, le=1.0,
-                                         description="Vertical budget at least this share of the row's keys.")
-    slash_share: float | None = Field(None, gt=0.0, le=1.0,
-                                      description="Slash budget at least this share of the row's keys.")
+    vertical_size: int = Field(1000, ge=1, description="Vertical-slash: columns (keys) kept per head.")
+    slash_size: int = Field(6096, ge=1, description="Vertical-slash: diagonals kept per head.")
+    vertical_share: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Budget growing with the context: a row's column budget is the larger of vertical_size and this share "
+        "of its keys (context + chunk), head-config files' vertical-slash heads included; none = fixed."))
+    slash_share: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Budget growing with the context: a row's diagonal budget is the larger of slash_size and this share "
+        "of its keys; none = fixed."))
     slash_band: int = Field(1, ge=1, le=1024, description=(
         "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
         "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
-    # How the kernel computes a kept diagonal in a query block: "blocks" = the (at most two)
-    # aligned key blocks it crosses, "ranges" = its 64 keys as one key tile starting anywhere
-    # (touching diagonals merged, index.py). Ranges compute 7-20% fewer pairs on Qwen2.5-Coder-
-    # 1.5B's real layers, but the kernel's range tiles (masked, unaligned, no prefetch) run
-    # 1.2-1.4x slower than the block tiles they replace: blocks stay the default until the range
-    # loop pays (benchmarks/KERNEL_NOTES.md, session 2026-11-24 part 2).
-    slash_tiles: Literal["blocks", "ranges"] = Field(
-        "blocks", description="Slash lines as the aligned key blocks they cross, or as unaligned 64-key ranges.")
+    slash_tiles: Literal["blocks", "ranges"] = Field("blocks", description=(
+        "How the kernel computes a kept diagonal: blocks = the (at most two) aligned key blocks it crosses in "
+        "each query block; ranges = its 64 keys as one unaligned key range (touching diagonals merged)."))
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
     # MInference block-sparse (Alg. 3).
     topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
-    # How block-sparse heads score key blocks: MInference's mean-pooled Q . K, or the estimated
-    # softmax mass of each block from the anti-diagonals of stride x stride cells (XAttention's
-    # scoring; keeps slash and vertical lines that pooling averages away). The kernel computes
-    # 64 x 64 tiles, so a selection of whole blocks pays for exactly what it keeps, where a
-    # scattered diagonal of vertical-slash costs a whole tile per query block.
-    # "sampled": the exact attention of a few of each query block's own queries
-    # (block_samples), summed per key block: real mass, so block_mass is a share of real attention.
-    block_scoring: Literal["pooled", "antidiagonal", "sampled"] = Field(
-        "pooled", description="Block-sparse scores: mean-pooled Q . K, anti-diagonal block mass, or the mass of "
-                              "sampled queries of each query block.")
-    block_samples: int = Field(2, ge=1, le=256, description="Sampled block scores: queries per query block.")
+    block_scoring: Literal["pooled", "antidiagonal", "sampled"] = Field("pooled", description=(
+        "How block-sparse heads score key blocks: pooled = mean-pooled Q . K (MInference); antidiagonal = "
+        "estimated softmax mass from anti-diagonals of stride x stride cells (XAttention); sampled = exact "
+        "attention of block_samples queries of each query block. The last two are experiments."))
+    block_samples: int = Field(2, ge=1, le=256, description=(
+        "Sampled block scores: queries per query block (block_size of them = the exact block mass)."))
     antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
                                                      "block_size; 1 / stride of the QK work).")
     block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
@@ -97,75 +91,59 @@ class SparseSettings(BaseModel):
     flex_block_size: int = Field(128, description="FlexPrefill block size (64 or 128).")
     min_budget: int = Field(1024, ge=0, description="FlexPrefill minimum tokens per head (vertical and slash).")
     max_budget: int | None = Field(None, ge=1, description="FlexPrefill maximum tokens per head, none = unbounded.")
-    # GQA: one key selection per KV head, shared by the query heads of its group (column and
-    # diagonal scores / block-sparse scores summed over the group). The kernel then computes the
-    # group's heads in one program and loads each K/V tile once for all of them: 1.5x faster at
-    # the same density (head dim 128, H200), and 1.4x / 1.2x end to end at 128K / 256K; Qwen2.5
-    # keeps its accuracy and recall (benchmarks/KERNEL_NOTES.md runs 15-18). Applies to layers
-    # whose KV groups are uniform (every head of a group has the same pattern and budgets) and
-    # have no FlexPrefill heads; other layers, or false, keep one selection per query head.
-    kv_group_shared: bool = Field(True, description="One key selection per KV head, shared by its query heads.")
+    kv_group_shared: bool = Field(True, description=(
+        "One key selection per KV head, shared by the query heads of its GQA group (their scores summed), so the "
+        "kernel computes the group's heads together. Layers whose KV groups mix patterns or budgets, or have "
+        "FlexPrefill heads, keep per-head selections; false = per head everywhere."))
     # Gating: which rows go sparse.
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
-    # Dense fallback (CUDA, Triton path), on the share of a row's causal (query, key) pairs: a row
-    # whose budgets alone allow more runs on FlashAttention without being estimated; a row whose
-    # estimated index computes more is flagged on the GPU and runs the kernel's dense mode (every
-    # causal key; no host sync decides it). Sparse tiles run at 50-75% of FlashAttention's FLOP
-    # rate (per-head lists / KV-group-shared lists, benchmarks/KERNEL_NOTES.md), so above ~0.4 a
-    # sparse row gains little or loses. 1.0 = never fall back.
-    max_density: float = Field(0.4, gt=0.0, le=1.0, description="Rows denser than this run dense (CUDA).")
-    # Rows whose estimated index is denser than max_density (decided on the GPU): "flash" reads
-    # the flags on the host (one sync per layer: the GPU queue drains) and runs those rows on
-    # FlashAttention; "kernel" runs them in the Triton kernel's dense mode with no host read
-    # (1.21x cuDNN's time at 128K on an H200); "auto" reads on the host only while the layer's
-    # previous call had flagged rows (sparse_prefill.DenseRowHistory), measured as fast as the
-    # faster of the two at both ends (README, Accuracy). Under CUDA-graph capture "kernel" is
-    # used whatever this says.
-    estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field(
-        "auto", description="Where rows whose estimated index is too dense run (CUDA): FlashAttention, the kernel, "
-                            "or auto (FlashAttention while the layer's previous call had such rows).")
-    # Which implementation computes sparse rows on CUDA: "triton" (GPU index estimation and the
-    # block+column kernel, both reading the paged cache), "torch" (estimation and the reference on
-    # K/V gathered out of the cache; slow, for debugging), or "auto" (triton where the kernel
-    # supports the layer: head size 64/128, fp16/bf16, block_size 64; torch elsewhere).
-    kernel: Literal["auto", "triton", "torch"] = Field("auto", description="Sparse attention kernel on CUDA.")
-    # KV-cache page size the CUDA backend asks vLLM for when --block-size is not given. With
-    # pages of 64 keys each 64-key tile of the kernel is one page, which the kernel loads with
-    # Hopper's tensor memory accelerator instead of gathering it key by key through the block
-    # table: 1.25x at 128K on the sparse and dense tiles of a Qwen2.5-1.5B-shaped layer, 1.08x
-    # for Llama-3-8B's (H200, benchmarks/KERNEL_NOTES.md). "auto": 64 on compute capability 9.0+
-    # (where the TMA path runs), vLLM's default elsewhere. An explicit --block-size wins; the
-    # kernel gathers pages of any power-of-two size.
-    kv_block_size: Literal["auto", "16", "32", "64", "128"] = Field(
-        "auto", description="KV-cache block size asked of vLLM when --block-size is not given (CUDA).")
+    max_density: float = Field(0.4, gt=0.0, le=1.0, description=(
+        "CUDA: a row whose budgets alone allow more than this share of its causal (query, key) pairs runs on "
+        "FlashAttention without estimation; one whose estimated index covers more runs dense as "
+        "estimated_dense_rows says. 1.0 = never."))
+    estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field("auto", description=(
+        "CUDA: where rows whose estimated index is denser than max_density run. flash = read the flags on the "
+        "host (one sync per layer) and run them on FlashAttention; kernel = the Triton kernel's dense mode, no "
+        "host read; auto = flash while the layer's previous call had such rows, else kernel. CUDA-graph "
+        "capture always uses kernel."))
+    kernel: Literal["auto", "triton", "torch"] = Field("auto", description=(
+        "Sparse rows on CUDA: auto = GPU estimation and the Triton kernel on the paged cache, and the layer runs "
+        "dense where they cannot run (no triton, head size other than 64/128, model dtype other than "
+        "fp16/bf16); triton = the same but a start-up error there; torch = estimation and reference attention "
+        "on K/V gathered from the cache (slow, for debugging)."))
+    kv_block_size: Literal["auto", "16", "32", "64", "128"] = Field("auto", description=(
+        "CUDA: KV-cache page size asked of vLLM when --block-size is not given. auto = 64 on compute capability "
+        "9.0+ with decode_mode=dense (each 64-key kernel tile is then one page, loaded with TMA), vLLM's "
+        "default (16) elsewhere. An explicit --block-size wins."))
     # Files.
-    head_config: str | None = Field(None, description="Per-model per-head pattern file (JSON).")
-    stats_file: str | None = Field(None, description="JSON file the worker keeps updated with sparse counters.")
-    # Metrics (metrics.py). With PROMETHEUS_MULTIPROC_DIR exported they reach vLLM's own /metrics;
-    # metrics_port also serves them from the worker itself (prometheus_client's HTTP server).
-    metrics_port: int | None = Field(None, ge=1, le=65535,
-                                     description="Port of the worker's own Prometheus endpoint; none = off.")
-    # Estimator and kernel time of 1 of every N sparse layer forwards (CUDA events read later, no
-    # sync; host clock on CPU). Sampled forwards also measure the computed density on CUDA.
-    timing_sample_every: int = Field(16, ge=0, description="Time 1 of every N sparse forwards; 0 = never.")
+    head_config: str | None = Field(None, description=(
+        "Per-model head-config file (JSON): a path, or the name of a file in head_configs/."))
+    stats_file: str | None = Field(None, description=(
+        "JSON file the worker keeps updated with sparse counters (rows, tokens, computed vs causal pairs, "
+        "patterns, dense reasons); on CUDA written without waiting for the GPU."))
+    metrics_port: int | None = Field(None, ge=1, le=65535, description=(
+        "Also serve the plugin's Prometheus metrics from the worker on this port; none = only through vLLM's "
+        "/metrics (with PROMETHEUS_MULTIPROC_DIR set)."))
+    timing_sample_every: int = Field(16, ge=0, description=(
+        "Time the estimator and the sparse kernel on 1 of every N sparse layer forwards (on CUDA these forwards "
+        "also count computed pairs and density fallbacks); 0 = never."))
 
-    # Decode (issue 8). "dense": vLLM's FlashAttention (the default). "topk": each decode step
-    # attends to the sink and recent pages plus the decode_budget_pages pages of highest Quest
-    # bound (per-page key min/max kept beside the cache), optionally only the decode_topk_tokens
-    # best keys of those; widths are fixed so a step can be captured in a CUDA graph.
-    # "spans" (Ltri-LLM): prefill chunks are divided into semantic spans (triangles of the local
-    # attention map, NMS), each page keeps its span's index vector, and decode steps attend to the
-    # sink, recent and persistent pages plus the decode_budget_pages best-matching pages; the
-    # persistent pages are the prompt's last chunk's retrieval (sparse_prefill_kernels/span_decode.py).
-    decode_mode: Literal["dense", "topk", "spans"] = Field(
-        "dense", description="Decode attention: dense, top-k pages, or span retrieval.")
+    # Decode (issue 8): how decode steps attend; widths are fixed so a step can be captured in a
+    # CUDA graph. How the modes work: docs/decode-modes.md.
+    decode_mode: Literal["dense", "topk", "spans"] = Field("dense", description=(
+        "Decode attention (CUDA): dense = vLLM's FlashAttention; topk = sink, recent and the best-bounded pages "
+        "(Quest page summaries); spans = sink, recent, persistent and best-matching pages by span index "
+        "(Ltri-LLM). topk and spans are opt-in and experimental; batches mixing prefills decode dense."))
     decode_sink_pages: int = Field(1, ge=0, description="topk/spans decode: leading pages always attended.")
     decode_recent_pages: int = Field(8, ge=0, description="topk/spans decode: trailing pages always attended.")
     decode_budget_pages: int = Field(64, ge=0, description="topk/spans decode: pages chosen by score per KV head.")
-    decode_topk_tokens: int = Field(0, ge=0, description="topk decode: keep only this many best keys; 0 = all.")
-    decode_persist_pages: int = Field(
-        32, ge=0, description="spans decode: pages the prompt's last queries retrieve, kept for the whole decode.")
+    decode_topk_tokens: int = Field(0, ge=0, description=(
+        "topk decode: keep only this many best keys per head of the chosen pages (sink and recent pages stay "
+        "whole); 0 = all."))
+    decode_persist_pages: int = Field(32, ge=0, description=(
+        "spans decode: pages per KV head that the last last_q queries of a prompt's last chunk retrieve, "
+        "attended at every decode step."))
     decode_span_theta: float = Field(
         0.9, ge=0.0, le=1.0, description="spans: quantile of the local map's cell means subtracted as baseline.")
     decode_span_iou: float = Field(0.01, ge=0.0, le=1.0, description="spans: NMS IoU threshold between spans.")
@@ -178,8 +156,9 @@ class SparseSettings(BaseModel):
         "attention", description="spans: persistent pages by the last queries' exact attention (attention) or "
                                  "by the span index decode uses (index).")
     decode_persist_next: int = Field(
-        1, ge=0, description="spans, persist by attention: each of the persist_pages // (1 + N) best pages "
-                             "persists with the N pages after it (index: no runs).")
+        1, ge=0, description="spans, persist by attention: each of the decode_persist_pages // (1 + N) best "
+                             "pages persists with the N pages after it; 0 = single pages. Setting it with "
+                             "decode_span_persist=index is an error.")
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":

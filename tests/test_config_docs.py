@@ -1,0 +1,32 @@
+"""docs/configuration.md is generated from SparseSettings and must stay in step with it."""
+
+from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_tools import config_docs
+
+
+def test_configuration_page_matches_the_settings_model():
+    assert config_docs.main(["--check"]) == 0, (
+        "docs/configuration.md is out of date: run python -m vllm_sparse_tools.config_docs")
+
+
+def test_page_lists_every_setting_with_its_default():
+    page = config_docs.render()
+    for name, field in SparseSettings.model_fields.items():
+        row = next(line for line in page.splitlines() if line.startswith(f"| `VLLM_SPARSE_{name.upper()}` "))
+        assert config_docs.describe_default(field.default) in row, row
+
+
+def test_check_fails_when_a_description_changes(tmp_path, monkeypatch):
+    page = tmp_path / "configuration.md"
+    assert config_docs.main(["--path", str(page)]) == 0
+    assert config_docs.main(["--check", "--path", str(page)]) == 0
+    monkeypatch.setattr(SparseSettings.model_fields["gamma"], "description", "Something else.")
+    assert config_docs.main(["--check", "--path", str(page)]) == 1
+
+
+def test_types_and_constraints_are_spelled_for_users():
+    fields = SparseSettings.model_fields
+    assert config_docs.describe_type(fields["vertical_share"]) == "number > 0.0, <= 1.0, or none"
+    assert config_docs.describe_type(fields["default_pattern"]).startswith("`dense`, `a_shape`")
+    assert config_docs.describe_type(fields["enabled"]) == "`true`, `false`"
+    assert config_docs.describe_default(fields["default_pattern"].default) == "`vertical_slash`"
