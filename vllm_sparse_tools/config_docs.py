@@ -11,7 +11,6 @@ header below is written by hand.
 from __future__ import annotations
 
 import argparse
-import enum
 import sys
 import types
 import typing
@@ -20,7 +19,8 @@ from pathlib import Path
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings
+from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings, check_pattern_name
+from vllm_sparse_backend.prefill.patterns import PATTERNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = REPO_ROOT / "docs" / "configuration.md"
@@ -65,11 +65,9 @@ _BOUND_WORDS = ((annotated_types.Ge, "ge", ">="), (annotated_types.Gt, "gt", ">"
 
 
 def _literal_values(annotation) -> list[str] | None:
-    """The allowed values of a Literal or Enum annotation, as a user writes them."""
+    """The allowed values of a Literal annotation, as a user writes them."""
     if typing.get_origin(annotation) is typing.Literal:
         return [str(v) for v in typing.get_args(annotation)]
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return [str(m.value) for m in annotation]
     return None
 
 
@@ -82,6 +80,8 @@ def describe_type(field: FieldInfo) -> str:
         optional = len(members) < len(typing.get_args(annotation))
         annotation = members[0] if len(members) == 1 else annotation
     values = _literal_values(annotation)
+    if any(getattr(m, "func", None) is check_pattern_name for m in field.metadata):
+        values = list(PATTERNS)  # a pattern's name: the registered ones
     if values is not None:
         text = ", ".join(f"`{v}`" for v in values)
     elif annotation is bool:
@@ -100,8 +100,6 @@ def describe_default(value) -> str:
         return "none"
     if isinstance(value, bool):
         return "`true`" if value else "`false`"
-    if isinstance(value, enum.Enum):
-        value = value.value
     return f"`{value}`"
 
 
