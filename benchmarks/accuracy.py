@@ -8,12 +8,12 @@ the CPU backend on CPU; the others ``--attention-backend sparse-prefill``), gree
 task and length: accuracy per variant, the attention density the sparse path actually computed
 (from the worker's statistics file) and the prefill time (time to the first streamed token).
 
-    python benchmarks/accuracy.py --model smollm2 --lengths 2048 4096 8000 --samples 2
-    python benchmarks/accuracy.py --model qwen-coder --lengths 8192 16384 --tasks single_needle \\
+    python -m benchmarks.accuracy --model smollm2 --lengths 2048 4096 8000 --samples 2
+    python -m benchmarks.accuracy --model qwen-coder --lengths 8192 16384 --tasks single_needle \\
         multi_key --variants dense vs flex0.9 flex0.95 'vs-small=vertical_size=250,slash_size=1000'
     # GPU, as served: library gating, 16K chunks, YaRN x4 beyond the trained 32K, servers
     # started together and measured one after another
-    python benchmarks/accuracy.py --model qwen-coder-1.5b --lengths 16384 32000 65536 130000 \\
+    python -m benchmarks.accuracy --model qwen-coder-1.5b --lengths 16384 32000 65536 130000 \\
         --samples 3 --library-gating --yarn 4 --parallel-servers --variants dense default flex0.9
 
 Models: ``smollm2`` (SmolLM2-135M-Instruct, 8K context), ``qwen-coder``
@@ -40,9 +40,11 @@ import sys
 import tempfile
 import time
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.accuracy): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.accuracy ...")
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
@@ -50,7 +52,7 @@ from vllm_sparse_tools.evaluation import inputs  # noqa: E402
 from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer, Sample, make_samples  # noqa: E402
 from vllm_sparse_tools.evaluation.variants import Variant  # noqa: E402
 
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def cached_samples(path: pathlib.Path | None, model_dir: pathlib.Path, text_name: str,

@@ -9,11 +9,11 @@ backend decides it) and is scored against exact dense attention on sampled query
 of the true softmax mass the selection keeps (recall), the relative output error, the exact
 density and the kernel's tile density. See ``vllm_sparse_tools.evaluation.attention_check``.
 
-    python benchmarks/attention_recall.py --model qwen-coder --lengths 8192 16384 \\
+    python -m benchmarks.attention_recall --model qwen-coder --lengths 8192 16384 \\
         --variants vs flex0.9 flex0.95 ashape block 'vs-small=vertical_size=250,slash_size=1000'
     # GPU, beyond the trained 32K: YaRN x4, estimated as vLLM serves it (16K chunks, library
     # gating); a searched file given by path
-    python benchmarks/attention_recall.py --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
+    python -m benchmarks.attention_recall --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
         --text /tmp/austen.txt --lengths 65536 131072 --rows 512 --device cuda --yarn 4 \\
         --chunk 16384 --gating --variants vs flex0.9 flex0.95 \\
         searched=head_config=head_configs/qwen2.5-coder-1.5b-instruct.json
@@ -32,9 +32,11 @@ import platform
 import sys
 import time
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.attention_recall): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.attention_recall ...")
 
 import torch  # noqa: E402
 
@@ -42,7 +44,7 @@ from vllm_sparse_tools.evaluation import attention_check as ac  # noqa: E402
 from vllm_sparse_tools.evaluation import inputs  # noqa: E402
 from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
 
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_VARIANTS = ["vs", "flex0.9", "flex0.95", "ashape", "block"]
 
 

@@ -39,7 +39,7 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``, ``score`` (``sum`` as the
   backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
   ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
-  ``benchmarks/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
+  ``benchmarks/studies/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
   counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k; or
   ``bounds``, a harness-only what-if: every page holds its span's key min / max over all the
   span's tokens and is scored by the Quest bound of the step's query, summed over the KV head's
@@ -67,7 +67,7 @@ all prompts and each variant's overall score relative to dense. Every decode cal
 the variant's attention output with exact attention over the same cache (``out err``: relative
 L2 error, mean over layers and steps; in the JSON).
 
-    PYTHONPATH=.venv/kernel-site python benchmarks/decode_accuracy.py --model qwen-coder \\
+    PYTHONPATH=.venv/kernel-site python -m benchmarks.decode_accuracy --model qwen-coder \\
         --lengths 8192 --samples 2 --variants dense topk:share=0.005 topk:share=0.01 \\
         topk:share=0.02 topk:share=0.05 topk:budget=64
 
@@ -102,9 +102,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.decode_accuracy): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.decode_accuracy ...")
 
 import torch  # noqa: E402
 
@@ -113,7 +115,7 @@ from vllm_sparse_backend.decode_topk import TopkDecodeBudget  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 from vllm_sparse_tools.evaluation.tasks import score  # noqa: E402
 
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[1]
 _ATTENTION_NAME = "vllm_sparse_decode_accuracy"
 DEFAULT_BUDGET = TopkDecodeBudget.from_settings(SparseSettings())  # the backend's decode_* defaults
 DEFAULT_PAGE_SIZE = 16  # vLLM's default block size

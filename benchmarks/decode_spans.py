@@ -1,7 +1,7 @@
 """Span-retrieval decode mode (sparse_prefill_kernels/span_decode.py): its GPU cost per layer, prefill and decode side.
 
 bf16, page 16, one layer, shapes ``--shapes`` (Llama-3-8B 32/8/128, Qwen2.5 14/2/64). Timing, paged
-decode inputs and the decode baselines are ``decode_topk.py``'s (imported from this folder).
+decode inputs and the decode baselines are ``benchmarks.decode_topk``'s.
 
 * **Prefill**: one prefill row, a chunk of ``--chunks`` K tokens ending at ``--contexts`` K (0: the
   first chunk); per layer, eager (as vLLM runs prefill), CUDA events, median after warm-up:
@@ -22,9 +22,9 @@ decode inputs and the decode baselines are ``decode_topk.py``'s (imported from t
   (``--span-fill``): ``build`` runs update + build + mark per ``--fill-chunk`` K chunk (N(0,1)
   queries, untimed), ``random``: N(0,1) fp32 and random flags.
 
-    python3 benchmarks/decode_spans.py                       # Llama-3-8B, both tables
-    python3 benchmarks/decode_spans.py --shapes llama3-8b,qwen2.5 --json spans.json
-    python3 benchmarks/decode_spans.py --only decode --contexts-decode 128 --batches 8
+    python3 -m benchmarks.decode_spans                       # Llama-3-8B, both tables
+    python3 -m benchmarks.decode_spans --shapes llama3-8b,qwen2.5 --json spans.json
+    python3 -m benchmarks.decode_spans --only decode --contexts-decode 128 --batches 8
 
 Needs CUDA (else it says so, exit 0). ``prefill_case`` / ``decode_case(..., device="cpu")`` run
 under Triton's interpreter as a smoke test (tests/test_decode_spans_bench.py).
@@ -39,14 +39,10 @@ import math
 import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # decode_topk.py
-sys.path.append(str(HERE.parent))  # the package from this checkout where it is not installed
-import decode_topk as dt  # noqa: E402
+from benchmarks import decode_topk as dt
 
 try:
     from sparse_prefill_kernels import span_decode as sd

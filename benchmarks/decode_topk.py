@@ -49,9 +49,9 @@ expanded K/V does not fit in 85% of free GPU memory; out-of-memory errors are ca
 Run (from any folder where the package is pip-installed; CUDA needed, otherwise it says so and
 exits 0):
 
-    python3 benchmarks/decode_topk.py                 # both shapes, 32K/64K/128K, batch 1/8/32
-    python3 benchmarks/decode_topk.py --quick         # Llama-3-8B, 32K/128K, batch 1/32
-    python3 benchmarks/decode_topk.py --shapes qwen2.5 --contexts 64 --batches 8 --json out.json
+    python3 -m benchmarks.decode_topk                 # both shapes, 32K/64K/128K, batch 1/8/32
+    python3 -m benchmarks.decode_topk --quick         # Llama-3-8B, 32K/128K, batch 1/32
+    python3 -m benchmarks.decode_topk --shapes qwen2.5 --contexts 64 --batches 8 --json out.json
 
 Prints the device, torch and triton versions, then one markdown table per shape (rows as they
 come, flushed). Asserts nothing. ``run_case(..., device="cpu")`` runs the same code paths under
@@ -69,6 +69,8 @@ import sys
 import time
 
 import torch
+
+from benchmarks.common import capture_graph, event_median
 
 try:
     import triton
@@ -102,35 +104,6 @@ def cdiv(a: int, b: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
-
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` captured in a CUDA graph (after one run on a side stream, as torch requires)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def event_median(fn, reps: int, before=None) -> float:
-    """Median CUDA-event milliseconds of ``reps`` calls of ``fn``, each waited for; ``before``
-    (untimed, e.g. an L2 flush) runs ahead of each call. The timing loop of every benchmark here."""
-    times = []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
 
 def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50, graphs: bool = True,
           label: str = "") -> float:

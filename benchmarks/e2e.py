@@ -40,8 +40,9 @@ dummy``), then runs each variant in its own subprocess (a fresh engine each):
 
 Structure (``--structure band``, the default): dummy weights make every
 attention row nearly uniform, where no sparse pattern finds anything to skip (every row then falls
-back to dense). ``band`` rewrites the dummy weights on the workers (``benchmarks/worker_extensions/planted_band.py``, a
-vLLM worker extension called by name: ``LLM.collective_rpc``, or the server's ``/collective_rpc``) so that
+back to dense). ``band`` rewrites the dummy weights on the workers
+(``benchmarks/infra/worker_extensions/planted_band.py``, a vLLM worker extension called by name:
+``LLM.collective_rpc``, or the server's ``/collective_rpc``) so that
 attention has the local band real long-context heads show: each layer's K projection is scaled per
 rotary frequency (energy ∝ θ^-0.5, most of it in the slow dimensions), every query head's Q
 projection is its KV head's K projection, the input norms are 1 and every token embedding is one
@@ -68,8 +69,8 @@ multicast off (NCCL, PyTorch symmetric memory, NVSHMEM: :data:`MULTICAST_OFF`; a
 change them) and vLLM's symmetric-memory all-reduce off: some shared GPU hosts must never create
 multicast objects.
 
-    python benchmarks/e2e.py --layers 4 --lengths 8192 32768 131072 --decode-batch 4
-    python benchmarks/e2e.py --tensor-parallel-size 2 --lengths 131072 524288
+    python -m benchmarks.e2e --layers 4 --lengths 8192 32768 131072 --decode-batch 4
+    python -m benchmarks.e2e --tensor-parallel-size 2 --lengths 131072 524288
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ import tempfile
 import time
 from pathlib import Path
 
-# Modules vLLM's workers import (worker_extension_cls): a folder of their own on the path, since
-# this one's scripts would shadow packages (kernels.py hides the `kernels` transformers probes).
-WORKER_EXTENSIONS = Path(__file__).resolve().parent / "worker_extensions"
-sys.path.insert(0, str(WORKER_EXTENSIONS))
-from planted_band import WORKER_EXTENSION  # noqa: E402
+from benchmarks.infra import worker_extensions
+from benchmarks.infra.worker_extensions.planted_band import WORKER_EXTENSION
+
+# Modules vLLM's workers import by name (worker_extension_cls): the engines get this folder itself
+# on PYTHONPATH (see run_env), not the repository root, so that nothing else of the checkout can
+# shadow an installed package in them.
+WORKER_EXTENSIONS = Path(worker_extensions.__file__).resolve().parent
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  head_dim=128, vocab_size=128256, rope_theta=500000.0)
@@ -500,7 +503,9 @@ def main() -> None:
             print(f"[{label}] {time.perf_counter() - t0:.0f} s", flush=True)
             (Path(args.log_dir) / "e2e-results.json").write_text(json.dumps(results, indent=1))
             continue
-        cmd = [sys.executable, __file__, "--worker", "--backend", backend, "--label", label, "--model", args.model,
+        # this module again, from the same working directory (the repository root)
+        cmd = [sys.executable, "-m", "benchmarks.e2e", "--worker", "--backend", backend, "--label", label,
+               "--model", args.model,
                "--max-len", str(args.max_len), "--chunk", str(args.chunk), "--repeats", str(args.repeats),
                "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype,
                "--decode-batch", *map(str, args.decode_batch), "--decode-len", *map(str, args.decode_len),

@@ -9,7 +9,7 @@ attention density. The baseline sits at (1, 0). Up and to the right is better: w
 buys in time and what it costs in answers (one prompt of one task at 3 prompts per task and 6
 tasks moves a cell's mean by up to 1/18 = 0.056).
 
-    python benchmarks/frontier.py benchmarks/results/accuracy_h200_qwen-coder-1.5b_*.json \\
+    python -m benchmarks.frontier benchmarks/results/accuracy_h200_qwen-coder-1.5b_*.json \\
         benchmarks/results/accuracy_h200_qwen-coder_*.json --out docs/frontier.png
 
 Needs matplotlib (not a dependency of the package: ``pip install matplotlib``).
@@ -23,8 +23,11 @@ import pathlib
 import sys
 from typing import Any
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.frontier): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.frontier ...")
 
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 

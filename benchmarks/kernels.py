@@ -15,7 +15,7 @@ structure:
 Times: median of CUDA-event timings after a warm-up. TFLOP/s counts 4 * D * (query, key) pairs
 actually computed (causal pairs of the selection). Speedup: best dense SDPA time / ours.
 
-Run from the repo root: ``python benchmarks/kernels.py`` (``--sweep`` times launch variants,
+Run from the repo root: ``python -m benchmarks.kernels`` (``--sweep`` times launch variants,
 ``--sizes 16,32`` picks n in K tokens, ``--json FILE`` writes all numbers).
 """
 
@@ -30,12 +30,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_topk import capture_graph, event_median  # noqa: E402
-
+from benchmarks.common import capture_graph, event_median
 
 from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402

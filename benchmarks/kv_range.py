@@ -11,7 +11,7 @@ layer, the largest |q|, |k| and |v| the projections produce (biases included, be
 the largest norm of a RoPE pair of q and k (RoPE rotates each pair, so a cached component can
 reach that norm but no more), with the e4m3 step at the largest cached value::
 
-    python benchmarks/kv_range.py --model qwen-coder-1.5b --tokens 2048
+    python -m benchmarks.kv_range --model qwen-coder-1.5b --tokens 2048
 
 Qwen2.5-Coder-1.5B-Instruct on 2,048 tokens of Austen (2026-11-25,
 ``benchmarks/results/kv_range_cpu_qwen-coder-1.5b_2026-11-25.txt``): |k| reaches 359 in layer 0
@@ -25,15 +25,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
 import sys
 
 import torch
 
-_HERE = pathlib.Path(__file__).resolve().parent
-# the repository root first; not this folder, whose kernels.py would shadow the 'kernels' package
-# transformers looks for
-sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.kv_range): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.kv_range ...")
 
 E4M3_MAX = 448.0
 

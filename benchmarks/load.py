@@ -48,7 +48,7 @@ split (the same prompts and trace are checked).
 CPU (a laptop-sized machine; SmolLM2-135M at 1-4K tokens, the sparse path from 512 query tokens,
 where the default budgets select every key: density 1)::
 
-    python benchmarks/load.py --model smollm2 --long-lengths 1024 2048 4096
+    python -m benchmarks.load --model smollm2 --long-lengths 1024 2048 4096
 
 GPU (Qwen2.5-Coder-1.5B with YaRN past its 32K; CUDA graphs and prefix caching on), split in two
 runs to keep each short (a cold start with torch.compile and CUDA graphs takes minutes):
@@ -57,15 +57,15 @@ sparse kernel) against it::
 
     M="--model /tmp/models/qwen2.5-coder-1.5b-instruct --yarn 4 --text /tmp/austen.txt \\
        --long-lengths 8192 32768 65536 130000 --max-num-seqs 16 --scale 3"
-    python benchmarks/load.py $M --sparse --out /tmp/load-dense.json
-    python benchmarks/load.py $M --reference-json /tmp/load-dense.json --near-tie 0.05 \\
+    python -m benchmarks.load $M --sparse --out /tmp/load-dense.json
+    python -m benchmarks.load $M --reference-json /tmp/load-dense.json --near-tie 0.05 \\
         --sparse default full=max_density=1,vertical_size=131072,slash_size=131072 \\
         --min-agreement 0.5 --out /tmp/load-sparse.json
 
 Attach to running servers (no log check unless ``--server-log``, no density without
 ``--stats-file``)::
 
-    python benchmarks/load.py --url http://HOST:8000 --dense-url http://HOST:8001 --max-num-seqs 256
+    python -m benchmarks.load --url http://HOST:8000 --dense-url http://HOST:8001 --max-num-seqs 256
 """
 
 from __future__ import annotations
@@ -88,9 +88,11 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+# Run as a module from the repository root (python -m benchmarks.load): run by path, this
+# folder would come first on sys.path and its kernels.py would hide the `kernels` package
+# that transformers looks for.
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.load ...")
 
 import aiohttp  # noqa: E402  (a dependency of vLLM)
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -32,7 +32,7 @@ def rng():
 
 
 def load_script(relpath: str, name: str | None = None):
-    """Import a script of the repository (``benchmarks/x.py``, ``deploy/check.py``) as a module."""
+    """Import a script of the repository that is not in a package (``deploy/check.py``) as a module."""
     import importlib.util
     import pathlib
     import sys

@@ -222,10 +222,9 @@ def test_causal_pairs_all_and_yarn_folder(tmp_path):
 def test_prompt_cache_returns_the_same_samples_for_the_same_inputs(tmp_path):
     import argparse
 
-    from conftest import load_script
+    from benchmarks import accuracy as bench
     from vllm_sparse_tools.evaluation.tasks import Sample
 
-    bench = load_script("benchmarks/accuracy.py", "accuracy_bench")
     sample = Sample("multi_value", 2048, 0, 0.5, [1, 2, 3], ("11", "22"), "The values are:", 48,
                     (0.5, 0.7), {"k": 1})
     args = argparse.Namespace(tasks=["multi_value"], lengths=[2048], samples=1, seed=0)

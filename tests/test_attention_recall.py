@@ -10,14 +10,13 @@ import pathlib
 
 import pytest
 import torch
-from conftest import load_script
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def recall_module():
-    return load_script("benchmarks/attention_recall.py", "attention_recall")
+    from benchmarks import attention_recall
+
+    return attention_recall
 
 
 @pytest.fixture(scope="module")

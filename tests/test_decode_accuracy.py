@@ -9,10 +9,7 @@ is not importable, e.g. in the main suite (``make test`` runs the kernel tests w
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import pytest
 import torch
@@ -21,19 +18,12 @@ from conftest import masked_attention_f64
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def da():
-    spec = importlib.util.spec_from_file_location("decode_accuracy", ROOT / "benchmarks" / "decode_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        del sys.modules[spec.name]
-    return mod
+    from benchmarks import decode_accuracy
+
+    return decode_accuracy
 
 
 @pytest.fixture(scope="module")

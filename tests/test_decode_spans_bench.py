@@ -7,9 +7,7 @@ Skips where triton or the installed kernels are absent.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import pathlib
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under it
 
 sd = kernel_module("span_decode")
 kernel_module("topk_decode")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 H, HKV, D = 2, 1, 64
 PARAMS = dict(segment_tokens=128)
@@ -29,10 +26,9 @@ BUDGET = dict(sink=1, recent=2, persist=2)
 
 @pytest.fixture(scope="module")
 def ds():
-    spec = importlib.util.spec_from_file_location("decode_spans", ROOT / "benchmarks" / "decode_spans.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # imports decode_topk from benchmarks/
-    return mod
+    from benchmarks import decode_spans
+
+    return decode_spans
 
 
 def positive(rec, keys):

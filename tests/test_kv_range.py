@@ -3,20 +3,15 @@ hidden states, and the e4m3 spacing against torch's own float8_e4m3fn rounding."
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 def _kv_range():
-    spec = importlib.util.spec_from_file_location("kv_range", ROOT / "benchmarks" / "kv_range.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import kv_range
+
+    return kv_range
 
 
 def test_e4m3_step_is_the_spacing_of_float8_e4m3fn():

@@ -7,12 +7,13 @@ import json
 import pathlib
 
 import pytest
-from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def load():
-    return load_script("benchmarks/load.py", "load_bench")
+    from benchmarks import load as load_bench
+
+    return load_bench
 
 
 def _greedy(load, tokens, gaps=None, density=None):

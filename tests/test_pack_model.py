@@ -1,4 +1,4 @@
-"""benchmarks/pack_model.py: a model folder survives pack -> chunk copies -> unpack byte for byte."""
+"""benchmarks/infra/pack_model.py: a model folder survives pack -> chunk copies -> unpack byte for byte."""
 
 from __future__ import annotations
 
@@ -6,13 +6,12 @@ import pathlib
 import shutil
 
 import pytest
-from conftest import load_script
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load():
-    return load_script("benchmarks/pack_model.py", "pack_model")
+    from benchmarks.infra import pack_model
+
+    return pack_model
 
 
 def test_pack_unpack_round_trip(tmp_path, monkeypatch):

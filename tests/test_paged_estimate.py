@@ -608,7 +608,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
 def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     """A step of two unequal sparse rows keeps both rows' index lists until its one kernel
     launch; the claim's split steps must cover it (one row of the whole chunk did not: 1.8x at
-    budgets near the context, benchmarks/scratch_memory.py)."""
+    budgets near the context, benchmarks/studies/scratch_memory.py)."""
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention

@@ -341,9 +341,8 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
 def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch):
     import vllm
 
-    from conftest import load_script
+    from benchmarks import e2e
 
-    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
     env = e2e.run_env({"VLLM_SPARSE_MAX_DENSITY": "1"}, base={"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
     assert {k: env[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
                                 "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_SPARSE_MAX_DENSITY", "PATH")} == {
@@ -384,14 +383,13 @@ def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch
 def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
     """The engine's processes get the worker-extension folder on PYTHONPATH and resolve the class
     by name, as vLLM does; that folder must hold nothing that shadows an installed package (the
-    benchmarks folder itself would: its kernels.py hides the `kernels` package transformers probes)."""
+    benchmarks folder would: its kernels.py hides the `kernels` package transformers probes)."""
     import importlib.util
     import subprocess
     import sys
 
-    from conftest import load_script
+    from benchmarks import e2e
 
-    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
     env = e2e.run_env({}, base={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": "/somewhere"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(e2e.WORKER_EXTENSIONS), "/somewhere"]
     for module in e2e.WORKER_EXTENSIONS.glob("*.py"):
@@ -407,9 +405,8 @@ def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
 def test_e2e_cached_decode_groups_prime_each_context_once():
     """--decode-cached primes each context once, for its largest batch, then measures every batch
     of that context from the cache, contexts in the order given."""
-    from conftest import load_script
+    from benchmarks import e2e
 
-    e2e = load_script("benchmarks/e2e.py", "e2e_bench")
     specs = [(1, 32768), (8, 32768), (1, 131072), (8, 131072), (4, 32768)]
     assert e2e.cached_decode_groups(specs) == [(32768, [1, 8, 4]), (131072, [1, 8])]
     assert e2e.cached_decode_groups([]) == []

@@ -1,8 +1,8 @@
 """Compile the sparse prefill kernels' variants for sm90 (Hopper) without a GPU and write their
 SASS, to check that a refactor leaves what the GPU executes unchanged.
 
-    PYTHONPATH=$PWD:<site with the GPU's triton> python benchmarks/sass_check.py OUT_DIR [CASE ...]
-    python benchmarks/sass_check.py --compare OLD_DIR NEW_DIR
+    PYTHONPATH=<site with the GPU's triton> python -m benchmarks.studies.sass_check OUT_DIR [CASE ...]
+    python -m benchmarks.studies.sass_check --compare OLD_DIR NEW_DIR
 
 A stand-in driver gives Triton the sm90 target and every launch becomes a warm-up (compile
 only), so the launchers run as they would on a GPU (on CPU tensors) and Triton's own ptxas

@@ -22,7 +22,7 @@ original bf16 K/V (the kernel's error plus fp8 storage).
 
 Needs only torch and triton (no vLLM): from the repository root,
 
-    PYTHONPATH=. python benchmarks/fp8_kv.py
+    python -m benchmarks.studies.fp8_kv
 
 About a minute on an H200. ``--smoke`` runs tiny sizes on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1), untimed: a check that the script works, not a measurement.
@@ -42,14 +42,9 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import triton  # noqa: E402
-from kernels import bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
 
+from benchmarks.kernels import bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
 from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
 from sparse_prefill_kernels import vs_index as vsi  # noqa: E402
 

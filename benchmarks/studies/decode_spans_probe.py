@@ -10,7 +10,7 @@ exact attention of the decode query, the top-k bound, the span key score (sum, m
 token), whether they lie in an NMS-kept span, are persistent, are selected; and how the spans
 cover the prompt.
 
-    PYTHONPATH=$PWD:.venv/kernel-site python benchmarks/decode_spans_probe.py --model qwen-coder \\
+    PYTHONPATH=.venv/kernel-site python -m benchmarks.studies.decode_spans_probe --model qwen-coder \\
         --length 8192 --seeds 0 1 --threads 1
 
 Writes ``<out>.json`` and ``<out>.txt`` (default
@@ -21,25 +21,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import pathlib
 import sys
 import time
 
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+import torch
 
-import torch  # noqa: E402
+from benchmarks import decode_accuracy as da
+from vllm_sparse_tools.evaluation import span_probe
 
-_spec = importlib.util.spec_from_file_location("decode_accuracy", _HERE / "decode_accuracy.py")
-da = importlib.util.module_from_spec(_spec)
-sys.modules["decode_accuracy"] = da
-_spec.loader.exec_module(da)
-
-from vllm_sparse_tools.evaluation import span_probe  # noqa: E402
-
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 # Qwen2.5-Coder-0.5B: layers 9-22 are where the decode query finds the needle (exact rank 0-1)
 SUMMARY_GROUPS = {"0-8": list(range(0, 9)), "9-22": list(range(9, 23)), "23": [23]}
 

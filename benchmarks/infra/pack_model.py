@@ -1,12 +1,12 @@
 """Move a model folder to the GPU machine in chunks (the device tool carries at most 64 MiB a call).
 
-    python benchmarks/pack_model.py pack MODEL_DIR [--out .gpu] [--extra FILE ...]
-    python benchmarks/pack_model.py pack --files FILE [FILE ...] [--out .gpu] [--extra FILE ...]
+    python -m benchmarks.infra.pack_model pack MODEL_DIR [--out .gpu] [--extra FILE ...]
+    python -m benchmarks.infra.pack_model pack --files FILE [FILE ...] [--out .gpu] [--extra FILE ...]
         -> .gpu/m0 .. .gpu/mN, each at most 58 MiB (the .gpu folder must be git-ignored)
     on the GPU machine, one call per chunk (carry [".gpu/mK"]):
         mkdir -p /tmp/mstage && cp -n .gpu/mK/* /tmp/mstage/
     then, once:
-        python3 benchmarks/pack_model.py unpack /tmp/models/NAME [--stage /tmp/mstage]
+        python3 -m benchmarks.infra.pack_model unpack /tmp/models/NAME [--stage /tmp/mstage]
 
 ``*.safetensors`` files travel as two byte planes: the high bytes of the bf16/fp16 words (sign
 and exponent, which compress to ~40% with zlib) and the low bytes raw; every other file raw. That
@@ -14,7 +14,7 @@ is ~70% of the original size (Qwen2.5-Coder-0.5B-Instruct: 1.26 GB in 15 chunks 
 Every file is checked against its sha256 when unpacked. ``--extra`` files (a haystack text)
 travel in the last chunk and are unpacked next to the model. ``--files`` packs single files
 instead of a folder's (a GGUF, which is smaller than its bf16 conversion: Qwen2.5-Coder-1.5B is
-1.12 GB in 19 chunks as GGUF; ``benchmarks/gpu_stage_model.sh`` converts it on the GPU machine).
+1.12 GB in 19 chunks as GGUF; ``benchmarks/infra/gpu_stage_model.sh`` converts it on the GPU machine).
 Standard library only.
 """
 

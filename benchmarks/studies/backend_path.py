@@ -13,7 +13,7 @@ decays with distance (local attention: a band of diagonals), sink columns and ~5
 key columns per KV head that every query likes (verticals). Llama-3-8B shape (32/8 heads,
 d=128), bf16, page 16 in random order.
 
-    python benchmarks/backend_path.py --sizes 16,32,64,128 --chunk 16384
+    python -m benchmarks.studies.backend_path --sizes 16,32,64,128 --chunk 16384
 
 Variants: vertical-slash 1000/6096 with one selection per query head and with ``kv_group_shared``
 (the default: one selection per KV head, the group's heads stacked in the kernel), the latter
@@ -31,24 +31,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks.kernels import PAGE, bench, graph_ms, paged_cache, sdpa_times
 
-from kernels import PAGE, bench, graph_ms, paged_cache, sdpa_times  # noqa: E402
-
-from vllm_sparse_backend.config import SparseSettings  # noqa: E402
-from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.prefill.index import SparseIndex, count_pairs  # noqa: E402
-from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged  # noqa: E402
-from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.prefill.plan import SparseRow  # noqa: E402
-from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
+from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.head_configs import resolve_head
+from vllm_sparse_backend.prefill.index import SparseIndex, count_pairs
+from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
+from vllm_sparse_backend.prefill.budgets import kv_group_share
+from vllm_sparse_backend.prefill.plan import SparseRow
+from sparse_prefill_kernels import sparse_attention as sa
 
 
 def structured_qkv(n, h, hkv, d, gen, dev="cuda"):
@@ -285,7 +279,7 @@ def main():
                      ("VS 1000/6096 shared, slash as ranges", base.model_copy(update={"slash_tiles": "ranges",
                                                                                      **shared})),
                      # diagonals kept in bands of a key block: the tiles hold what was selected
-                     # (benchmarks/density_breakdown.py: 0.10 computed vs 0.24 at 128K, 16K chunks)
+                     # (0.10 computed vs 0.24 at 128K, 16K chunks: results/density_breakdown_cpu_planted_128k_2026-11-26.txt)
                      ("VS 1000/6096 shared, bands of 64", base.model_copy(update={"slash_band": 64, **shared})),
                      ("BS top-100 shared", base.model_copy(update={"default_pattern": "block_sparse",
                                                                     **shared})),

@@ -19,8 +19,8 @@ and the allocator's reserved pool after the claim and over the steps. Scratch si
 the rows' lengths and the budgets only, so a one-page stand-in cache serves every row (as in the
 claim)::
 
-    python benchmarks/scratch_memory.py                      # Qwen2.5-1.5B heads, 16K chunks, 131K context
-    python benchmarks/scratch_memory.py --steps 100 --variants default full=max_density=1,vertical_size=131072,slash_size=131072
+    python -m benchmarks.studies.scratch_memory                      # Qwen2.5-1.5B heads, 16K chunks, 131K context
+    python -m benchmarks.studies.scratch_memory --steps 100 --variants default full=max_density=1,vertical_size=131072,slash_size=131072
 
 torch + triton + this package; CUDA for the memory numbers (on CPU under TRITON_INTERPRET=1 it
 only runs the steps, at small sizes, to check the script).
@@ -30,23 +30,17 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from sparse_prefill_kernels import sparse_attention as sa
 
-from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
-
-from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402
-from vllm_sparse_backend.prefill.estimate import HeadGroups  # noqa: E402
-from vllm_sparse_backend.prefill.plan import SparseRow  # noqa: E402
-from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps  # noqa: E402
-from vllm_sparse_tools.evaluation.variants import parse_variant  # noqa: E402
+from vllm_sparse_backend.prefill.budgets import kv_group_share
+from vllm_sparse_backend.head_configs import resolve_head
+from vllm_sparse_backend.prefill.estimate import HeadGroups
+from vllm_sparse_backend.prefill.plan import SparseRow
+from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
+from vllm_sparse_tools.evaluation.variants import parse_variant
 
 GIB = 2 ** 30
 
@@ -82,7 +76,7 @@ def main() -> None:
                          "the claim before 2026-11-26")
     ap.add_argument("--variants", nargs="+",
                     default=["default", "full=max_density=1,vertical_size=131072,slash_size=131072"],
-                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (vllm_sparse_tools.evaluation.variants)")
+                    help="presets or LABEL=FIELD=VALUE[,...] with settings fields (tools.evaluation.variants)")
     args = ap.parse_args()
 
     h, hkv, d = args.heads

@@ -12,12 +12,12 @@ keeps up (at most ``--max-slowdown`` slower, and the GPU holds weights, sinks + 
 and page summaries in 90% of its memory).
 
 Inputs are parameters, not measurements, except ``--trace``: the JSON of
-``benchmarks/decode_topk_trace.py`` (measured page utilisation and LRU hit rates on a real
+``benchmarks/studies/decode_topk_trace.py`` (measured page utilisation and LRU hit rates on a real
 model), whose numbers then replace ``--utilisation``, ``--hit`` and ``--union`` (the hit rate
 of its LRU cache of ``--cache-factor`` x a step's pages).
 
-    python benchmarks/offload_sim.py                      # Llama-3-8B shape, int8 weights, 16 GB GPU
-    python benchmarks/offload_sim.py --trace benchmarks/results/decode_topk_trace_cpu_qwen-coder_8192_*.json
+    python -m benchmarks.studies.offload_sim                      # Llama-3-8B shape, int8 weights, 16 GB GPU
+    python -m benchmarks.studies.offload_sim --trace benchmarks/results/decode_topk_trace_cpu_qwen-coder_8192_*.json
 """
 
 from __future__ import annotations

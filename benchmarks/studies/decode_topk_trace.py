@@ -37,7 +37,7 @@ depth 0.5) and T = 32 decode steps on 2 CPU threads: 8192 tokens (about 1.5 min 
 68 s, decode 9 s, analysis 10 s) and 31999 tokens (``--tokens 32000``, 11.5 min: prefill 503 s,
 decode 72 s, analysis 103 s):
 
-    python benchmarks/decode_topk_trace.py --model qwen-coder --task multi_key --tokens 8192 \\
+    python -m benchmarks.studies.decode_topk_trace --model qwen-coder --task multi_key --tokens 8192 \\
         --steps 32 --fractions 0.005 0.01 0.02 --page-sizes 16 64 --per-layer
 
 Writes ``<out>.json`` (settings, versions, timings, generated text, per-layer and per-(layer,
@@ -60,13 +60,9 @@ import sys
 import time
 from typing import Sequence
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+import torch
 
-import torch  # noqa: E402
-
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 _ATTENTION_NAME = "vllm_sparse_decode_topk_trace"
 CACHE_MULTIPLES = (1, 2, 4, 8)
 

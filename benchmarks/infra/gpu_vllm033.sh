@@ -6,15 +6,15 @@
 # on every model load, and the 0.26 set's compressed_tensors needs it); 0.33 goes into its own folder placed
 # before the 0.26 install on PYTHONPATH, so one staging serves both versions side by side.
 #
-#   here, from the repository root:   bash benchmarks/gpu_vllm033.sh prepare
+#   here, from the repository root:   bash benchmarks/infra/gpu_vllm033.sh prepare
 #       downloads vllm 0.33.0, flashinfer-python 0.7.2.post1, oss-harmony 0.0.11, orjson 3.11.6 and
 #       loguru 0.7.3 (about 384 MiB) into .gpu/wheels033 and splits them into .gpu/q0 .. .gpu/q7 of at most
 #       54 MiB (a device call carries 64 MiB with the working tree, about 8 MiB)
 #   there, one device call per chunk K, back to back (carry [".gpu/qK"]):
-#       bash benchmarks/gpu_vllm033.sh stage
+#       bash benchmarks/infra/gpu_vllm033.sh stage
 #   there, once, after the 0.26 set was staged and installed (real_weights_gpu.sh setup):
-#       bash benchmarks/gpu_vllm033.sh install      # vLLM 0.33 into /tmp/site033
-#       PYTHONPATH=/tmp/site033:/tmp/site:/tmp/site-plugin python3 benchmarks/e2e.py ...
+#       bash benchmarks/infra/gpu_vllm033.sh install      # vLLM 0.33 into /tmp/site033
+#       PYTHONPATH=/tmp/site033:/tmp/site:/tmp/site-plugin python3 -m benchmarks.e2e ...
 #
 # Run on an H100 on 2026-11-25: 0.33's compiled ops load and serve under the image's torch 2.11 (its
 # extensions use only the stable libtorch ABI; _qutlass_C, a Blackwell FP4 library, lacks three
@@ -46,7 +46,7 @@ case "${1:-}" in
     done
     rmdir "$tmp"
     (cd .gpu/wheels033 && sha256sum ./*.whl) > .gpu/q$n/SHA256SUMS
-    echo "chunks (one device call each, carry [\".gpu/qK\"], command: bash benchmarks/gpu_vllm033.sh stage):"
+    echo "chunks (one device call each, carry [\".gpu/qK\"], command: bash benchmarks/infra/gpu_vllm033.sh stage):"
     du -sh .gpu/q[0-9]* | sed 's#\.gpu/##' ;;
   stage)
     mkdir -p "$STAGE"

@@ -14,7 +14,7 @@ query rows, so each cost comes with what it keeps. No gating: every chunk runs s
 This measures what the planted-band benchmarks cannot: where a real model puts its heavy
 diagonals (scattered, not side by side), and so what a slash line costs.
 
-    python benchmarks/real_layer_path.py --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
+    python -m benchmarks.studies.real_layer_path --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
         --text /tmp/austen.txt --lengths 65536 131072 --yarn 4 --layers 2 14 27 \\
         --variants vs 'vs-ranges=slash_tiles=ranges' 'vs-small=vertical_size=250,slash_size=1000'
 
@@ -31,26 +31,21 @@ import platform
 import sys
 import time
 
-# This folder's kernels.py would shadow the `kernels` package that transformers looks for: the
-# model is loaded with the folder off sys.path, and the timing helpers imported after it.
-_HERE = pathlib.Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]
+import torch
 
-import torch  # noqa: E402
+from vllm_sparse_tools.evaluation import attention_check as ac
+from vllm_sparse_tools.evaluation import inputs
+from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer
 
-from vllm_sparse_tools.evaluation import attention_check as ac  # noqa: E402
-from vllm_sparse_tools.evaluation import inputs  # noqa: E402
-from vllm_sparse_tools.evaluation.tasks import TASKS, HFTokenizer  # noqa: E402
-
-REPO = _HERE.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_VARIANTS = ["vs", "vs-ranges=slash_tiles=ranges", "vs-small=vertical_size=250,slash_size=1000",
                     "vs-small-ranges=vertical_size=250,slash_size=1000,slash_tiles=ranges"]
 
 
 def timing_helpers():
-    """backend_path.run_layer and the table's dense baseline, imported once the model is loaded."""
-    sys.path.insert(0, str(_HERE))
-    import backend_path
+    """backend_path.run_layer and the table's dense baseline (imported once the model is loaded, as
+    before: backend_path imports triton)."""
+    from benchmarks.studies import backend_path
 
     return backend_path.run_layer
 

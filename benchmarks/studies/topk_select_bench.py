@@ -12,7 +12,7 @@ host launch cost where the GPU waits for it, "graph" replays the call captured i
 "host" is the host time per call when launches queue back to back (the eager floor: Triton's
 launch cost). ``--sweep`` also times graph replays for tile sizes, warps and programs per SM.
 
-Run where the package is installed: ``python benchmarks/topk_select_bench.py [--reps 20] [--sweep]``.
+Run where the package is installed: ``python -m benchmarks.studies.topk_select_bench [--reps 20] [--sweep]``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_topk import capture_graph, event_median  # noqa: E402
+from benchmarks.common import capture_graph, event_median
 
 SHAPES = [(8, 128 * 1024, 6096), (8, 512 * 1024, 6096), (8, 128 * 1024, 1000), (32, 128 * 1024, 6096),
           (8 * 32, 8192, 170)]

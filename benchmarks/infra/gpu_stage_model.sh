@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Stage a real model on the GPU machine (no network there) from GGUF chunks made here with
-# benchmarks/pack_model.py, and convert it there to a bf16 Hugging Face folder.
+# benchmarks/infra/pack_model.py, and convert it there to a bf16 Hugging Face folder.
 #
 # Here (git-ignored chunk folders; a GGUF travels in fewer chunks than the packed bf16 folder:
 # Qwen2.5-Coder-1.5B 19 instead of 42, 0.5B 9 instead of 15):
-#   python benchmarks/pack_model.py pack --files qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+#   python -m benchmarks.infra.pack_model pack --files qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
 #       --extra gguf-0.19.0-py3-none-any.whl austen.txt --out .gpu/m15b          # m0 .. m18
 # On the GPU machine, one device call per chunk K, back to back (carry [".gpu/m15b/mK"]):
 #   mkdir -p /tmp/mstage-m15b && cp -n .gpu/m15b/mK/* /tmp/mstage-m15b/
 # then once, from the repository root:
-#   bash benchmarks/gpu_stage_model.sh m15b       # or m05b; qwen-coder-1.5b / qwen-coder too
+#   bash benchmarks/infra/gpu_stage_model.sh m15b       # or m05b; qwen-coder-1.5b / qwen-coder too
 #
 # Steps, each skipped when already done (so a second run costs about the GGUF's sha256):
 #   1. unpack /tmp/mstage-NAME into /tmp/mstage-NAME/unpacked (sha256 of every file checked);
@@ -46,7 +46,7 @@ if [ -f "$unpacked/.unpacked" ]; then
   echo "[1/4] unpack: already done ($unpacked)"
 else
   t=$(date +%s.%N)
-  "$py" benchmarks/pack_model.py unpack "$unpacked" --stage "$stage"
+  "$py" -m benchmarks.infra.pack_model unpack "$unpacked" --stage "$stage"
   touch "$unpacked/.unpacked"
   echo "[1/4] unpack: $(since "$t") s"
 fi
