@@ -95,7 +95,7 @@ def main() -> dict:
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
-    from vllm_sparse_backend.backends.common import SparsePrefillMetadata
+    from vllm_sparse_backend.backends.common import SparseStepMetadata
     from vllm_sparse_backend.backends.cuda import SparsePrefillBackend
 
     model = ModelConfig(model=_tiny_llama(tempfile.mkdtemp()), skip_tokenizer_init=True, dtype="float16",
@@ -118,10 +118,10 @@ def main() -> dict:
     cm = _step(torch, CommonAttentionMetadata)
     md = builder.build(0, cm)
     out["metadata_type"] = type(md).__qualname__
-    if isinstance(md, SparsePrefillMetadata):
+    if isinstance(md, SparseStepMetadata):
         out["num_actual_tokens"] = md.num_actual_tokens
-        # each layer's heads travel in the step's metadata, looked up by the layer's name
-        out["heads_given_to_layers"] = [len(md.layer_heads[x.layer_name].heads) for x in layers]
+        # each layer's heads, resolved once for the worker and looked up by the layer's name
+        out["heads_given_to_layers"] = [len(builder.runtime.layer_heads[x.layer_name].heads) for x in layers]
         out["sparse_rows"] = [[r.row, r.tok_start, r.q_len, r.ctx_len] for r in md.sparse_rows]
         out["dense_runs"] = [{"tokens": [run.tok_start, run.tok_end], **_fa(run.metadata)} for run in md.dense_runs]
         out["fallback"] = {str(row): _fa(m) for row, m in sorted(md.fallback.items())}

@@ -1,13 +1,12 @@
 """The decode modes' one interface (backends/decode.py), driven on CPU: what the CUDA builder
 attaches to a step and what the impl's forward hands the layer's decode state.
 
-A recording mode checks the routing (which metadata carries the step's plan, which calls reach
-the state, with which rows); the top-k mode through the impl's forward, under Triton's
+A recording mode checks the routing (which steps are planned, which calls reach the state, with
+which rows); the top-k mode through the impl's forward, under Triton's
 interpreter, must give exactly what its state's own calls give."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from types import SimpleNamespace
 
@@ -16,12 +15,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.backends.common import DenseRun, SparseStepMetadata  # noqa: E402
 from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.decode import decode_mode  # noqa: E402
+from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
 cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
 decode = pytest.importorskip("vllm_sparse_backend.backends.decode")
-FlashAttentionMetadata = decode.FlashAttentionMetadata
+FlashAttentionMetadata = pytest.importorskip("vllm.v1.attention.backends.flash_attn").FlashAttentionMetadata
 
 H, HKV, D, PAGE = 4, 2, 64, 16
 
@@ -87,33 +88,33 @@ def _caches(num_pages=8):
     return kv[..., :D], kv[..., D:]
 
 
-def test_step_plan_rides_on_the_metadata_the_builder_returns():
+def _no_log(*args, **kwargs):
+    pass
+
+
+def _prefill_step(md, plan):
+    """A step with prefill rows and the mode's plan, as the CUDA builder returns it: FlashAttention
+    computes the whole step (one dense run), the plan rides beside it."""
+    return SparseStepMetadata(md.num_actual_tokens, md.max_query_len, [DenseRun(0, md.num_actual_tokens, md)], [],
+                              md.block_table, md.slot_mapping, decode_plan=plan)
+
+
+def test_the_mode_plans_steps_with_prefill_rows_only():
     mode = _RecordingMode()
-    table = torch.arange(8, dtype=torch.int32).view(2, 4)
-    fa = _fa_metadata([5, 1], [20, 9], table, torch.arange(6))
-    got = decode.with_step_plan(mode, fa, _common([5, 1], [20, 9]), PAGE, "cpu")
-    # FlashAttention's metadata as its subclass: every field kept, the plan beside them
-    assert isinstance(got, decode.DecodePlanMetadata) and isinstance(got, FlashAttentionMetadata)
-    assert got.decode_plan == "PLAN" and mode.planned == [([0, 5, 6], [20, 9], PAGE)]
-    for f in dataclasses.fields(fa):
-        assert getattr(got, f.name) is getattr(fa, f.name), f.name
-    ours = SparsePrefillMetadata(6, 5, [], [], table, slot_mapping=torch.arange(6))
-    assert decode.with_step_plan(mode, ours, _common([5, 1], [20, 9]), PAGE, "cpu").decode_plan == "PLAN"
-    assert ours.decode_plan is None  # a copy: the builder's own object is not written to
-    decode_step = _fa_metadata([1, 1], [20, 9], table, torch.arange(2))
-    assert decode.with_step_plan(mode, decode_step, _common([1, 1], [20, 9]), PAGE, "cpu") is decode_step
-    assert decode.with_step_plan(None, fa, _common([5, 1], [20, 9]), PAGE, "cpu") is fa
-    assert len(mode.planned) == 2  # decode steps and no mode plan nothing
+    assert decode.step_decode_plan(mode, _common([5, 1], [20, 9]), PAGE, "cpu") == "PLAN"
+    assert mode.planned == [([0, 5, 6], [20, 9], PAGE)]
+    assert decode.step_decode_plan(mode, _common([1, 1], [20, 9]), PAGE, "cpu") is None  # decodes only
+    assert decode.step_decode_plan(None, _common([5, 1], [20, 9]), PAGE, "cpu") is None
+    assert len(mode.planned) == 1  # decode steps and no mode plan nothing
 
 
 def test_layer_decode_routes_each_step():
     key_cache, value_cache = _caches()
     table = torch.arange(8, dtype=torch.int32).view(2, 4)
-    layer = decode.LayerDecode(_RecordingMode())
+    layer = decode.LayerDecode(_RecordingMode(), None, _no_log)
     q, k = torch.randn(6, H, D), torch.randn(6, HKV, D)
     out = torch.zeros(6, H, D)
-    prefill = decode.with_step_plan(layer.mode, _fa_metadata([5, 1], [20, 9], table, torch.arange(6)),
-                                    _common([5, 1], [20, 9]), PAGE, "cpu")
+    prefill = _prefill_step(_fa_metadata([5, 1], [20, 9], table, torch.arange(6)), "PLAN")
     assert layer.forward(q, k, key_cache, value_cache, prefill, 0.125, out) is False  # the impl computes it
     state = layer.state
     assert [c[0] for c in state.calls] == ["update", "prefill"]
@@ -127,7 +128,7 @@ def test_layer_decode_routes_each_step():
     assert n == 2 and torch.equal(bt, table[:2]) and seq_lens.tolist() == [21, 10] and scale == 0.125
     assert (out[:2] == 7).all() and not out[2:].any()
     state.calls.clear()
-    sparse_step = SparsePrefillMetadata(1, 1, [], [], table, slot_mapping=torch.arange(1))  # never decoded here
+    sparse_step = SparseStepMetadata(5, 5, [], [], table, slot_mapping=torch.arange(1))  # never decoded here
     assert layer.forward(q, k, key_cache, value_cache, sparse_step, 0.125, out) is False
     assert [c[0] for c in state.calls] == ["update"]
     assert layer.state is state and layer.active
@@ -137,16 +138,16 @@ def test_layer_decode_stays_dense_where_it_cannot_run():
     key_cache, value_cache = _caches()
     pure = _fa_metadata([1], [5], torch.zeros(1, 4, dtype=torch.int32), torch.tensor([4]))
     q, out = torch.randn(1, H, D), torch.zeros(1, H, D)
-    for layer in (decode.LayerDecode(_RecordingMode(), why_dense="an fp8 KV cache"),
-                  decode.LayerDecode(_RecordingMode(page_limit=8))):  # pages of 16 are too large for it
+    for layer in (decode.LayerDecode(_RecordingMode(), "an fp8 KV cache", _no_log),
+                  decode.LayerDecode(_RecordingMode(page_limit=8), None, _no_log)):  # pages of 16 are too large for it
         assert layer.forward(q, None, key_cache, value_cache, pure, 1.0, out) is False
         assert not layer.active and layer.state is None and not out.any()
 
 
 def test_decode_mode_is_selected_once_from_the_settings():
-    assert decode.decode_mode(SparseSettings()) is None
-    assert decode.decode_mode(SparseSettings(decode_mode="topk")).name == "topk"
-    spans = decode.decode_mode(SparseSettings(decode_mode="spans"))
+    assert decode_mode(SparseSettings()) is None
+    assert decode_mode(SparseSettings(decode_mode="topk")).name == "topk"
+    spans = decode_mode(SparseSettings(decode_mode="spans"))
     assert spans.name == "spans" and spans.plans_steps
 
 
@@ -158,7 +159,7 @@ def test_topk_mode_through_the_impl_forward(monkeypatch):
     (stubbed) after the summaries followed its slots; a pure decode step is computed by the mode,
     equal to the summaries' own calls on the same cache."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from vllm_sparse_backend.decode_topk import PageSummaries, TopkDecodeBudget, topk_decode
+    from vllm_sparse_backend.decode.topk import PageSummaries, TopkDecodeBudget, topk_decode
 
     settings = SparseSettings(decode_mode="topk", decode_sink_pages=1, decode_recent_pages=1, decode_budget_pages=1)
     gen = torch.Generator().manual_seed(5)
@@ -174,8 +175,8 @@ def test_topk_mode_through_the_impl_forward(monkeypatch):
 
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = H, D, D ** -0.5, 0.0
-    impl.num_kv_heads, impl.kv_cache_dtype, impl.sparse_settings = HKV, "auto", settings
-    impl._decode = decode.LayerDecode(decode.decode_mode(settings), impl._decode_unsupported_reason())
+    impl.num_kv_heads, impl.kv_cache_dtype, impl.runtime = HKV, "auto", WorkerRuntime(settings)
+    impl._decode = decode.LayerDecode(decode_mode(settings), impl._decode_unsupported_reason(), _no_log)
     dense_calls = []
     monkeypatch.setattr(cuda_backend.FlashAttentionImpl, "forward",
                         lambda self, layer, query, *a, **k: dense_calls.append(query.shape[0]))

@@ -11,12 +11,13 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
-from vllm_sparse_backend.backends.common import SparsePrefillMetadata  # noqa: E402
+from vllm_sparse_backend.backends.common import SparseStepMetadata  # noqa: E402
 from vllm_sparse_backend.config import load_settings  # noqa: E402
 from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import gather_paged_kv  # noqa: E402
+from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
 from conftest import masked_attention_f64  # noqa: E402
 
@@ -29,7 +30,7 @@ LAYER_NAME = "model.layers.0.self_attn.attn"
 
 
 class _Layer:
-    """What the impl reads from vLLM's attention layer: its name (to find its heads in the metadata)."""
+    """What the impl reads from vLLM's attention layer: its name (to find its heads in the runtime)."""
 
     layer_name = LAYER_NAME
 
@@ -54,9 +55,7 @@ def _step(dtype, gen, settings):
     for i, (q_len, ctx) in enumerate(geoms):
         rows.append(SparseRow(i, tok, q_len, ctx))
         tok += q_len
-    # the heads prepare_group gives a single-GPU layer
-    md = SparsePrefillMetadata(t, max(q for q, _ in geoms), [], rows, table,
-                               layer_heads={LAYER_NAME: rank_heads(None, settings, 0, h, hkv)})
+    md = SparseStepMetadata(t, max(q for q, _ in geoms), [], rows, table)
     return query, kv_cache, md, (h, hkv, d)
 
 
@@ -64,7 +63,9 @@ def _impl(settings, h, d, hkv):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
-    impl.sparse_settings = settings  # what SparsePrefillImpl.__init__ reads from the environment
+    impl.runtime = WorkerRuntime(settings)  # what SparsePrefillImpl.__init__ gets from worker_runtime()
+    # the heads the builder's prepare_group resolves for a single-GPU layer, kept by the runtime
+    impl.runtime.layer_heads[LAYER_NAME] = rank_heads(None, settings, 0, h, hkv)
     return impl
 
 
@@ -91,7 +92,7 @@ def _check(kernel, dtype, sparse_env, tol):
     for r in md.sparse_rows:
         k, v = gather_paged_kv(key_cache, value_cache, md.block_table[r.row], r.ctx_len + r.q_len)
         q = query[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q, k, r.ctx_len, md.layer_heads[LAYER_NAME].heads, settings, d ** -0.5).index
+        idx = estimate_index(q, k, r.ctx_len, impl.runtime.layer_heads[LAYER_NAME].heads, settings, d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol
@@ -152,8 +153,8 @@ def _check_fp8(kernel, model_dtype, quantized_query, sparse_env, tol):
     for r in md.sparse_rows:
         k, v = gather_paged_kv(k_deq, v_deq, md.block_table[r.row], r.ctx_len + r.q_len)
         q = q_ref[r.tok_start:r.tok_start + r.q_len]
-        idx = estimate_index(q.float(), k.float(), r.ctx_len, md.layer_heads[LAYER_NAME].heads, settings,
-                             d ** -0.5).index
+        idx = estimate_index(q.float(), k.float(), r.ctx_len, impl.runtime.layer_heads[LAYER_NAME].heads,
+                             settings, d ** -0.5).index
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, r.q_len, r.ctx_len), d ** -0.5)
         got = output[r.tok_start:r.tok_start + r.q_len].double()
         assert ((got - ref).norm() / ref.norm()) < tol

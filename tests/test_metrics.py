@@ -212,15 +212,15 @@ def test_metrics_settings_are_validated_naming_the_variable():
         load_settings({"VLLM_SPARSE_TIMING_SAMPLE_EVERY": "-1"})
 
 
-# A stand-in worker: records through the same STATS object the backends use.
+# A stand-in worker: records through the stats of a worker runtime, as the backends do.
 _WORKER = textwrap.dedent("""
     import sys
     from vllm_sparse_backend.config import load_settings
-    from vllm_sparse_backend.stats import STATS
-    STATS.configure(load_settings())
-    STATS.record_sparse_row(4096, causal=1000, computed=100, head_patterns={"vertical_slash": 4})
-    STATS.record_dense_tokens(8)
-    print("kind", type(STATS.prom).__name__, flush=True)
+    from vllm_sparse_backend.runtime import WorkerRuntime
+    stats = WorkerRuntime(load_settings()).stats
+    stats.record_sparse_row(4096, causal=1000, computed=100, head_patterns={"vertical_slash": 4})
+    stats.record_dense_tokens(8)
+    print("kind", type(stats.prom).__name__, flush=True)
     if len(sys.argv) > 1:
         sys.stdin.read()  # stay up (serving) until the test closes stdin
 """)

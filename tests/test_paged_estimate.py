@@ -385,7 +385,7 @@ def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, 
     """The profiling-run claim launches the kernel variants serving will: with rows flagged on
     the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
     that it compiles at start-up, not in the first request that has a flagged row."""
-    from vllm_sparse_backend.prefill.run import run_worst_case_steps
+    from vllm_sparse_backend.prefill.claim import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
@@ -485,7 +485,7 @@ def test_worst_case_steps_take_the_whole_query(page_size):
     # page_size: the serving cache's (the backend passes vLLM's block size, so that the variants
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import compile_row, run_worst_case_steps
+    from vllm_sparse_backend.prefill.claim import compile_row, run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -513,7 +513,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
     """The profiling run's last row compiles the short-context variants (the last-q pass's skew
     diagonals, vs_index.last_q_scores): its context stays far below where that pass switches to
     gathering, even when max_model_len is 1M, and it fits any chunk and context."""
-    from vllm_sparse_backend.prefill.run import compile_row
+    from vllm_sparse_backend.prefill.claim import compile_row
     from sparse_prefill_kernels import vs_index
 
     for q_len, kv_len, min_q in [(16384, 1048704, 4096), (8192, 131200, 512), (150, 500, 64), (40, 60, 4096),
@@ -527,7 +527,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
 
 
 def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
-    from vllm_sparse_backend.prefill.run import MAX_CLAIMED_ROWS, worst_case_steps
+    from vllm_sparse_backend.prefill.claim import MAX_CLAIMED_ROWS, worst_case_steps
 
     steps = worst_case_steps(16384, 131200, 4096)
     for rows in steps:  # one chunk, every row at the longest context, each in its own table row
@@ -546,7 +546,7 @@ def test_worst_case_steps_split_the_chunk_into_the_most_rows_it_holds():
 def test_worst_case_steps_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import run_worst_case_steps
+    from vllm_sparse_backend.prefill.claim import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
@@ -583,7 +583,8 @@ def gpu_peak_bytes(fn) -> int:
 def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     """What the profiling run sees must be at least what a real row of that size allocates."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.claim import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings()
@@ -610,7 +611,8 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     launch; the claim's split steps must cover it (one row of the whole chunk did not: 1.8x at
     budgets near the context, benchmarks/studies/scratch_memory.py)."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.claim import run_worst_case_steps
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 
     settings = SparseSettings(**budgets)
@@ -637,7 +639,8 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     not fit); its compile row must leave nothing for an ordinary row to compile in a request
     (vLLM's JIT monitor flagged _lastq_skew_pass and _skew_colsum in the first 32K request)."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.claim import run_worst_case_steps
     from sparse_prefill_kernels import vs_index as vsi
     from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
 

@@ -36,12 +36,21 @@ def test_kill_switch_and_sequence_gate():
 
 
 def test_rows_no_layer_could_run_sparse_enough_stay_in_dense_runs():
-    s = SparseSettings(min_sparse_query_len=100)
-    worth = lambda q_len, ctx_len: ctx_len + q_len > 1000  # noqa: E731
-    plan = plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s, worth_estimating=worth)
+    from collections import Counter
+
+    from vllm_sparse_backend.head_configs import resolve_head
+
+    # 100 + 100 keys per query: 0.8 of a 500-token prompt's causal pairs (above max_density 0.4),
+    # 0.14 of an 800-token chunk after 1000 tokens of context
+    s = SparseSettings(min_sparse_query_len=100, vertical_size=100, slash_size=100)
+    head_sets = [Counter([resolve_head(None, s)] * 4)]
+    plan = plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s, head_sets=head_sets)
     assert [r.row for r in plan.sparse_rows] == [1]
     assert plan.dense_runs == [(0, 1), (2, 3)]
     assert plan.dense_reasons == {"budgets denser than max_density": 1}
+    # with max_density 1 (no fallback) the same row runs sparse
+    assert plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s.model_copy(update={"max_density": 1.0}),
+                     head_sets=head_sets).has_sparse
 
 
 def test_budget_density_by_hand():
@@ -167,7 +176,7 @@ def test_budgets_cover_every_key_only_where_every_key_is_selected(head, settings
     assert not budgets_cover_every_key(heads + [short], 300, 200, s)
 
 
-def test_rows_whose_selection_is_every_key_are_counted_dense(monkeypatch):
+def test_rows_whose_selection_is_every_key_are_counted_dense():
     """The sparse path computes both rows; the one whose index selected every causal key (the
     default budgets on a short prompt) counts as a dense row, the other as a sparse row."""
     import prometheus_client
@@ -182,7 +191,6 @@ def test_rows_whose_selection_is_every_key_are_counted_dense(monkeypatch):
     registry = CollectorRegistry()
     stats = SparseStats()
     stats._prom = PrometheusMetrics(prometheus_client, registry=registry)
-    monkeypatch.setattr(sparse_prefill, "STATS", stats)
     gen = torch.Generator().manual_seed(0)
     q_lens = [600, 2000]
     query = torch.randn(sum(q_lens), 2, 64, generator=gen)
@@ -193,9 +201,9 @@ def test_rows_whose_selection_is_every_key_are_counted_dense(monkeypatch):
     settings = SparseSettings(vertical_size=30, slash_size=30)
     heads = [resolve_head(None, SparseSettings())] * 2
     sparse_prefill.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
-                                   settings, 0.125)
+                                   settings, 0.125, 0.0, None, stats)
     sparse_prefill.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
-                                   [resolve_head(None, settings)] * 2, settings, 0.125)
+                                   [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None, stats)
     d = stats.as_dict()
     assert d["dense_reasons"] == {sparse_prefill.EVERY_KEY_REASON: 1}
     assert (d["sparse_rows"], d["sparse_query_tokens"], d["dense_query_tokens"]) == (1, 2000, 600)

@@ -36,8 +36,8 @@ def _write(path, data):
 def test_bad_settings_stop_vllm_serve_with_the_error_as_last_line(tmp_path, case):
     env, want = {
         "variable": ({"VLLM_SPARSE_DEFAULT_PATTERN": "banana"},
-                     "environment variable VLLM_SPARSE_DEFAULT_PATTERN='banana': Input should be 'dense', 'a_shape', "
-                     "'vertical_slash', 'block_sparse' or 'flex_prefill'"),
+                     "environment variable VLLM_SPARSE_DEFAULT_PATTERN='banana': unknown pattern 'banana' (known: "
+                     "dense, a_shape, vertical_slash, block_sparse, flex_prefill)"),
         "settings_file": ({"VLLM_SPARSE_CONFIG": _write(tmp_path / "s.json", {"vertical_size": 0})},
                           f"{tmp_path / 's.json'}: field 'vertical_size': Input should be greater than or equal to 1"),
         "missing_head_config": ({"VLLM_SPARSE_HEAD_CONFIG": str(tmp_path / "nope.json")},

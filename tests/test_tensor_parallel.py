@@ -5,7 +5,7 @@ A rank is simulated the way vLLM lays out a column-parallel QKV projection (writ
 independently of the backend, from vllm/model_executor/layers/linear.py: QKVParallelLinear):
 rank r holds query heads r*H/tp .. (r+1)*H/tp - 1 and KV heads r*Hkv/tp .. (r+1)*Hkv/tp - 1, or,
 when Hkv < tp, the one KV head r // (tp / Hkv). Its head patterns come from the backend's own
-start-up glue (``backends.common.resolve_layer_heads``, with vLLM's TP rank and world size
+start-up glue (``backends.common.resolve_heads``, with vLLM's TP rank and world size
 simulated), its rows from the planner, and its output from the CPU backend's sparse path
 (``run_sparse_rows``: estimation + the PyTorch sparse attention), on its slice of Q/K/V.
 
@@ -30,14 +30,14 @@ from vllm.distributed import parallel_state  # noqa: E402
 
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings  # noqa: E402
-from vllm_sparse_backend.head_configs import load_head_config  # noqa: E402
+from vllm_sparse_backend.head_configs import load_head_config, resolve_head_config  # noqa: E402
 from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.prefill.plan import plan_step, rank_heads  # noqa: E402
 from vllm_sparse_backend.reference import causal_pairs  # noqa: E402
-from vllm_sparse_backend.prefill import run as sparse_prefill  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
+from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 from vllm_sparse_backend.stats import SparseStats  # noqa: E402
 
 from conftest import causal_mask, masked_attention_f64  # noqa: E402
@@ -104,7 +104,7 @@ def backend(monkeypatch):
             env["HEAD_CONFIG"] = head_config
         for k, v in env.items():
             monkeypatch.setenv(f"VLLM_SPARSE_{k}", v)
-        return load_settings()  # what a backend object of the engine reads (common.backend_settings)
+        return load_settings()  # what the worker's runtime reads (runtime.worker_runtime)
 
     @contextmanager
     def as_rank(rank: int):
@@ -135,13 +135,19 @@ def _rows(settings):
     return plan.sparse_rows
 
 
-def _run(q, k, v, heads, settings):
+def _run(q, k, v, heads, settings, stats=None):
     """What the CPU twin's forward does with one layer's sparse rows (backends/cpu.py)."""
     out = torch.full_like(q, float("nan"))
     run_sparse_rows(q, out, _rows(settings), lambda r: (k[r.tok_start:r.tok_start + r.q_len],
                                                         v[r.tok_start:r.tok_start + r.q_len]),
-                    heads.heads, settings, SCALE, 0.0, heads.share)
+                    heads.heads, settings, SCALE, 0.0, heads.share, stats or SparseStats())
     return out
+
+
+def _resolve(vllm_config, settings, local_heads, local_kv_heads):
+    """A layer's heads on this rank through the start-up glue, with the file the settings name."""
+    cfg = resolve_head_config(settings.head_config) if settings.head_config else None
+    return common.resolve_heads(vllm_config, settings, LAYER_NAME, local_heads, local_kv_heads, cfg)
 
 
 def _masks(q, k, heads, settings) -> list[torch.Tensor]:
@@ -158,14 +164,13 @@ def _rank_heads(backend, settings, tp, r, hkv):
     """(query-head slice, KV-head slice, resolved heads) of rank r, through the start-up glue."""
     qs, kvs = vllm_layout(tp, r, hkv)
     with backend.as_rank(r):
-        heads = common.resolve_layer_heads(_vllm_config(tp, hkv), settings, LAYER_NAME, qs.stop - qs.start,
-                                           kvs.stop - kvs.start)
+        heads = _resolve(_vllm_config(tp, hkv), settings, qs.stop - qs.start, kvs.stop - kvs.start)
     return qs, kvs, heads
 
 
 def _single_and_ranks(backend, settings, tp, q, k, v, hkv=HKV):
     """(single-GPU heads and output, per rank (heads, output, masks)) through the start-up glue."""
-    single = common.resolve_layer_heads(_vllm_config(1, hkv), settings, LAYER_NAME, H, hkv)
+    single = _resolve(_vllm_config(1, hkv), settings, H, hkv)
     ranks = []
     for r in range(tp):
         qs, kvs, heads = _rank_heads(backend, settings, tp, r, hkv)
@@ -260,21 +265,19 @@ def test_head_config_is_checked_against_the_global_model(tmp_path, backend):
     settings = backend.configure(path)
     hf = {"num_hidden_layers": 2, "num_attention_heads": H, "num_key_value_heads": HKV}
     vc = _vllm_config(2)
-    vc.model_config.hf_text_config = SimpleNamespace(to_dict=lambda: hf)
-    vc.model_config.model = "toy"
     with backend.as_rank(1):
-        common.check_head_config_fits(vc, settings)  # global counts: fits
-        assert common.resolve_layer_heads(vc, settings, LAYER_NAME, 4, 1).heads[0].topk_blocks == 2  # rank 1: group 1
+        WorkerRuntime(settings).check_head_config_fits(hf, "toy")  # global counts: fits
+        assert _resolve(vc, settings, 4, 1).heads[0].topk_blocks == 2  # rank 1: group 1
     local = json.loads((tmp_path / "groups.json").read_text())
     local.update(num_heads=4, num_kv_heads=1)
     local["layers"] = [{"heads": layer["heads"][:4]} for layer in local["layers"]]
     (tmp_path / "local.json").write_text(json.dumps(local))
     settings = backend.configure(str(tmp_path / "local.json"))
     with backend.as_rank(1), pytest.raises(ConfigError) as e:
-        common.check_head_config_fits(vc, settings)
+        WorkerRuntime(settings).check_head_config_fits(hf, "toy")
     assert "local.json" in str(e.value) and "field 'num_heads': 4" in str(e.value)
     with backend.as_rank(1), pytest.raises(ConfigError, match=r"local\.json: num_heads is 4 but layer .* has 8 query heads"):
-        common.resolve_layer_heads(vc, settings, LAYER_NAME, 4, 1)
+        _resolve(vc, settings, 4, 1)
 
 
 def test_layout_vllm_refuses_is_refused():
@@ -298,10 +301,9 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
     settings = backend.configure(_write_file(tmp_path / "heads.json", PER_HEAD))
     q, k, v = _qkv()
     tp = 2
-    single = common.resolve_layer_heads(_vllm_config(1), settings, LAYER_NAME, H, HKV)
+    single = _resolve(_vllm_config(1), settings, H, HKV)
     one = SparseStats()
-    monkeypatch.setattr(sparse_prefill, "STATS", one)
-    _run(q, k, v, single, settings)
+    _run(q, k, v, single, settings, one)
 
     registries, stats = [], []
     for r in range(tp):
@@ -310,11 +312,10 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
         if r == 0:
             st._prom = PrometheusMetrics(prometheus_client, registry=registry)
         with backend.as_rank(r):
-            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what common.backend_settings() decides
+            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what WorkerRuntime decides
             qs, kvs = vllm_layout(tp, r)
-            heads = common.resolve_layer_heads(_vllm_config(tp), settings, LAYER_NAME, 4, 1)
-        monkeypatch.setattr(sparse_prefill, "STATS", st)
-        _run(q[:, qs], k[:, kvs], v[:, kvs], heads, settings)
+            heads = _resolve(_vllm_config(tp), settings, 4, 1)
+        _run(q[:, qs], k[:, kvs], v[:, kvs], heads, settings, st)
         st.dump(str(tmp_path / f"stats-rank{r}.json"))
         registries.append(registry)
         stats.append(st)

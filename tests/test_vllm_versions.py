@@ -82,7 +82,7 @@ def _fa(tokens, qsl, seq_lens, max_q, max_seq, first_pages, slots):
 # after 400 cached tokens, row 3 prompt of 20, row 4 prompt of 260, row 5 padding; 8 padded tokens.
 DECODES = _fa(2, [0, 1, 2], [40, 100], 1, 103, [0, 44], [1000, 1001, 2])
 EXPECTED_STEP = {
-    "metadata_type": "SparsePrefillMetadata",
+    "metadata_type": "SparseStepMetadata",
     "num_actual_tokens": 590,
     # [row, first token, query tokens, cached context]: rows of >= 256 queries (the driver's setting)
     "sparse_rows": [[2, 2, 300, 400], [4, 322, 260, 0]],

@@ -69,6 +69,81 @@ def current_vllm_config():
     return cfg if getattr(cfg, "model_config", None) is not None else None
 
 
+def tensor_parallel_rank() -> int:
+    """This worker's tensor-parallel rank (0 outside a distributed vLLM worker)."""
+    from vllm.distributed import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def layer_index(layer_name: str) -> int:
+    """The index of the decoder layer an attention layer's name belongs to."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(layer_name)
+
+
+def attention_layers(vllm_config, layer_names: list[str]) -> dict:
+    """Layer name -> vLLM's attention layer object, for the names of one KV-cache group."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    return get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+
+
+def impl_unsupported_reason(impl, kv_cache_dtypes: tuple[str, ...]) -> str | None:
+    """Why an attention impl's layer cannot run sparse, from the attributes vLLM's impls carry
+    (not every release has every one: absent means the feature is off), or None."""
+    from vllm.v1.attention.backend import AttentionType
+
+    if getattr(impl, "attn_type", AttentionType.DECODER) != AttentionType.DECODER:
+        return f"attention type {impl.attn_type}"
+    if getattr(impl, "alibi_slopes", None) is not None:
+        return "ALiBi"
+    if getattr(impl, "sinks", None) is not None:
+        return "attention sinks"
+    window = getattr(impl, "sliding_window", None)
+    if window not in (None, -1, (-1, -1)):
+        return f"sliding window {window}"
+    if getattr(impl, "kv_sharing_target_layer_name", None):
+        return "KV sharing across layers"
+    kv_dtype = getattr(impl, "kv_cache_dtype", "auto")
+    if kv_dtype not in kv_cache_dtypes:
+        return f"KV cache dtype {kv_dtype}"
+    return None
+
+
+def step_has_multimodal_prefix_ranges(cm) -> bool:
+    """Whether a step's CommonAttentionMetadata carries multimodal bidirectional ranges (0.32+)."""
+    return bool(getattr(cm, "mm_req_doc_ranges", None))
+
+
+class FlashBuilderVersions:
+    """Class attributes of the CUDA metadata builder that only some vLLM releases read."""
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:  # 0.26: keeps rows independent
+        return False
+
+
+class FlashImplVersions:
+    """Class attributes of the CUDA attention impl that only some vLLM releases read."""
+
+    supports_dcp = False  # 0.26's default is True: decode context parallelism is not supported
+
+
+class FlashBackendVersions:
+    """Class attributes and methods of the CUDA backend class that only some vLLM releases read."""
+
+    supports_kv_cache_update_bypass = False  # 0.33: forward always receives key/value
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        # 0.32+: the builder cuts a step into row runs at the host's query_start_loc_cpu, which
+        # adaptive verification (speculative decoding) leaves stale when it trims drafts on the
+        # device; vLLM then refuses this backend at start-up instead
+        return False
+
+
 def layer_kv_scales(layer):
     """(q_scale, k_scale, v_scale) of an attention layer with a quantized (fp8) KV cache: fp32
     tensors on the layer's device, one value each (dequantised = stored * scale). vLLM keeps them

@@ -15,6 +15,7 @@ import os
 from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 ENV_PREFIX = "VLLM_SPARSE_"
 CONFIG_FILE_ENV = "VLLM_SPARSE_CONFIG"
@@ -28,12 +29,27 @@ def check_pattern_name(name: str) -> str:
     from .prefill.patterns import PATTERNS  # the patterns import these settings: resolved when validating
 
     if name not in PATTERNS:
-        raise ValueError(f"unknown pattern {name!r} (known: {', '.join(PATTERNS)})")
+        raise PydanticCustomError("unknown_pattern", "unknown pattern '{name}' (known: {known})",
+                                  {"name": name, "known": ", ".join(PATTERNS)})
     return name
 
 
 # A prefill pattern's name, as the settings and head-config files spell it.
 PatternName = Annotated[str, AfterValidator(check_pattern_name)]
+
+
+def check_decode_mode_name(name: str) -> str:
+    """A pydantic validator: ``name`` must be ``dense`` or a registered decode mode
+    (:data:`vllm_sparse_backend.decode.DECODE_MODES`)."""
+    from .decode import DECODE_MODES  # the modes import these settings: resolved when validating
+
+    if name != "dense" and name not in DECODE_MODES:
+        raise PydanticCustomError("unknown_decode_mode", "unknown decode mode '{name}' (known: {known})",
+                                  {"name": name, "known": ", ".join(["dense", *DECODE_MODES])})
+    return name
+
+
+DecodeModeName = Annotated[str, AfterValidator(check_decode_mode_name)]
 
 
 class ConfigError(ValueError):
@@ -131,7 +147,7 @@ class SparseSettings(BaseModel):
 
     # Decode (issue 8): how decode steps attend; widths are fixed so a step can be captured in a
     # CUDA graph. How the modes work: docs/decode-modes.md.
-    decode_mode: Literal["dense", "topk", "spans"] = Field("dense", description=(
+    decode_mode: DecodeModeName = Field("dense", description=(
         "Decode attention (CUDA): dense = vLLM's FlashAttention; topk = sink, recent and the best-bounded pages "
         "(Quest page summaries); spans = sink, recent, persistent and best-matching pages by span index "
         "(Ltri-LLM). topk and spans are opt-in and experimental; batches mixing prefills decode dense."))

@@ -1,6 +1,7 @@
 """What the sparse path did, per worker process: the one place that records it.
 
-The backends call the ``record_*`` methods of :data:`STATS`; each updates the JSON counters
+The worker's runtime holds one :class:`SparseStats` (:attr:`..runtime.WorkerRuntime.stats`); the
+sparse path calls its ``record_*`` methods, each of which updates the JSON counters
 below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server.
@@ -254,5 +255,3 @@ class SparseStats:
             json.dump(data, f)
         os.replace(tmp, path)
 
-
-STATS = SparseStats()

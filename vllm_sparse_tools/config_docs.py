@@ -19,7 +19,9 @@ from pathlib import Path
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings, check_pattern_name
+from vllm_sparse_backend.config import (CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings, check_decode_mode_name,
+                                        check_pattern_name)
+from vllm_sparse_backend.decode import DECODE_MODES
 from vllm_sparse_backend.prefill.patterns import PATTERNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,8 +82,11 @@ def describe_type(field: FieldInfo) -> str:
         optional = len(members) < len(typing.get_args(annotation))
         annotation = members[0] if len(members) == 1 else annotation
     values = _literal_values(annotation)
-    if any(getattr(m, "func", None) is check_pattern_name for m in field.metadata):
+    validators = [getattr(m, "func", None) for m in field.metadata]
+    if check_pattern_name in validators:
         values = list(PATTERNS)  # a pattern's name: the registered ones
+    elif check_decode_mode_name in validators:
+        values = ["dense", *DECODE_MODES]
     if values is not None:
         text = ", ".join(f"`{v}`" for v in values)
     elif annotation is bool:

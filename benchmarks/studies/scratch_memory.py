@@ -39,7 +39,8 @@ from vllm_sparse_backend.prefill.budgets import kv_group_share
 from vllm_sparse_backend.head_configs import resolve_head
 from vllm_sparse_backend.prefill.estimate import HeadGroups
 from vllm_sparse_backend.prefill.plan import SparseRow
-from vllm_sparse_backend.prefill.run import run_sparse_rows_paged, run_worst_case_steps
+from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
+from vllm_sparse_backend.prefill.claim import run_worst_case_steps
 from vllm_sparse_tools.evaluation.variants import parse_variant
 
 GIB = 2 ** 30

@@ -14,73 +14,77 @@ from __future__ import annotations
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from .._compat import current_vllm_config, sparse_backend_selected
+from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..prefill.run import run_sparse_rows
-from .common import (SparsePrefillMetadata, backend_settings, build_sparse_metadata, check_head_config_fits,
-                     count_dense_tokens, log_once, prepare_group)
+from ..runtime import worker_runtime
+from .common import DenseRun, SparseStepMetadata, count_dense_tokens, layer_heads, plan_sparse_step, prepare_group
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.sparse_enabled = False
-        self._layer_heads = None
-        self.sparse_settings = None  # read only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
+        self.runtime = None  # only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
         if sparse_backend_selected(vllm_config):
-            self.sparse_settings = cfg = backend_settings()  # read and validated here: a bad config fails at start-up
+            self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
+            cfg = runtime.settings
             if not cfg.enabled:
-                log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense")
+                runtime.log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense")
             elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
-                log_once("non-decoder or sliding-window layer group runs dense")
+                runtime.log_once("non-decoder or sliding-window layer group runs dense")
             else:
-                # this group's head patterns per layer (None: it runs dense), handed to the impls in
-                # the sparse steps' metadata
-                self._layer_heads = prepare_group(vllm_config, layer_names, cfg)
-                self.sparse_enabled = self._layer_heads is not None
+                self.sparse_enabled = prepare_group(runtime, vllm_config, layer_names) is not None
             if cfg.decode_mode != "dense":
-                log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
-                         "decode stays dense", cfg.decode_mode)
+                runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
+                                 "decode stays dense", cfg.decode_mode)
             if self.sparse_enabled:
-                log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); vLLM's "
-                         "'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU platform "
-                         "always picks CPU_ATTN, which this plugin replaces with the CPU twin",
-                         cfg.min_sparse_query_len, cfg.default_pattern)
+                runtime.log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); "
+                                 "vLLM's 'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU "
+                                 "platform always picks CPU_ATTN, which this plugin replaces with the CPU twin",
+                                 cfg.min_sparse_query_len, cfg.default_pattern, info=True)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        if self.sparse_enabled:
-            md = build_sparse_metadata(
-                common_attn_metadata, self.sparse_settings, self._layer_heads, allow_context=False,
-                dense_build=lambda sub, first: super(SparsePrefillCPUMetadataBuilder, self).build(0, sub, fast_build))
-            if md is not None:
-                return md
-        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        planned = plan_sparse_step(self.runtime, cm, allow_context=False) if self.sparse_enabled else None
+        if planned is None:
+            return super().build(common_prefix_len, cm, fast_build)
+        plan, qsl, seq_lens = planned
+        runs = [DenseRun(qsl[a], qsl[b], super(SparsePrefillCPUMetadataBuilder, self).build(
+            0, slice_rows(cm, a, b, seq_lens), fast_build)) for a, b in plan.dense_runs]
+        return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
+                                  cm.block_table_tensor, cm.slot_mapping)
 
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
+    runtime = None  # only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Layers are built before the weights load: the earliest point the worker knows the model.
         vllm_config = current_vllm_config()
-        self.sparse_settings = None  # read only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
+        self._vllm_config = vllm_config
         if vllm_config is not None and sparse_backend_selected(vllm_config):
-            self.sparse_settings = backend_settings()
-            check_head_config_fits(vllm_config, self.sparse_settings)
+            self.runtime = worker_runtime()
+            model_config = vllm_config.model_config
+            self.runtime.check_head_config_fits(model_config.hf_text_config.to_dict(), model_config.model)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        if not isinstance(attn_metadata, SparsePrefillMetadata):
+        if not isinstance(attn_metadata, SparseStepMetadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         for run in attn_metadata.dense_runs:
             s = slice(run.tok_start, run.tok_end)
             super().forward(layer, query[s], key[s], value[s], kv_cache, run.metadata, output[s],
                             output_scale, output_block_scale)
-        count_dense_tokens(attn_metadata)
-        heads = attn_metadata.layer_heads[layer.layer_name]
+        runtime = self.runtime
+        count_dense_tokens(runtime, attn_metadata)
+        heads = layer_heads(runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
         # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
         run_sparse_rows(query, output, attn_metadata.sparse_rows,
                         lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                        heads.heads, self.sparse_settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share)
+                        heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share,
+                        runtime.stats)
         return output
 
 

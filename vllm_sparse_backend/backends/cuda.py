@@ -8,9 +8,9 @@ FlashAttention, the long rows to the sparse path, which reads K/V through the pa
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 
 Decode modes (setting ``decode_mode`` topk / spans) sit behind one interface (``decode.py``): the
-builder attaches the mode's plan of a step (spans: its prefill rows' segments; FlashAttention's
-metadata then arrives as its subclass ``DecodePlanMetadata``), and the impl's forward makes one
-call into the layer's :class:`LayerDecode`, which computes pure decode batches itself.
+builder attaches the mode's plan of a step with prefill rows (spans: their segments) to the
+step's :class:`SparseStepMetadata`, and the impl's forward makes one call into the layer's
+:class:`LayerDecode`, which computes pure decode batches itself.
 
 Sparse rows, Triton path (setting ``kernel`` = auto/triton, where the kernel supports the layer):
 indices are estimated on the GPU straight from the paged cache and the block+column kernel reads
@@ -27,15 +27,11 @@ the model's dtype and apply the layer's ``_k_scale`` / ``_v_scale`` on the devic
 layer quantized the query for FlashAttention 3, the sparse rows widen it back and fold
 ``_q_scale`` into the k scale; the dense rows get it as vLLM passed it.
 
-Memory: the Triton path's scratch (score buffers, index lists; ~0.5 GiB per layer for a 16K
-chunk at 128K context, Llama-3-8B shape) is allocated per layer and freed after it. vLLM sizes
-the KV cache from the peak memory of its profiling run, whose forward passes carry no metadata;
-there the impl runs the sparse path on the largest steps a chunk can hold (a chunk of
-``max_num_batched_tokens`` at the end of ``max_model_len``, as one row and split into the most
-sparse rows it can hold, whose index lists all live until the kernel), so that peak includes
-the scratch.
-The builders, which hand each layer its head patterns, only exist after that run: the impl
-resolves its own patterns from its layer name and the config current at its construction.
+Memory: the Triton path's scratch (score buffers, index lists) is allocated per layer and freed
+after it; the profiling run claims it so that vLLM sizes the KV cache with it (``claim.py``).
+
+Settings, stats and each layer's head patterns come from the worker's runtime
+(:func:`..runtime.worker_runtime`), read once per process.
 """
 
 from __future__ import annotations
@@ -47,31 +43,27 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
                                                    FlashAttentionMetadataBuilder)
 
 from .. import kernels
-from .._compat import current_vllm_config, layer_kv_scales, sparse_backend_selected
-from ..prefill.budgets import budget_density
+from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, current_vllm_config,
+                       layer_kv_scales, slice_rows, sparse_backend_selected)
 from ..config import load_settings
+from ..decode import decode_mode
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
+from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged
 from ..reference import gather_paged_kv
-from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_steps
-from ..stats import STATS
-from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,
-                     check_head_config_fits, count_dense_tokens, group_head_counts, log_once, logger,
-                     prepare_group, resolve_layer_heads, unsupported_reason)
-from .decode import LayerDecode, decode_mode, with_step_plan
+from ..runtime import worker_runtime
+from .claim import claim_scratch
+from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, count_dense_tokens,
+                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, unsupported_reason)
+from .decode import LayerDecode, step_decode_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
 # and the dense rows, has no e5m2 path, so vLLM refuses it for this backend at start-up.
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
-# Set when the profiling-run scratch claim failed in this process: sparse rows would then use
-# memory the KV cache was sized without, so every group runs dense.
-_scratch_claim_failed: str | None = None
-_scratch_claimed: set = set()  # (head-pattern signature, row shape) already run in this process
 
-
-class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
+class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataBuilder):
     # Mixed batches containing a sparse row must not replay FULL graphs (FA3 would say ALWAYS).
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     # FA's update_block_table would shallow-copy our wrapper and leave its runs on the old table.
@@ -79,19 +71,18 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # this engine's settings, validated at start-up: a malformed config fails here, naming the field
-        self.sparse_settings = cfg = backend_settings()
-        # this group's head patterns per layer (None: the group runs dense), handed to the impls in
-        # the sparse steps' metadata
-        self._layer_heads = prepare_group(vllm_config, layer_names, cfg) \
-            if cfg.enabled and sparse_backend_selected(vllm_config) else None
+        selected = sparse_backend_selected(vllm_config)
+        self.runtime = runtime = worker_runtime()
+        cfg = runtime.settings
+        # this group's head patterns per layer (None: the group runs dense)
+        self._layer_heads = prepare_group(runtime, vllm_config, layer_names) if cfg.enabled and selected else None
         self.sparse_enabled = self._layer_heads is not None
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            log_once("decode context parallelism is not supported; every row runs dense")
+            runtime.log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
-        if self.sparse_enabled and _scratch_claim_failed is not None:
-            log_once("the sparse path could not run in the memory-profiling run (%s); every row runs dense",
-                     _scratch_claim_failed)
+        if self.sparse_enabled and runtime.claim_failed is not None:
+            runtime.log_once("the sparse path could not run in the memory-profiling run (%s); every row runs dense",
+                             runtime.claim_failed)
             self.sparse_enabled = False
         if self.sparse_enabled and cfg.kernel != "torch":
             # the model's dtype: the cache's (kv_cache_spec.dtype) is uint8 for an fp8 cache
@@ -99,38 +90,44 @@ class SparsePrefillMetadataBuilder(FlashAttentionMetadataBuilder):
             if why is not None and cfg.kernel == "triton":
                 raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
             if why is not None:  # auto: the reference would be far slower than FlashAttention
-                log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
+                runtime.log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
                 self.sparse_enabled = False
         # decode_mode topk / spans: the mode plans each step once for every layer of the group
-        self._decode_mode = decode_mode(cfg) if sparse_backend_selected(vllm_config) else None
+        self._decode_mode = decode_mode(cfg) if selected else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
-        self._worth_estimating = None
-        if self.sparse_enabled and cfg.max_density < 1.0:
-            head_sets = group_head_counts(self._layer_heads)
-            self._worth_estimating = lambda q_len, ctx_len: any(
-                budget_density(h, q_len, ctx_len, cfg) <= cfg.max_density for h in head_sets)
+        self._head_sets = distinct_head_sets(self._layer_heads) \
+            if self.sparse_enabled and cfg.max_density < 1.0 else None
+        self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         return cls._cudagraph_support
 
-    def use_cascade_attention(self, *args, **kwargs) -> bool:  # 0.26 only; keeps rows independent
-        return False
-
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        md = None
-        if self.sparse_enabled:
-            # Only the first dense run may use FA3's ahead-of-time scheduler: a second build()
-            # would overwrite the persistent scheduler buffer the first run's metadata points at.
-            md = build_sparse_metadata(
-                common_attn_metadata, self.sparse_settings, self._layer_heads, allow_context=True,
-                dense_build=lambda sub, first: super(SparsePrefillMetadataBuilder, self).build(
-                    0, sub, fast_build or not first),
-                with_fallback=self.sparse_settings.max_density < 1.0, worth_estimating=self._worth_estimating)
-        if md is None:
-            md = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return with_step_plan(self._decode_mode, md, common_attn_metadata, self.kv_cache_spec.block_size, self.device)
+        cm = common_attn_metadata
+        planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets) \
+            if self.sparse_enabled else None
+        decode_plan = step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
+        if planned is None:
+            md = super().build(common_prefix_len, cm, fast_build)
+            if decode_plan is None:
+                return md  # nothing of ours this step: FlashAttention's own metadata
+            return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, [DenseRun(0, cm.num_actual_tokens, md)],
+                                      [], cm.block_table_tensor, cm.slot_mapping, decode_plan=decode_plan)
+        plan, qsl, seq_lens = planned
+        # Only the first dense run may use FA3's ahead-of-time scheduler: a second build() would
+        # overwrite the persistent scheduler buffer the first run's metadata points at.
+        runs = []
+        for k, (a, b) in enumerate(plan.dense_runs):
+            runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build or k > 0)))
+        fallback = {}  # each sparse row alone, for the density fallback
+        if self.runtime.settings.max_density < 1.0:
+            for r in plan.sparse_rows:
+                fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+        row_table = None  # wired to the kernel's per-step table below
+        return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
+                                  cm.block_table_tensor, cm.slot_mapping, fallback, row_table, decode_plan)
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
@@ -143,87 +140,63 @@ def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None
     return kernels.UNAVAILABLE
 
 
-class SparsePrefillImpl(FlashAttentionImpl):
-    supports_dcp = False  # 0.26's default is True
+class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
-    _head_groups: HeadGroups | None = None  # this layer's heads by pattern, on the device (first sparse forward)
+    _vllm_config = None  # the config current at construction (the layer's heads, the profiling-run claim)
+    _heads: RankHeads | None = None  # this layer's head patterns on this rank (first forward: its name is known)
+    _head_groups: HeadGroups | None = None  # the same, by pattern, on the device (first sparse forward)
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
     # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
     _dense_rows: DenseRowHistory | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # this engine's settings (vLLM builds this impl only where the backend is selected)
-        self.sparse_settings = backend_settings()
-        mode = decode_mode(self.sparse_settings)
-        self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason())
-        # Only the profiling-run claim needs these; the builders get the config from vLLM.
+        # vLLM builds this impl only where the backend is selected, in the worker
+        self.runtime = worker_runtime()
+        mode = decode_mode(self.runtime.settings)
+        self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
+                                                             self.runtime.log_once)
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
-            check_head_config_fits(self._vllm_config, self.sparse_settings)
+            model_config = self._vllm_config.model_config
+            self.runtime.check_head_config_fits(model_config.hf_text_config.to_dict(), model_config.model)
+
+    def _layer_heads(self, layer) -> RankHeads:
+        if self._heads is None:
+            self._heads = layer_heads(self.runtime, self._vllm_config, layer.layer_name, self.num_heads,
+                                      self.num_kv_heads)
+        return self._heads
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
-        """Profiling run (no metadata): run the sparse path on the largest steps a chunk can hold
-        (one row of the whole chunk, and the chunk split into several rows), so that vLLM's
-        peak-memory measurement, which sizes the KV cache, sees its scratch.
-        Once per process and head-pattern signature (layers with the same patterns share it)."""
-        global _scratch_claim_failed
-        vc, cfg = self._vllm_config, self.sparse_settings
-        if (vc is None or _scratch_claim_failed is not None or not query.is_cuda or not cfg.enabled
+        """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
+        the Triton path."""
+        vc, cfg = self._vllm_config, self.runtime.settings
+        if (vc is None or self.runtime.claim_failed is not None or not query.is_cuda or not cfg.enabled
                 or cfg.kernel == "torch" or not sparse_backend_selected(vc)
                 or unsupported_reason(self) is not None
                 or triton_unusable_reason(self.head_size, output.dtype, cfg.block_size) is not None):
             return
-        kv_len = vc.model_config.max_model_len
-        q_len = min(query.shape[0], vc.scheduler_config.max_num_batched_tokens, kv_len)
-        if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
-            return  # no step can hold a sparse row
-        heads = resolve_layer_heads(vc, cfg, layer.layer_name, self.num_heads, self.num_kv_heads)
-        groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)
-        # an fp8 layer's kernel variants, and the page size serving uses (the kernels specialise on
-        # it: with 64-key pages the TMA variant), compile here rather than in the first request
-        kv_dtype = FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype)
-        signature = (tuple((g.pattern.name, tuple(sorted(g.max_params.items()))) for g in groups.groups), groups.share,
-                     q_len, kv_len, self.num_heads, self.num_kv_heads, self.head_size, output.dtype, kv_dtype)
-        if signature in _scratch_claimed:
-            return
-        _scratch_claimed.add(signature)
-        attention = kernels.sparse_attention.sparse_prefill_attention
-        try:
-            # (an fp8 layer's query may arrive quantized: the sparse path widens it, as in forward)
-            steps = run_worst_case_steps(query[:q_len].to(output.dtype), output[:q_len], self.num_kv_heads, kv_len,
-                                         groups, cfg, self.scale, float(self.logits_soft_cap or 0.0), attention,
-                                         page_size=vc.cache_config.block_size or 16, kv_dtype=kv_dtype)
-        except Exception as e:  # noqa: BLE001 - a failed claim must not take the server down
-            _scratch_claim_failed = f"{type(e).__name__}: {e}"
-            logger.exception("sparse-prefill: the profiling run of the sparse path failed; every row will run "
-                             "dense")
-            return
-        logger.info("sparse-prefill: profiling run included the sparse path's scratch for a %d-token chunk at "
-                    "%d tokens of context, as 1 to %d sparse rows (%s)", q_len, kv_len, len(steps[-1]),
-                    layer.layer_name)
+        claim_scratch(self.runtime, self, layer, query, output, vc, FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype))
 
     def _groups(self, heads: RankHeads, device) -> HeadGroups:
-        """``heads``: this layer's, from the step's metadata (the same every step)."""
         if self._head_groups is None:
-            cfg = self.sparse_settings
-            share = heads.share
-            if cfg.kv_group_shared and share == 1 and self.num_heads != self.num_kv_heads:
-                log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or have FlexPrefill "
-                         "heads, keep one selection per query head")
-            self._head_groups = HeadGroups.from_heads(heads.heads, device, share)
+            cfg = self.runtime.settings
+            if cfg.kv_group_shared and heads.share == 1 and self.num_heads != self.num_kv_heads:
+                self.runtime.log_once("kv_group_shared: layers whose KV groups mix patterns or budgets, or whose "
+                                      "pattern has no shared form, keep one selection per query head")
+            self._head_groups = HeadGroups.from_heads(heads.heads, device, heads.share)
         return self._head_groups
 
-    def _triton_kernel(self, query):
+    def _triton_kernel(self):
         """The Triton kernel's entry point unless kernel=torch. The builder has already checked at
         start-up that the Triton path can run this group (kernel=triton fails there otherwise,
         auto keeps the group dense), so the impl only follows the setting."""
         if self._use_triton is None:
-            self._use_triton = self.sparse_settings.kernel != "torch"
+            self._use_triton = self.runtime.settings.kernel != "torch"
             if not self._use_triton:
-                log_once("sparse rows use the PyTorch reference attention: kernel=torch")
+                self.runtime.log_once("sparse rows use the PyTorch reference attention: kernel=torch")
         if not self._use_triton:
             return None
         return kernels.sparse_attention.sparse_prefill_attention
@@ -258,63 +231,68 @@ class SparsePrefillImpl(FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        cfg = self.sparse_settings
+        runtime, cfg = self.runtime, self.runtime.settings
         if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            STATS.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
+            runtime.stats.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
         if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
             self._claim_scratch(layer, query, output)
         elif self._decode is not None and self._decode.active and output_scale is None:
             if self._decode.forward(query, key, *self._kv_views(kv_cache), attn_metadata, self.scale, output):
                 return output  # a pure decode batch, computed by the decode mode
-        if not isinstance(attn_metadata, SparsePrefillMetadata):  # None (profiling) or plain FA
+        if not isinstance(attn_metadata, SparseStepMetadata):  # None (profiling) or FlashAttention's own
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
-        if output_scale is not None or output_block_scale is not None:
+        step = attn_metadata
+        if step.sparse_rows and (output_scale is not None or output_block_scale is not None):
             raise NotImplementedError("sparse-prefill: fused output quantization is not supported")
-        for run in attn_metadata.dense_runs:  # FA slices by its metadata's num_actual_tokens
-            s = slice(run.tok_start, run.tok_end)
-            super().forward(layer, query[s], None if key is None else key[s],
-                            None if value is None else value[s], kv_cache, run.metadata, output[s])
-        count_dense_tokens(attn_metadata)
-        heads = attn_metadata.layer_heads[layer.layer_name]
+        for run in step.dense_runs:  # FA slices by its metadata's num_actual_tokens
+            self._dense(layer, query, key, value, kv_cache, run.metadata, slice(run.tok_start, run.tok_end), output,
+                        output_scale, output_block_scale)
+        if not step.sparse_rows:
+            return output
+        count_dense_tokens(runtime, step)
+        heads = self._layer_heads(layer)
         key_cache, value_cache = self._kv_views(kv_cache)
-        block_table = attn_metadata.block_table
         softcap = float(self.logits_soft_cap or 0.0)
-        kernel = self._triton_kernel(query)
+        kernel = self._triton_kernel()
         # the dense rows above got the query as vLLM passed it (quantized for FlashAttention 3)
         q, k_scale, v_scale = self._sparse_operands(layer, query, output)
         if kernel is not None:
             if self._dense_rows is None:
                 self._dense_rows = DenseRowHistory()
-
-            def dense_row(r: SparseRow) -> None:
-                log_once("rows whose budgets cover more than max_density=%s of the causal pairs run on "
-                         "FlashAttention (counted in the stats' dense_reasons)", cfg.max_density)
-                s = slice(r.tok_start, r.tok_start + r.q_len)
-                super(SparsePrefillImpl, self).forward(
-                    layer, query[s], None if key is None else key[s], None if value is None else value[s],
-                    kv_cache, attn_metadata.fallback[r.row], output[s])
-
-            run_sparse_rows_paged(q, output, attn_metadata.sparse_rows, key_cache, value_cache, block_table,
-                                  self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
-                                  dense_row if attn_metadata.fallback else None, k_scale, v_scale,
-                                  self._dense_rows)
+            dense = run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
+                                          self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
+                                          runtime.stats, density_fallback=bool(step.fallback), k_scale=k_scale,
+                                          v_scale=v_scale, history=self._dense_rows, row_table=step.row_table)
+            if dense:
+                runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
+                                 "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
+                                 cfg.max_density)
+            for r in dense:
+                self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
+                            slice(r.tok_start, r.tok_start + r.q_len), output)
             return output
 
         def kv_for_row(r: SparseRow):
-            k, v = gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len)
+            k, v = gather_paged_kv(key_cache, value_cache, step.block_table[r.row], r.ctx_len + r.q_len)
             if k_scale is None:
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, attn_metadata.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
-                        heads.share)
+        run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
+                        heads.share, runtime.stats)
         return output
 
+    def _dense(self, layer, query, key, value, kv_cache, metadata, tokens: slice, output, output_scale=None,
+               output_block_scale=None) -> None:
+        """FlashAttention on the tokens of some rows, with their own metadata."""
+        super().forward(layer, query[tokens], None if key is None else key[tokens],
+                        None if value is None else value[tokens], kv_cache, metadata, output[tokens],
+                        output_scale, output_block_scale)
 
-class SparsePrefillBackend(FlashAttentionBackend):
+
+class SparsePrefillBackend(FlashBackendVersions, FlashAttentionBackend):
     supported_kv_cache_dtypes = ["auto", "float16", "bfloat16", *FP8_KV_CACHE_DTYPES]
-    supports_kv_cache_update_bypass = False  # 0.33: forward always receives key/value
 
     @staticmethod
     def get_name() -> str:
@@ -374,11 +352,4 @@ class SparsePrefillBackend(FlashAttentionBackend):
 
     @classmethod
     def supports_rswa(cls) -> bool:
-        return False
-
-    @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        # 0.32+: the builder cuts a step into row runs at the host's query_start_loc_cpu, which
-        # adaptive verification (speculative decoding) leaves stale when it trims drafts on the
-        # device; vLLM then refuses this backend at start-up instead
         return False

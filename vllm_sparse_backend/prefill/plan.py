@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
-
-from .budgets import kv_group_share
+from .budgets import budget_density, kv_group_share
 from ..config import ConfigError, SparseSettings
 from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
@@ -81,15 +79,16 @@ def rank_heads(cfg: HeadConfigFile | None, settings: SparseSettings, layer_index
 
 
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
-              allow_context: bool = True, worth_estimating: Callable[[int, int], bool] | None = None) -> StepPlan:
+              allow_context: bool = True, head_sets: list[Counter] | None = None) -> StepPlan:
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
 
     A row goes sparse when its chunk has at least ``min_sparse_query_len`` queries and its
     sequence at least ``min_sparse_seq_len`` tokens. ``allow_context=False`` (the CPU twin, which
     cannot read vLLM's ISA-packed CPU cache) keeps rows that have cached context dense.
-    ``worth_estimating(q_len, ctx_len)`` (optional) keeps long rows dense that no layer could
-    run sparse enough (see :func:`..budgets.budget_density`). Rows with no queries (cudagraph padding)
-    belong to no run.
+    ``head_sets`` (optional: the distinct head-pattern multisets of the layers the step serves)
+    keeps long rows dense whose budgets no layer could make sparser than ``max_density``
+    (:func:`.budgets.budget_density`; with ``max_density`` 1 none is). Rows with no queries
+    (cudagraph padding) belong to no run.
     """
     n = len(seq_lens)
     sparse, dense_runs, reasons = [], [], Counter()
@@ -104,7 +103,8 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
             if long_enough and ctx > 0 and not allow_context:
                 reasons["cached_context_on_cpu"] += 1
                 long_enough = False
-            if long_enough and worth_estimating is not None and not worth_estimating(q_len, ctx):
+            if long_enough and head_sets and settings.max_density < 1.0 and all(
+                    budget_density(h, q_len, ctx, settings) > settings.max_density for h in head_sets):
                 reasons["budgets denser than max_density"] += 1
                 long_enough = False
             if long_enough:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SparseSettings
-from .kernels import span_decode, topk_decode
+from ..config import SparseSettings
+from ..kernels import span_decode, topk_decode
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SparseSettings
-from .kernels import topk_decode as kernels
+from ..config import SparseSettings
+from ..kernels import topk_decode as kernels
 
 
 @dataclass(frozen=True)

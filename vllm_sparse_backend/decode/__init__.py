@@ -1,0 +1,24 @@
+"""Decode modes beside vLLM's own dense decode, by name: the one place that lists them.
+
+``decode_mode=dense`` (the default) has no mode: decode is the wrapped backend's. Each other
+mode is a file of this folder holding a :class:`.base.DecodeMode`, plus one line below.
+"""
+
+from __future__ import annotations
+
+from ..config import SparseSettings
+from .base import DecodeMode
+from .spans import SpanDecode
+from .topk import TopkDecode
+
+DECODE_MODES: dict[str, type] = {
+    TopkDecode.name: TopkDecode,
+    SpanDecode.name: SpanDecode,
+}
+
+
+def decode_mode(settings: SparseSettings) -> DecodeMode | None:
+    """The mode ``settings.decode_mode`` names; None for dense (the wrapped backend's decode)."""
+    if settings.decode_mode == "dense":
+        return None
+    return DECODE_MODES[settings.decode_mode](settings)

@@ -1,0 +1,70 @@
+"""What the sparse backend keeps for the life of one worker process, in one object.
+
+vLLM builds a metadata builder per KV-cache group and an attention impl per layer and hands
+neither anything of ours, so each asks :func:`worker_runtime` for its process's
+:class:`WorkerRuntime`. The first ask happens in the worker while vLLM builds the model's
+attention layers (tensor parallelism is set up by then). There, once per process:
+
+* the settings are read from the environment and validated (a bad value fails at start-up,
+  naming the variable and field), and so is the head-config file they name;
+* the stats and metrics are configured (under tensor parallelism only rank 0 records);
+* each layer's head patterns are resolved, on first use, and kept for the builder and the impl.
+
+It also remembers what was logged once and how the profiling-run scratch claim went.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from .config import SparseSettings, load_settings
+from .head_configs import HeadConfigFile, check_fits_model, model_shape_from_hf_config, resolve_head_config
+from .prefill.plan import RankHeads
+from .stats import SparseStats
+
+logger = logging.getLogger("vllm.sparse_prefill")
+
+
+class WorkerRuntime:
+    """One worker process's settings, stats and per-layer state (see the module doc)."""
+
+    def __init__(self, settings: SparseSettings, tp_rank: int = 0):
+        self.settings = settings
+        self.head_config: HeadConfigFile | None = (
+            resolve_head_config(settings.head_config) if settings.head_config else None)
+        self.stats = SparseStats()
+        self.stats.configure(settings, export=tp_rank == 0)
+        # why the profiling run of the sparse path failed in this process (every group then runs
+        # dense: sparse rows would use memory the KV cache was sized without), or None
+        self.claim_failed: str | None = None
+        self.claimed: set = set()  # claim signatures already run (layers of one shape share a claim)
+        # layer name -> that layer's head patterns on this rank, resolved once (backends.common.layer_heads):
+        # the builder plans with them, the layer's impl runs them
+        self.layer_heads: dict[str, RankHeads] = {}
+        self._logged: set[str] = set()
+        self._fitted_models: set[str] = set()
+
+    def log_once(self, msg: str, *args, info: bool = False) -> None:
+        """A warning (``info``: an information line) that this process prints once per distinct text."""
+        key = msg % args if args else msg
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.log(logging.INFO if info else logging.WARNING, "sparse-prefill: " + msg, *args)
+
+    def check_head_config_fits(self, hf_text_config: dict, model: str) -> None:
+        """The head-config file must have the model's layers, heads and KV-group layout
+        (ConfigError naming the file and field otherwise); checked once per model."""
+        if self.head_config is None or model in self._fitted_models:
+            return
+        shape = model_shape_from_hf_config(hf_text_config, f"model {model}")
+        check_fits_model(self.head_config, shape, self.settings.head_config)
+        self._fitted_models.add(model)
+
+
+@functools.cache
+def worker_runtime() -> WorkerRuntime:
+    """This process's runtime, made on the first call (in a vLLM worker: see the module doc)."""
+    from ._compat import tensor_parallel_rank
+
+    return WorkerRuntime(load_settings(), tensor_parallel_rank())
