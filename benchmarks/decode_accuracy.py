@@ -242,7 +242,7 @@ class TopkSelector:
     def __init__(self, label: str, *, sink_pages: int = DEFAULT_BUDGET.sink_pages,
                  recent_pages: int = DEFAULT_BUDGET.recent_pages, budget_pages: int = DEFAULT_BUDGET.budget_pages,
                  topk_tokens: int = DEFAULT_BUDGET.topk_tokens, page_size: int = DEFAULT_PAGE_SIZE):
-        from sparse_prefill_kernels import topk_decode  # imports triton (see the docstring)
+        from vllm_sparse_kernels.reference import topk_decode  # its torch references
 
         self._ref = topk_decode
         self.label = label
@@ -335,7 +335,7 @@ class SpansSelector:
                  block_pages: int = 8, block_vectors: int = 12, persist_by: str = "index",
                  persist_next: int = 0):
         from vllm_sparse_backend.decode_spans import span_params
-        from sparse_prefill_kernels import span_decode, topk_decode
+        from vllm_sparse_kernels.reference import span_decode, topk_decode
 
         self._spans, self._ref = span_decode, topk_decode
         self.label = label

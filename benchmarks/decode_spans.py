@@ -49,7 +49,7 @@ sys.path.append(str(HERE.parent))  # the package from this checkout where it is 
 import decode_topk as dt  # noqa: E402
 
 try:
-    from sparse_prefill_kernels import span_decode as sd
+    from vllm_sparse_kernels.decode import span_decode as sd
 except ImportError as _e:  # checked in main()
     sd, _IMPORT_ERROR = None, _e
 else:

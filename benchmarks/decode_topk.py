@@ -73,7 +73,7 @@ import torch
 try:
     import triton
 
-    from sparse_prefill_kernels import topk_decode as tk
+    from vllm_sparse_kernels.decode import topk_decode as tk
 except ImportError as _e:  # checked in main(); lets the file be imported / linted without triton
     triton = tk = None
     _IMPORT_ERROR = _e

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_topk import capture_graph, event_median  # noqa: E402
 
 
-from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
+from vllm_sparse_kernels.prefill import attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
 from vllm_sparse_backend.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
@@ -256,8 +256,8 @@ def index_bench(n: int, gen) -> str:
     the package's torch path vs sparse_prefill_kernels/vs_index.py (estimation + top-k + conversion)."""
     from vllm_sparse_backend.patterns.common import keep_top, last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.patterns.vertical_slash import vertical_slash_to_selection
-    from vllm_sparse_backend.reference import kv_head_map
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.reference.attention import kv_head_map
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES["llama3-8b"]
     scale = 1.0 / math.sqrt(d)
     q = torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -321,7 +321,7 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     """Group-shared lists (one list per KV head, the group's query heads stacked in one program)
     vs the same lists run per head (expanded); plus estimation with per-group top-k.
     Prints one line per (n, index, variant); returns the lines."""
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
@@ -457,7 +457,7 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
     from vllm_sparse_backend.budgets import kv_group_share
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
@@ -559,7 +559,7 @@ def lastq_bench(sizes, gen, chunk: int = 16384, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged
     from vllm_sparse_backend.budgets import kv_group_share
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     scale = 1.0 / math.sqrt(d)
     lines, say = line_printer()

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402
+from vllm_sparse_kernels.prefill import attention as sa  # noqa: E402
 
 from vllm_sparse_backend.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.head_configs import resolve_head  # noqa: E402

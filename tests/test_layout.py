@@ -1,7 +1,7 @@
 """The package's layers: the serving core never reaches the offline tools.
 
 Serving core: every module of ``vllm_sparse_backend`` outside ``tools/`` and ``cli.py``, and the
-kernels (``sparse_prefill_kernels/``). Offline tools: ``vllm_sparse_backend.tools`` (assets, demo,
+kernels (``vllm_sparse_kernels/``). Offline tools: ``vllm_sparse_backend.tools`` (assets, demo,
 evaluation, search). ``cli.py`` is the ``vllm-sparse`` command, above both; vLLM never loads it.
 
 Two checks, one per direction of failure: what a vLLM server actually imports (the plugin's
@@ -27,7 +27,7 @@ PACKAGE = "vllm_sparse_backend"
 TOOLS = f"{PACKAGE}.tools"
 COMMAND_LINE = f"{PACKAGE}.cli"
 # Import name -> folder of the modules that belong to the serving core.
-CORE_FOLDERS = {PACKAGE: ROOT / PACKAGE, "sparse_prefill_kernels": ROOT / "sparse_prefill_kernels"}
+CORE_FOLDERS = {PACKAGE: ROOT / PACKAGE, "vllm_sparse_kernels": ROOT / "vllm_sparse_kernels"}
 
 
 def _tool_only_dependencies() -> set[str]:

@@ -25,7 +25,7 @@ from vllm_sparse_backend.budgets import kv_group_share
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-kernel_module("estimate")
+kernel_module("prefill.estimate")
 from vllm_sparse_backend.paged_estimate import HeadGroups, estimate_index_paged  # noqa: E402
 
 from test_triton_estimate import assert_same_index, make_row, no_host_sync  # noqa: E402
@@ -229,14 +229,14 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     what they ran, and the stats name the fallback once the flags are read. With
     ``sample_every`` = 1 the forward is a timed sample whose pair counts and flags are read back
     later, still without a sync in the forward: the stats are exact once drained."""
-    from conftest import masked_attention_f64
-    from vllm_sparse_backend.index import index_to_dense_mask
+    from vllm_sparse_kernels.reference.dense import masked_attention_f64
+    from vllm_sparse_kernels.reference.index import index_to_dense_mask
     from vllm_sparse_backend.index import count_pairs
     from vllm_sparse_backend.plan import SparseRow
-    from vllm_sparse_backend.reference import causal_pairs
+    from vllm_sparse_kernels.reference.attention import causal_pairs
     from vllm_sparse_backend.sparse_prefill import DENSE_MODE_REASON, run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "kernel"})
@@ -384,7 +384,7 @@ def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, 
     the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
     that it compiles at start-up, not in the first request that has a flagged row."""
     from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
     heads = [resolve_head(None, settings)] * 4
@@ -416,12 +416,13 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
     """Shared selections through the whole GPU path (paged estimation, one list per KV head, the
     kernel stacking or repeating the lists) give float64 attention over the torch path's
     per-head index, and the stats count every query head's pairs."""
-    from conftest import masked_attention_f64
-    from vllm_sparse_backend.index import count_pairs, index_to_dense_mask
+    from vllm_sparse_kernels.reference.dense import masked_attention_f64
+    from vllm_sparse_backend.index import count_pairs
+    from vllm_sparse_kernels.reference.index import index_to_dense_mask
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged
     from vllm_sparse_backend.stats import STATS
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SHARED.model_copy(update={"max_density": 1.0, "vertical_size": 8, "slash_size": 16,
                                          "stats_file": str(tmp_path / "stats.json")})  # exact pair counts
@@ -484,7 +485,7 @@ def test_worst_case_steps_take_the_whole_query(page_size):
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import compile_row, run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -512,7 +513,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
     diagonals, vs_index.last_q_scores): its context stays far below where that pass switches to
     gathering, even when max_model_len is 1M, and it fits any chunk and context."""
     from vllm_sparse_backend.sparse_prefill import compile_row
-    from sparse_prefill_kernels import vs_index
+    from vllm_sparse_kernels.prefill import vs_index
 
     for q_len, kv_len, min_q in [(16384, 1048704, 4096), (8192, 131200, 512), (150, 500, 64), (40, 60, 4096),
                                  (1, 1, 1)]:
@@ -545,7 +546,7 @@ def test_worst_case_steps_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -582,7 +583,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     """What the profiling run sees must be at least what a real row of that size allocates."""
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings()
     q_len, ctx, hkv, d = 8192, 24576, 8, 128
@@ -609,7 +610,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     budgets near the context, benchmarks/scratch_memory.py)."""
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings(**budgets)
     q_len, ctx, hkv, d = 12288, 24576, 8, 128
@@ -636,8 +637,8 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     (vLLM's JIT monitor flagged _lastq_skew_pass and _skew_colsum in the first 32K request)."""
     from vllm_sparse_backend.plan import SparseRow
     from vllm_sparse_backend.sparse_prefill import run_sparse_rows_paged, run_worst_case_steps
-    from sparse_prefill_kernels import vs_index as vsi
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill import vs_index as vsi
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings()
     hkv, d, chunk, kv_len = 8, 128, 4096, 1 << 20

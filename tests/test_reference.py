@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from conftest import causal_mask, masked_attention_f64
-from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask, num_blocks
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
+from vllm_sparse_backend.index import build_index, causal_block_mask, count_pairs, num_blocks
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.plan import SparseRow
-from vllm_sparse_backend.reference import causal_pairs, gather_paged_kv, sparse_attention
+from vllm_sparse_kernels.reference.attention import causal_pairs, gather_paged_kv, sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
     (4, 4, 64), (8, 2, 128), (7, 1, 64), (14, 2, 64),

@@ -13,18 +13,19 @@ import json
 import pytest
 import torch
 
-from conftest import causal_mask, masked_attention_f64
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
 
 from vllm_sparse_backend.tools import search as S
 from vllm_sparse_backend.cli import main as main_cli
 from vllm_sparse_backend.config import PatternName, SparseSettings
 from vllm_sparse_backend.tools.evaluation import attention_check as ac
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head
-from vllm_sparse_backend.index import build_index, causal_block_mask, index_to_dense_mask
+from vllm_sparse_backend.index import build_index, causal_block_mask
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.patterns import estimate_index
 from vllm_sparse_backend.patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.budgets import kv_group_share
-from vllm_sparse_backend.reference import kv_head_map
+from vllm_sparse_kernels.reference.attention import kv_head_map
 from vllm_sparse_backend.tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_backend.tools.search import search_head, search_layer
 

@@ -17,5 +17,5 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_module(name: str):
-    return pytest.importorskip(f"sparse_prefill_kernels.{name}",
-                               reason="sparse_prefill_kernels is not installed (pip install -e .)")
+    return pytest.importorskip(f"vllm_sparse_kernels.{name}",
+                               reason="vllm_sparse_kernels is not installed (pip install -e .)")

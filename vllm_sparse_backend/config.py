@@ -155,7 +155,7 @@ class SparseSettings(BaseModel):
     # "spans" (Ltri-LLM): prefill chunks are divided into semantic spans (triangles of the local
     # attention map, NMS), each page keeps its span's index vector, and decode steps attend to the
     # sink, recent and persistent pages plus the decode_budget_pages best-matching pages; the
-    # persistent pages are the prompt's last chunk's retrieval (sparse_prefill_kernels/span_decode.py).
+    # persistent pages are the prompt's last chunk's retrieval (vllm_sparse_kernels/decode/span_decode.py).
     decode_mode: Literal["dense", "topk", "spans"] = Field(
         "dense", description="Decode attention: dense, top-k pages, or span retrieval.")
     decode_sink_pages: int = Field(1, ge=0, description="topk/spans decode: leading pages always attended.")

@@ -25,8 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from sparse_prefill_kernels.estimate_math import scored_block_mass
-from sparse_prefill_kernels.kv_quant import scale_operand
+from vllm_sparse_kernels.kv_quant import scale_operand
+from vllm_sparse_kernels.prefill.estimate_math import scored_block_mass
+from vllm_sparse_kernels.reference.attention import gather_pages
 
 from .budgets import budget_density, vs_budget
 from .config import PatternName, SparseSettings
@@ -34,7 +35,6 @@ from .head_configs import ResolvedHead
 from .index import SparseIndex, num_blocks
 from .kernels import estimate, vs_index
 from .patterns.vertical_slash import band_count, band_shift, slash_band_scores
-from .reference import gather_pages
 
 
 @dataclass

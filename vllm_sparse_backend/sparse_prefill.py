@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from vllm_sparse_kernels.reference.attention import causal_pairs, sparse_attention
 
 from .budgets import budgets_cover_every_key
 from .config import SparseSettings
@@ -25,7 +26,6 @@ from .index import count_pairs, count_pairs_tensor, index_density
 from .paged_estimate import HeadGroups, estimate_index_paged
 from .patterns import estimate_index
 from .plan import SparseRow
-from .reference import causal_pairs, sparse_attention
 from .stats import STATS
 
 KVForRow = Callable[[SparseRow], tuple[torch.Tensor, torch.Tensor]]

@@ -45,6 +45,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
+from vllm_sparse_kernels.reference.attention import gather_paged_kv
 
 from .. import kernels
 from .._compat import current_vllm_config, layer_kv_scales, sparse_backend_selected
@@ -52,7 +53,6 @@ from ..budgets import budget_density
 from ..config import load_settings
 from ..paged_estimate import HeadGroups
 from ..plan import RankHeads, SparseRow
-from ..reference import gather_paged_kv
 from ..sparse_prefill import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged, run_worst_case_steps
 from ..stats import STATS
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, SparsePrefillMetadata, backend_settings, build_sparse_metadata,

@@ -11,12 +11,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from vllm_sparse_kernels.reference.attention import kv_head_map
 
 from ..config import PatternName, SparseSettings
 from ..head_configs import ResolvedHead
 from ..index import SparseIndex, build_index, num_blocks
 from ..budgets import kv_group_share, vs_budgets
-from ..reference import kv_head_map
 from .a_shape import a_shape_selection
 from .block_sparse import block_sparse_selection
 from .common import PatternSelection

@@ -13,7 +13,7 @@ has two) so that every query sees at least its own position."""
 from __future__ import annotations
 
 import torch
-from sparse_prefill_kernels.estimate_math import mass_block_counts, scored_block_mass
+from vllm_sparse_kernels.prefill.estimate_math import mass_block_counts, scored_block_mass
 
 from ..index import causal_block_mask, diagonal_block_mask
 from .common import PatternSelection, block_means, keep_top, sum_head_groups

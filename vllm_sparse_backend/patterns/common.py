@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sparse_prefill_kernels.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
+from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ..index import SparseIndex, build_index, num_blocks
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from vllm_sparse_kernels.reference.attention import kv_head_map
 
 from ..config import PatternName, SparseSettings
 from ..head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
@@ -45,7 +46,6 @@ from ..patterns.a_shape import a_shape_selection
 from ..patterns.common import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from ..patterns.vertical_slash import slash_block_mask, slash_ranges
 from ..budgets import budget_density, kv_group_share, vs_budgets
-from ..reference import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
                                          selection_stats)

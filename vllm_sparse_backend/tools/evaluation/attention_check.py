@@ -36,13 +36,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from vllm_sparse_kernels.reference.attention import causal_pairs, kv_head_map
 
 from ...head_configs import HeadConfigFile, layer_heads, load_head_config
 from ...index import (SparseIndex, build_index, causal_block_mask, count_pairs, index_density, num_blocks,
                      range_cover)
 from ...patterns import estimate_index
 from ...budgets import budget_density, kv_group_share
-from ...reference import causal_pairs, kv_head_map
 from .rope import scaled_max_positions, yarn_parameters
 from .variants import Variant
 
