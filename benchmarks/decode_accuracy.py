@@ -5,7 +5,7 @@ function of its budget (the Quest / retrieval papers report k of about 1% of the
 at least 95% of full quality)? vLLM's CPU build cannot run the backend's top-k decode (its paged
 cache is not readable from Python), so this benchmark applies the same selection math in
 transformers on CPU, from the float64 references that the Triton kernels are tested against
-(``sparse_prefill_kernels/topk_decode.py``: ``reference_page_summaries``,
+(``vllm_sparse_kernels/decode/topk_decode.py``: ``reference_page_summaries``,
 ``reference_select_pages``, ``reference_topk_decode_attention``).
 
 Method. The prompts are those of ``benchmarks/accuracy.py`` (``evaluation.tasks``: the same
@@ -71,7 +71,7 @@ L2 error, mean over layers and steps; in the JSON).
         --lengths 8192 --samples 2 --variants dense topk:share=0.005 topk:share=0.01 \\
         topk:share=0.02 topk:share=0.05 topk:budget=64
 
-(``topk`` imports ``sparse_prefill_kernels.topk_decode``, whose module imports
+(``topk`` imports ``vllm_sparse_kernels.decode.topk_decode``, whose module imports
 triton: on a CPU machine put the kernel site on ``PYTHONPATH``; no kernel is launched.) That
 command, all six tasks (12 prompts), took 38 min on 2 CPU threads shared with other work
 (prefill 1017 s, decode 1263 s over the six variants), result in
@@ -111,7 +111,7 @@ if not __package__:
 import torch  # noqa: E402
 
 from vllm_sparse_backend.config import SparseSettings  # noqa: E402
-from vllm_sparse_backend.decode_topk import TopkDecodeBudget  # noqa: E402
+from vllm_sparse_backend.decode.topk import TopkDecodeBudget  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 from vllm_sparse_tools.evaluation.tasks import score  # noqa: E402
 
@@ -244,7 +244,7 @@ class TopkSelector:
     def __init__(self, label: str, *, sink_pages: int = DEFAULT_BUDGET.sink_pages,
                  recent_pages: int = DEFAULT_BUDGET.recent_pages, budget_pages: int = DEFAULT_BUDGET.budget_pages,
                  topk_tokens: int = DEFAULT_BUDGET.topk_tokens, page_size: int = DEFAULT_PAGE_SIZE):
-        from sparse_prefill_kernels import topk_decode  # imports triton (see the docstring)
+        from vllm_sparse_kernels.reference import topk_decode  # its torch references
 
         self._ref = topk_decode
         self.label = label
@@ -336,8 +336,8 @@ class SpansSelector:
                  page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0,
                  block_pages: int = 8, block_vectors: int = 12, persist_by: str = "index",
                  persist_next: int = 0):
-        from vllm_sparse_backend.decode_spans import span_params
-        from sparse_prefill_kernels import span_decode, topk_decode
+        from vllm_sparse_backend.decode.spans import span_params
+        from vllm_sparse_kernels.reference import span_decode, topk_decode
 
         self._spans, self._ref = span_decode, topk_decode
         self.label = label

@@ -1,4 +1,4 @@
-"""Span-retrieval decode mode (sparse_prefill_kernels/span_decode.py): its GPU cost per layer, prefill and decode side.
+"""Span-retrieval decode mode (vllm_sparse_kernels/decode/span_decode.py): its GPU cost per layer, prefill and decode side.
 
 bf16, page 16, one layer, shapes ``--shapes`` (Llama-3-8B 32/8/128, Qwen2.5 14/2/64). Timing, paged
 decode inputs and the decode baselines are ``benchmarks.decode_topk``'s.
@@ -45,12 +45,12 @@ import torch
 from benchmarks import decode_topk as dt
 
 try:
-    from sparse_prefill_kernels import span_decode as sd
+    from vllm_sparse_kernels.decode import span_decode as sd
 except ImportError as _e:  # checked in main()
     sd, _IMPORT_ERROR = None, _e
 else:
     _IMPORT_ERROR = None
-from vllm_sparse_backend.decode_spans import plan_span_segments  # noqa: E402  (the backend's host planning)
+from vllm_sparse_backend.decode.spans import plan_span_segments  # noqa: E402  (the backend's host planning)
 
 PAGE, DTYPE, cdiv = dt.PAGE, dt.DTYPE, dt.cdiv
 

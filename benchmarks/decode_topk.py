@@ -1,4 +1,4 @@
-"""Decode-side top-k attention kernels (sparse_prefill_kernels/topk_decode.py) vs dense decode, on one GPU.
+"""Decode-side top-k attention kernels (vllm_sparse_kernels/decode/topk_decode.py) vs dense decode, on one GPU.
 
 What is measured: one decode step of one layer (one query token per sequence), bf16, paged KV cache
 (page 16, every sequence's pages in random physical order), all sequences of a batch at the same
@@ -75,7 +75,7 @@ from benchmarks.common import capture_graph, event_median
 try:
     import triton
 
-    from sparse_prefill_kernels import topk_decode as tk
+    from vllm_sparse_kernels.decode import topk_decode as tk
 except ImportError as _e:  # checked in main(); lets the file be imported / linted without triton
     triton = tk = None
     _IMPORT_ERROR = _e
@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         print("decode_topk.py: CUDA is not available; this benchmark needs an NVIDIA GPU. Nothing measured.")
         return 0
     if tk is None:
-        print(f"decode_topk.py: cannot import sparse_prefill_kernels.topk_decode ({_IMPORT_ERROR}); "
+        print(f"decode_topk.py: cannot import vllm_sparse_kernels.decode.topk_decode ({_IMPORT_ERROR}); "
               "pip install the package (with triton) first.")
         return 1
     if args.quick:

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.common import capture_graph, event_median
 
-from sparse_prefill_kernels import sparse_attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
+from vllm_sparse_kernels.prefill import attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
@@ -248,11 +248,11 @@ def run_shape(shape, sizes, args, gen, results):
 
 def index_bench(n: int, gen) -> str:
     """Vertical-slash index building at n (Llama shape), last 64 queries, VS 1000/6096:
-    the package's torch path vs sparse_prefill_kernels/vs_index.py (estimation + top-k + conversion)."""
+    the package's torch path vs vllm_sparse_kernels/prefill/vs_index.py (estimation + top-k + conversion)."""
     from vllm_sparse_backend.prefill.patterns.base import keep_top, last_queries_probs, vertical_and_slash_sums
     from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_to_selection
-    from vllm_sparse_backend.reference import kv_head_map
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.reference.attention import kv_head_map
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES["llama3-8b"]
     scale = 1.0 / math.sqrt(d)
     q = torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -316,7 +316,7 @@ def shared_sweep(sizes, gen, shape="llama3-8b") -> list[str]:
     """Group-shared lists (one list per KV head, the group's query heads stacked in one program)
     vs the same lists run per head (expanded); plus estimation with per-group top-k.
     Prints one line per (n, index, variant); returns the lines."""
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
@@ -452,7 +452,7 @@ def estimate_bench(sizes, gen, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
     from vllm_sparse_backend.prefill.budgets import kv_group_share
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
@@ -554,7 +554,7 @@ def lastq_bench(sizes, gen, chunk: int = 16384, shape="llama3-8b") -> list[str]:
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
     from vllm_sparse_backend.prefill.budgets import kv_group_share
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     h, hkv, d = SHAPES[shape]
     scale = 1.0 / math.sqrt(d)
     lines, say = line_printer()

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import causal_mask, masked_attention_f64
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
 
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_tools.evaluation import attention_check as ac
 from vllm_sparse_tools.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
 from vllm_sparse_backend.head_configs import resolve_head
-from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
-from vllm_sparse_backend.reference import causal_pairs
+from vllm_sparse_kernels.reference.attention import causal_pairs
 
 N, H, HKV, D = 600, 4, 2, 16
 SCALE = D ** -0.5

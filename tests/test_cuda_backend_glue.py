@@ -13,13 +13,13 @@ pytest.importorskip("vllm")
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.backends.common import SparseStepMetadata  # noqa: E402
 from vllm_sparse_backend.config import load_settings  # noqa: E402
-from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
+from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow, rank_heads  # noqa: E402
-from vllm_sparse_backend.reference import gather_paged_kv  # noqa: E402
+from vllm_sparse_kernels.reference.attention import gather_paged_kv  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
-from conftest import masked_attention_f64  # noqa: E402
+from vllm_sparse_kernels.reference.dense import masked_attention_f64  # noqa: E402
 
 cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
 

@@ -1,7 +1,7 @@
 """benchmarks/decode_accuracy.py: the variant spec parser, the share -> pages conversion, the paged
 layout and attended-key count, and the selectors against an independent float64 computation.
 
-No model is loaded. The selector tests need ``sparse_prefill_kernels.topk_decode``
+No model is loaded. The selector tests need ``vllm_sparse_kernels.decode.topk_decode``
 (its module imports triton, though only its plain-torch references run): they skip where triton
 is not importable, e.g. in the main suite (``make test`` runs the kernel tests with
 ``PYTHONPATH=.venv/kernel-site``).
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from conftest import masked_attention_f64
+from vllm_sparse_kernels.reference.dense import masked_attention_f64
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
@@ -30,8 +30,8 @@ def da():
 def with_references():
     """Skip unless the kernels' module (and so triton) imports."""
     pytest.importorskip("triton", reason="triton is not installed (the project venv has none on purpose)")
-    pytest.importorskip("sparse_prefill_kernels.topk_decode",
-                        reason="sparse_prefill_kernels is not installed (pip install -e .)")
+    pytest.importorskip("vllm_sparse_kernels.decode.topk_decode",
+                        reason="vllm_sparse_kernels is not installed (pip install -e .)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_spans_selector(da, with_references):
     """spans: its torch local maps equal the kernels' float64 definition, the persistent flags are
     the best pages for the last prompt queries, a budget covering every page is dense attention,
     and a small budget attends to sink + recent + flagged + budget pages only."""
-    from sparse_prefill_kernels import span_decode as sd
+    from vllm_sparse_kernels.reference import span_decode as span_ref
 
     gen = torch.Generator().manual_seed(5)
     h, hkv, d, n, page = 4, 2, 32, 1100, 16
@@ -234,7 +234,7 @@ def test_spans_selector(da, with_references):
     maps, votes, lens = sel.local_maps(q, k, d ** -0.5)
     assert lens.tolist() == [1024, 76]
     for s, (s0, t) in enumerate(((0, 1024), (1024, 76))):
-        rm, rv = sd.reference_local_map(q[:, s0:s0 + t].transpose(0, 1), k[:, s0:s0 + t].transpose(0, 1), page,
+        rm, rv = span_ref.reference_local_map(q[:, s0:s0 + t].transpose(0, 1), k[:, s0:s0 + t].transpose(0, 1), page,
                                         d ** -0.5, 1024)
         torch.testing.assert_close(maps[s].double(), rm, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(votes[s].double(), rv, rtol=1e-4, atol=1e-4)

@@ -16,8 +16,8 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-sd = kernel_module("span_decode")
-kernel_module("topk_decode")
+sd = kernel_module("decode.span_decode")
+kernel_module("decode.topk_decode")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 H, HKV, D = 2, 1, 64
 PARAMS = dict(segment_tokens=128)

@@ -1,6 +1,6 @@
 """The repository's layers, bottom to top, and the rule that each imports only those below it.
 
-* ``sparse_prefill_kernels``: the Triton kernels (torch and triton only).
+* ``vllm_sparse_kernels``: the Triton kernels (torch and triton only).
 * ``vllm_sparse_backend``: the plugin a vLLM server loads (the serving package).
 * ``vllm_sparse_tools``: the offline tools (assets, demo, evaluation, search, layer budgets) and
   the ``vllm-sparse`` command. ``benchmarks/`` sits at the same level: scripts, never imported.
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNELS = "sparse_prefill_kernels"
+KERNELS = "vllm_sparse_kernels"
 SERVING = "vllm_sparse_backend"
 TOOLS = "vllm_sparse_tools"
 BENCHMARKS = "benchmarks"

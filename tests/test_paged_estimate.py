@@ -19,6 +19,7 @@ import torch
 from triton_setup import CUDA, INTERPRET, kernel_module
 
 from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.stats import SparseStats
 from vllm_sparse_backend.prefill.patterns import PATTERNS
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.prefill.estimate import estimate_index
@@ -26,7 +27,7 @@ from vllm_sparse_backend.prefill.budgets import kv_group_share
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-kernel_module("estimate")
+kernel_module("prefill.estimate")
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged  # noqa: E402
 
 from test_triton_estimate import assert_same_index, make_row, no_host_sync  # noqa: E402
@@ -231,14 +232,13 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     what they ran, and the stats name the fallback once the flags are read. With
     ``sample_every`` = 1 the forward is a timed sample whose pair counts and flags are read back
     later, still without a sync in the forward: the stats are exact once drained."""
-    from conftest import masked_attention_f64
-    from vllm_sparse_backend.prefill.index import index_to_dense_mask
+    from vllm_sparse_kernels.reference.dense import masked_attention_f64
+    from vllm_sparse_kernels.reference.index import index_to_dense_mask
     from vllm_sparse_backend.prefill.index import count_pairs
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.reference import causal_pairs
+    from vllm_sparse_kernels.reference.attention import causal_pairs
     from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
-    from vllm_sparse_backend.stats import STATS
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "kernel"})
@@ -259,17 +259,13 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
         used.append(args[5][0])
         return sparse_prefill_attention(*args, **kwargs)
 
-    STATS.flush_deferred()
-    before = STATS.as_dict()
-    every, STATS.timer.every = STATS.timer.every, sample_every
-    STATS.timer._calls = 0  # with sample_every 1, this forward is sampled
-    try:
-        groups = HeadGroups.from_heads(heads, device)
-        with no_host_sync(device):
-            run_sparse_rows_paged(q_dev, out, [row], key_cache, value_cache, table[None], groups, settings,
-                                  d ** -0.5, 0.0, kernel, sent_dense.append)
-    finally:
-        STATS.timer.every = every
+    stats = SparseStats()
+    stats.timer.every = sample_every  # with sample_every 1, this forward is sampled
+    before = stats.as_dict()
+    groups = HeadGroups.from_heads(heads, device)
+    with no_host_sync(device):
+        sent_dense = run_sparse_rows_paged(q_dev, out, [row], key_cache, value_cache, table[None], groups, settings,
+                                           d ** -0.5, 0.0, kernel, stats, density_fallback=True)
     assert sent_dense == []  # the budgets (24 keys of ~400 visible: 0.06) allow max_density 0.1
     idx = estimate_index(q.float(), k.float(), ctx, heads, settings, d ** -0.5).index
     if expect_dense:
@@ -278,8 +274,8 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
         mask = index_to_dense_mask(idx, q_len, ctx)
     ref = masked_attention_f64(q, k, v, mask, d ** -0.5)
     assert ((out.cpu().double() - ref).norm() / ref.norm()) < tol
-    STATS.flush_deferred()
-    after = STATS.as_dict()
+    stats.flush_deferred()
+    after = stats.as_dict()
     reasons = [d["dense_reasons"].get(DENSE_MODE_REASON, 0) for d in (before, after)]
     assert reasons[1] - reasons[0] == int(expect_dense)
     if sample_every:  # measured: all causal pairs when run dense, else the pairs of the index it ran
@@ -299,11 +295,10 @@ def test_density_fallback(max_density, expect_dense):
 @pytest.mark.parametrize("max_density,to_flash", [(1.0, False), (0.1, True)])
 def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     """``estimated_dense_rows="flash"``: the flags are read on the host and a row
-    whose estimated index is too dense goes to dense_row (FlashAttention in the backend), counted
-    as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
+    whose estimated index is too dense is returned to the caller (FlashAttention in the backend),
+    counted as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
-    from vllm_sparse_backend.stats import STATS
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "flash"})
@@ -311,23 +306,22 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
     heads = [resolve_head(None, settings)] * (hkv * group)
     rows = [SparseRow(0, 0, q_len, ctx)]
-    sent_dense, kernel_rows = [], []
-    STATS.flush_deferred()
-    before = STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0)
-    run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
-                          HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
-                          lambda *args, **kw: kernel_rows.append(args[4]), sent_dense.append)
+    kernel_rows = []
+    stats = SparseStats()
+    sent_dense = run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
+                                       HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                                       lambda *args, **kw: kernel_rows.append(args[4]), stats, density_fallback=True)
     assert sent_dense == (rows if to_flash else [])
     assert kernel_rows == ([] if to_flash else [rows])
-    assert STATS.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) - before == int(to_flash)
+    assert stats.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) == int(to_flash)
 
 
 @cpu_only
 def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
     """``estimated_dense_rows="auto"`` with the layer's DenseRowHistory: the first call reads its
     flags on the host (nothing known yet); after a call without flagged rows the next one leaves
-    the flags on the device (the kernel gets them and runs a flagged row in its dense mode, no
-    dense_row), copies whether any was flagged back, and the call after that reads again."""
+    the flags on the device (the kernel gets them and runs a flagged row in its dense mode, none
+    returned), copies whether any was flagged back, and the call after that reads again."""
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import DenseRowHistory, run_sparse_rows_paged
 
@@ -340,11 +334,11 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
         settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 2, "slash_size": 2,
                                                "estimated_dense_rows": "auto"})
         heads = [resolve_head(None, settings)] * (hkv * group)
-        sent_dense, launched = [], []
-        run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
-                              HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
-                              lambda *args, **kw: launched.append(kw.get("whole_rows")), sent_dense.append,
-                              history=history)
+        launched = []
+        sent_dense = run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
+                                           HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                                           lambda *args, **kw: launched.append(kw.get("whole_rows")), SparseStats(),
+                                           density_fallback=True, history=history)
         whole = [None if w is None else w.tolist() for w in launched]
         return sent_dense, whole
 
@@ -353,7 +347,7 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
     assert not history.read_on_host()
     assert call(0.1) == ([], [[True]])  # not read: the kernel's dense mode takes the flagged row
     assert history.read_on_host()  # the copied-back flag says a row was flagged
-    assert call(0.1) == (rows, [])  # read: the flagged row goes to dense_row (FlashAttention)
+    assert call(0.1) == (rows, [])  # read: the flagged row is returned (FlashAttention computes it)
     assert history.read_on_host()
     assert call(0.5) == ([], [None])
     assert not history.read_on_host()
@@ -386,7 +380,7 @@ def test_worst_case_steps_compile_the_kernels_dense_mode_where_it_can_run(mode, 
     the device (``estimated_dense_rows`` kernel / auto) also the one that takes the flags, so
     that it compiles at start-up, not in the first request that has a flagged row."""
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": 0.9, "estimated_dense_rows": mode})
     heads = [resolve_head(None, settings)] * 4
@@ -418,13 +412,14 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
     """Shared selections through the whole GPU path (paged estimation, one list per KV head, the
     kernel stacking or repeating the lists) give float64 attention over the torch path's
     per-head index, and the stats count every query head's pairs."""
-    from conftest import masked_attention_f64
-    from vllm_sparse_backend.prefill.index import count_pairs, index_to_dense_mask
+    from vllm_sparse_kernels.reference.dense import masked_attention_f64
+    from vllm_sparse_backend.prefill.index import count_pairs
+    from vllm_sparse_kernels.reference.index import index_to_dense_mask
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
-    from vllm_sparse_backend.stats import STATS
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
+    stats = SparseStats()
     settings = SHARED.model_copy(update={"max_density": 1.0, "vertical_size": 8, "slash_size": 16,
                                          "stats_file": str(tmp_path / "stats.json")})  # exact pair counts
     for d in (64, 128):  # 64: lists repeated per head; 128: the group's heads stacked in one program
@@ -436,15 +431,15 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
             value_cache[int(table[pos // 16]), pos % 16] = v[pos]
         heads = [resolve_head(None, settings)] * (hkv * group)
         out = torch.full_like(q, float("nan"))
-        before = STATS.as_dict()
+        before = stats.as_dict()
         run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None],
                               HeadGroups.from_heads(heads, "cpu", group), settings, d ** -0.5, 0.0,
-                              sparse_prefill_attention)
+                              sparse_prefill_attention, stats)
         idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
         assert idx.num_heads == hkv * group
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
         assert ((out.double() - ref).norm() / ref.norm()) < 1e-4
-        assert STATS.as_dict()["computed_pairs"] - before["computed_pairs"] == count_pairs(idx, q_len, ctx)
+        assert stats.as_dict()["computed_pairs"] - before["computed_pairs"] == count_pairs(idx, q_len, ctx)
 
 
 def test_index_density_bounds_count_pairs():
@@ -486,7 +481,7 @@ def test_worst_case_steps_take_the_whole_query(page_size):
     # serving uses, e.g. the TMA one of 64-key pages, compile in the profiling run)
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.claim import compile_row, run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -514,7 +509,7 @@ def test_compile_row_is_short_whatever_the_max_model_len():
     diagonals, vs_index.last_q_scores): its context stays far below where that pass switches to
     gathering, even when max_model_len is 1M, and it fits any chunk and context."""
     from vllm_sparse_backend.prefill.claim import compile_row
-    from sparse_prefill_kernels import vs_index
+    from vllm_sparse_kernels.prefill import vs_index
 
     for q_len, kv_len, min_q in [(16384, 1048704, 4096), (8192, 131200, 512), (150, 500, 64), (40, 60, 4096),
                                  (1, 1, 1)]:
@@ -547,7 +542,7 @@ def test_worst_case_steps_of_an_fp8_layer():
     # the profiling-run claim of an fp8 layer runs the fp8 (scaled) variants on an fp8 stand-in
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     heads = [resolve_head(None, SETTINGS)] * 4
     q = torch.randn(150, 4, 64)
@@ -585,7 +580,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings()
     q_len, ctx, hkv, d = 8192, 24576, 8, 128
@@ -597,7 +592,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
 
     real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
         q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None], groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention))
+        sparse_prefill_attention, SparseStats()))
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
@@ -613,7 +608,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings(**budgets)
     q_len, ctx, hkv, d = 12288, 24576, 8, 128
@@ -626,7 +621,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
 
     real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
         q, out, rows, key_cache, value_cache, torch.stack([table, table]), groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention, dense_row=lambda row: None))
+        sparse_prefill_attention, SparseStats(), density_fallback=True))
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
@@ -641,8 +636,8 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-    from sparse_prefill_kernels import vs_index as vsi
-    from sparse_prefill_kernels.sparse_attention import sparse_prefill_attention
+    from vllm_sparse_kernels.prefill import vs_index as vsi
+    from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SparseSettings()
     hkv, d, chunk, kv_len = 8, 128, 4096, 1 << 20
@@ -660,7 +655,7 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     qr, _, key_cache, table = make_row(chunk, ctx, hkv, 4, d, 16, torch.bfloat16, 6, "cuda", structure=1.5)
     run_sparse_rows_paged(qr.cuda(), torch.empty_like(qr.cuda()), [SparseRow(0, 0, chunk, ctx)], key_cache,
                           torch.randn_like(key_cache), table[None], groups, settings, d ** -0.5, 0.0,
-                          sparse_prefill_attention, dense_row=lambda row: None)
+                          sparse_prefill_attention, SparseStats(), density_fallback=True)
     torch.cuda.synchronize()
     assert compiled() == before
 
@@ -675,11 +670,11 @@ def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
     settings = SparseSettings()
     q = torch.randn(4096, 2, 64)
     heads = HeadGroups.from_heads([resolve_head(None, settings)] * 2, "cpu")
-    sent_dense, launched = [], []
+    launched = []
     empty = torch.zeros(0, 16, 1, 64)  # estimation would fail on this cache: it must not run
-    run_sparse_rows_paged(q, torch.empty_like(q), [SparseRow(0, 0, 4096, 0)], empty, empty,
-                          torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
-                          lambda *a: launched.append(a), sent_dense.append)
+    sent_dense = run_sparse_rows_paged(q, torch.empty_like(q), [SparseRow(0, 0, 4096, 0)], empty, empty,
+                                       torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
+                                       lambda *a: launched.append(a), SparseStats(), density_fallback=True)
     assert sent_dense == [SparseRow(0, 0, 4096, 0)] and not launched
 
 

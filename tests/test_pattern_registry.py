@@ -17,10 +17,11 @@ from vllm_sparse_backend.config import ConfigError, SparseSettings, load_setting
 from vllm_sparse_backend.head_configs import parse_head_config, resolve_head
 from vllm_sparse_backend.prefill.budgets import budget_density, budgets_cover_every_key, kv_group_share
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index, estimate_index_paged
-from vllm_sparse_backend.prefill.index import index_to_dense_mask, num_blocks, query_block_bounds
+from vllm_sparse_backend.prefill.index import num_blocks, query_block_bounds
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
 from vllm_sparse_backend.prefill.patterns.base import PagedSelection, Pattern, PatternSelection
-from vllm_sparse_backend.reference import sparse_attention
+from vllm_sparse_kernels.reference.attention import sparse_attention
 
 
 class LocalBlocks(Pattern):

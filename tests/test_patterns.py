@@ -7,14 +7,15 @@ import torch
 
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-from vllm_sparse_backend.prefill.index import build_index, count_pairs, index_to_dense_mask, num_blocks, range_stops
+from vllm_sparse_backend.prefill.index import build_index, count_pairs, num_blocks, range_stops
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
 from vllm_sparse_backend.prefill.patterns.block_sparse import block_sparse_selection
 from vllm_sparse_backend.prefill.patterns.base import cumulative_budget, keep_top
 from vllm_sparse_backend.prefill.patterns.flex_prefill import flex_prefill_selection, sqrt_js_divergence
 from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_selection, vertical_slash_to_selection
-from sparse_prefill_kernels.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
+from vllm_sparse_kernels.prefill.estimate_math import antidiagonal_block_mass, mass_block_counts, sampled_block_mass
 
 
 def _qk(q_len, ctx_len, h, hkv, d, gen):

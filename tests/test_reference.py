@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from conftest import causal_mask, masked_attention_f64
-from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, index_to_dense_mask, num_blocks
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, num_blocks
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.plan import SparseRow
-from vllm_sparse_backend.reference import causal_pairs, gather_paged_kv, sparse_attention
+from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_kernels.reference.attention import causal_pairs, gather_paged_kv, sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
     (4, 4, 64), (8, 2, 128), (7, 1, 64), (14, 2, 64),
@@ -129,7 +131,7 @@ def test_batch_of_rows_through_the_paged_cache(rng):
     output = torch.full_like(query, float("nan"))
     run_sparse_rows(query, output, rows,
                     lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                    heads, settings, d ** -0.5)
+                    heads, settings, d ** -0.5, 0.0, None, SparseStats())
     assert torch.isfinite(output).all()
     from vllm_sparse_backend.prefill.estimate import estimate_index
     for r in rows:

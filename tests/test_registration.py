@@ -66,7 +66,7 @@ def test_entry_point_declared():
 
 @pytest.mark.parametrize("where", ["outside", "checkout"])
 def test_kernels_never_pose_as_vllms_triton_kernels(tmp_path, where):
-    """Our kernels import as `sparse_prefill_kernels`; a top-level `triton_kernels` (an unrelated
+    """Our kernels import as `vllm_sparse_kernels`; a top-level `triton_kernels` (an unrelated
     package vLLM imports, falling back to its vendored copy only where none is found) must never
     come from us: neither installed (run from a directory outside the checkout) nor from the
     checkout's root, which `python -c` and `python -m` put first on sys.path. A folder named
@@ -76,7 +76,7 @@ def test_kernels_never_pose_as_vllms_triton_kernels(tmp_path, where):
     from pathlib import Path
     repo = str(Path(__file__).resolve().parents[1])
     code = ("import importlib.util as u; s = u.find_spec('triton_kernels'); "
-            "k = u.find_spec('sparse_prefill_kernels'); "
+            "k = u.find_spec('vllm_sparse_kernels'); "
             "print(k is not None, "
             f"s is None or not any(str(p).startswith({repo!r}) for p in (s.submodule_search_locations or [s.origin])))")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path if where == "outside" else repo,

@@ -13,18 +13,19 @@ import json
 import pytest
 import torch
 
-from conftest import causal_mask, masked_attention_f64
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
 
 from vllm_sparse_tools import search as S
 from vllm_sparse_tools.cli import main as main_cli
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_tools.evaluation import attention_check as ac
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head
-from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, index_to_dense_mask
+from vllm_sparse_backend.prefill.index import build_index, causal_block_mask
+from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.prefill.budgets import kv_group_share
-from vllm_sparse_backend.reference import kv_head_map
+from vllm_sparse_kernels.reference.attention import kv_head_map
 from vllm_sparse_tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_tools.search import search_head, search_layer
 

@@ -1,4 +1,5 @@
-"""Span-retrieval decode kernels (sparse_prefill_kernels/span_decode.py) vs float64 references.
+"""Span-retrieval decode kernels (vllm_sparse_kernels/decode/span_decode.py) vs float64 references
+(vllm_sparse_kernels/reference/span_decode.py).
 
 CPU: Triton's interpreter at tiny sizes (segments of 256 tokens, pages of 16/32). GPU: the same
 checks at realistic sizes. Inputs have planted spans (runs of pages whose queries and keys share a
@@ -26,14 +27,15 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from conftest import masked_attention_f64
+from vllm_sparse_kernels.reference import span_decode as span_ref
+from vllm_sparse_kernels.reference.dense import masked_attention_f64
 
-from vllm_sparse_backend.decode_spans import plan_span_segments
+from vllm_sparse_backend.decode.spans import plan_span_segments
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-sd = kernel_module("span_decode")
-tk = kernel_module("topk_decode")
+sd = kernel_module("decode.span_decode")
+tk = kernel_module("decode.topk_decode")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GARBAGE_PAGE = 10**6
 SEG = 256 if INTERPRET else 1024
@@ -106,12 +108,12 @@ def test_maps_and_division(page, n, h, hkv, d):
     spans_seen = 0
     for s in range(segs.num_segments):
         r0, nt = s * SEG, min(SEG, n - s * SEG)
-        rm, rv = sd.reference_local_map(qd[r0:r0 + nt].cpu(), kd[r0:r0 + nt].cpu(), page, d ** -0.5, SEG)
+        rm, rv = span_ref.reference_local_map(qd[r0:r0 + nt].cpu(), kd[r0:r0 + nt].cpu(), page, d ** -0.5, SEG)
         tol = 1e-4 if INTERPRET else 2e-3
         assert torch.allclose(maps[s].double().cpu(), rm, rtol=tol, atol=tol * h)
         assert torch.allclose(votes[s].double().cpu(), rv, rtol=tol, atol=tol * h)
         # division of the kernel's maps: division kernels vs loops, on the same float64 input
-        span, sel = sd.reference_divide(maps[s].double().cpu(), votes[s].double().cpu(), nt, page, h, params)
+        span, sel = span_ref.reference_divide(maps[s].double().cpu(), votes[s].double().cpu(), nt, page, h, params)
         n_pages = cdiv(nt, page)
         assert div.span_of_page[s, :n_pages].tolist() == span
         assert (div.span_of_page[s, n_pages:] == -1).all()
@@ -168,7 +170,7 @@ def test_division_kernel_edge_cases(page, dtype):
     span_of_page, selected, count = div.span_of_page.cpu(), div.selected.cpu(), div.index_count.cpu()
     for s, (nt, kind) in enumerate(cases):
         n_pages = cdiv(nt, page)
-        span, sel = sd.reference_divide(maps[s].double(), votes[s].to(dtype).double(), nt, page, h, params)
+        span, sel = span_ref.reference_divide(maps[s].double(), votes[s].to(dtype).double(), nt, page, h, params)
         assert span_of_page[s, :n_pages].tolist() == span, (s, kind)
         assert (span_of_page[s, n_pages:] == -1).all()
         assert selected[s].nonzero().flatten().tolist() == sel, (s, kind)
@@ -196,7 +198,7 @@ def test_nms_matches_reference():
     for iou in (0.0, 0.01, 0.3, 1.0):
         keep = sd.span_nms(x.to(torch.int32).to(DEV), y.to(torch.int32).to(DEV), score.to(DEV), iou).cpu()
         for s in range(s_count):
-            assert keep[s].tolist() == sd.reference_nms(x[s].tolist(), y[s].tolist(), score[s].tolist(), iou)
+            assert keep[s].tolist() == span_ref.reference_nms(x[s].tolist(), y[s].tolist(), score[s].tolist(), iou)
 
 
 def test_plan_segments():
@@ -324,7 +326,7 @@ def test_persistent_flags_follow_last_queries():
 def check_selection(sel, counts, q, span_keys, flags, table, seq_lens, page, **widths):
     """The kernel's selection equals the float64 reference's up to ties: pages of one span share
     their key, so where the budget cuts a span any of its pages may be taken."""
-    rsel, rcounts = sd.reference_select_span_pages(q, span_keys, flags, table, seq_lens, page, **widths)
+    rsel, rcounts = span_ref.reference_select_span_pages(q, span_keys, flags, table, seq_lens, page, **widths)
     assert torch.equal(counts.cpu(), rcounts)
     h, hkv = q.shape[1], span_keys.shape[1]
     group = h // hkv
@@ -391,7 +393,7 @@ def test_bad_params_are_refused():
 
 
 # ------------------------------------------------------------------------------------------
-# The backend's step (vllm_sparse_backend.decode_spans): two sequences prefilled in chunks in
+# The backend's step (vllm_sparse_backend.decode.spans): two sequences prefilled in chunks in
 # shared steps (with a decode row of a third sequence and padding), then decoded together
 # ------------------------------------------------------------------------------------------
 
@@ -432,7 +434,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
     that get the most of the last queries' attention (float64 softmax over the prompt here);
     with persist_next=1 in runs of 2 pages from the persist // 2 most attended ones."""
     from vllm_sparse_backend.config import SparseSettings
-    from vllm_sparse_backend.decode_spans import SpanIndex, plan_step_segments
+    from vllm_sparse_backend.decode.spans import SpanIndex, plan_step_segments
 
     page, hkv, group, d = 16, 2, 2, 64
     h = hkv * group
@@ -505,7 +507,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
         for c in range(2):
             start, end = bounds[c], bounds[c + 1]
             p0 = cdiv(start, page)
-            ref, _ = sd.reference_span_keys(q[p0 * page:end].to(dtype), k[p0 * page:end].to(dtype), page,
+            ref, _ = span_ref.reference_span_keys(q[p0 * page:end].to(dtype), k[p0 * page:end].to(dtype), page,
                                             d ** -0.5, params)
             want[p0:p0 + ref.shape[0]] = ref
             if start % page:
@@ -565,6 +567,6 @@ def test_maps_stacked_heads(group, heads_per_program):
     maps, votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, heads_per_program)
     one, one_votes = sd.local_attention_maps(q.to(DEV), k.to(DEV), segs, page, d ** -0.5, 1)
     assert torch.allclose(maps, one, rtol=1e-5, atol=1e-4) and torch.allclose(votes, one_votes, rtol=1e-5, atol=1e-4)
-    rm, rv = sd.reference_local_map(q[:min(n, SEG)], k[:min(n, SEG)], page, d ** -0.5, SEG)
+    rm, rv = span_ref.reference_local_map(q[:min(n, SEG)], k[:min(n, SEG)], page, d ** -0.5, SEG)
     assert torch.allclose(maps[0].double().cpu(), rm, rtol=1e-4, atol=1e-3)
     assert torch.allclose(votes[0].double().cpu(), rv, rtol=1e-4, atol=1e-3)

@@ -1,5 +1,5 @@
 """The spans probe's helpers (vllm_sparse_tools/evaluation/span_probe.py) and the
-diagnostics ``span_decode.reference_divide`` hands it (issue 24)."""
+diagnostics ``reference.span_decode.reference_divide`` hands it (issue 24)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ def test_exact_page_mass_matches_loop():
 
 
 def test_divide_info_is_consistent():
-    sd = pytest.importorskip("sparse_prefill_kernels.span_decode")  # imports triton
+    sd = pytest.importorskip("vllm_sparse_kernels.decode.span_decode")  # imports triton (SpanParams)
+    from vllm_sparse_kernels.reference import span_decode as span_ref
     gen = torch.Generator().manual_seed(1)
     n_tok, h, hkv, d, page = 256, 4, 2, 16, 16
     q, k = torch.randn(n_tok, h, d, generator=gen), torch.randn(n_tok, hkv, d, generator=gen)
@@ -63,10 +64,10 @@ def test_divide_info_is_consistent():
         q[start:start + 64] += base
         k[start:start + 64] += base[None]
     params = sd.SpanParams(segment_tokens=256)
-    maps, votes = sd.reference_local_map(q, k, page, d ** -0.5, 256)
+    maps, votes = span_ref.reference_local_map(q, k, page, d ** -0.5, 256)
     info: dict = {}
-    span, chosen = sd.reference_divide(maps, votes, n_tok, page, h, params, info=info)
-    assert (span, chosen) == sd.reference_divide(maps, votes, n_tok, page, h, params)  # info changes nothing
+    span, chosen = span_ref.reference_divide(maps, votes, n_tok, page, h, params, info=info)
+    assert (span, chosen) == span_ref.reference_divide(maps, votes, n_tok, page, h, params)  # info changes nothing
     assert len(info["in_kept"]) == len(span) and any(info["in_kept"])
     for x, y in info["kept"]:
         assert all(info["in_kept"][a] for a in range(x, y + 1))
@@ -97,7 +98,7 @@ def test_probe_layer_finds_a_planted_needle():
         span_keys[p, 0] = k[0, [t for t in index_tokens if span_ids[t // page] == span_ids[p]]].double().sum(0)
     mn = k[0].view(n_pages, page, d).amin(1)[:, None].double()
     mx = k[0].view(n_pages, page, d).amax(1)[:, None].double()
-    topk_decode = pytest.importorskip("sparse_prefill_kernels.topk_decode")  # imports triton
+    from vllm_sparse_kernels.reference import topk_decode
 
     bounds = topk_decode.reference_page_bounds(q, mn, mx, torch.arange(n_pages), h // hkv)
     r = span_probe.probe_layer(q, k, d ** -0.5, page, [5], needle, span_ids=span_ids, in_kept=[True] * n_pages,
@@ -115,7 +116,7 @@ def test_probe_layer_finds_a_planted_needle():
 
 
 def test_span_bound_is_the_page_bound_of_one_page_spans():
-    topk_decode = pytest.importorskip("sparse_prefill_kernels.topk_decode")  # imports triton
+    from vllm_sparse_kernels.reference import topk_decode
 
     gen = torch.Generator().manual_seed(3)
     h, hkv, d, page, n_pages = 4, 2, 8, 4, 6

@@ -31,16 +31,16 @@ from vllm.distributed import parallel_state  # noqa: E402
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings  # noqa: E402
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head_config  # noqa: E402
-from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
+from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.prefill.plan import plan_step, rank_heads  # noqa: E402
-from vllm_sparse_backend.reference import causal_pairs  # noqa: E402
+from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 from vllm_sparse_backend.stats import SparseStats  # noqa: E402
 
-from conftest import causal_mask, masked_attention_f64  # noqa: E402
+from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64  # noqa: E402
 
 H, HKV, D = 8, 2, 32
 LAYER = 1  # the file's second layer: its first layer is different, so the layer index matters too

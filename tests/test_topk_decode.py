@@ -1,4 +1,4 @@
-"""Top-k decode kernels (sparse_prefill_kernels/topk_decode.py) vs independent torch references.
+"""Top-k decode kernels (vllm_sparse_kernels/decode/topk_decode.py) vs independent torch references.
 
 CPU: Triton's interpreter (TRITON_INTERPRET=1) at tiny sizes when triton is importable. GPU:
 realistic sizes, bf16. Caches are paged with the sequences' pages in random physical order and
@@ -27,11 +27,12 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from conftest import masked_attention_f64
+from vllm_sparse_kernels.reference import topk_decode as topk_ref
+from vllm_sparse_kernels.reference.dense import masked_attention_f64
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-tk = kernel_module("topk_decode")
+tk = kernel_module("decode.topk_decode")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GARBAGE_PAGE = 10**6  # block-table entries past a sequence's pages: must never be dereferenced
 
@@ -131,7 +132,7 @@ def run_build_case(seq_lens, hkv, d, page, dtype, summary_dtype, seed, layout="N
     tk.build_page_summaries(key_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device), smin, smax)
     check_summaries(smin, smax, expected_summaries(keys, table.cpu(), page, seq_lens), 7.0)
     # the module's reference (used by other checks) agrees
-    rmin, rmax, covered = tk.reference_page_summaries(key_cache, table, torch.tensor(seq_lens))
+    rmin, rmax, covered = topk_ref.reference_page_summaries(key_cache, table, torch.tensor(seq_lens))
     assert torch.equal(rmin[covered].cpu(), smin[covered].double().cpu())
     assert torch.equal(rmax[covered].cpu(), smax[covered].double().cpu())
 
@@ -226,14 +227,14 @@ def run_select_case(seq_lens, hkv, group, d, page, dtype, seed, sink=1, recent=2
     kw = dict(sink_pages=sink, recent_pages=recent, num_pages_budget=budget, per_query_head=per_query_head)
     sel, cnt = tk.select_pages(q, smin, smax, table, lens, page, max_pages=max_pages, **kw)
     check_selection(sel, cnt, seq_lens, page, sink, recent, budget)
-    ref_sel, ref_cnt = tk.reference_select_pages(q, smin, smax, table, lens, page, **kw)
+    ref_sel, ref_cnt = topk_ref.reference_select_pages(q, smin, smax, table, lens, page, **kw)
     assert torch.equal(cnt.cpu(), ref_cnt)
     if not torch.equal(sel.cpu(), ref_sel):
         # a tie between pages may be broken either way: then the chosen bounds must agree
         hps = 1 if per_query_head else group
         for b, n in enumerate(seq_lens):
             phys = table[b, :cdiv(n, page)].long()
-            bound = tk.reference_page_bounds(q[b], smin, smax, phys, hps).cpu()
+            bound = topk_ref.reference_page_bounds(q[b], smin, smax, phys, hps).cpu()
             for s in range(sel.shape[1]):
                 c = int(cnt[b, s])
                 got = bound[s, sel[b, s, :c].long().cpu()].sort().values
@@ -271,10 +272,10 @@ def test_quest_bound_bounds_every_score():
     gen = torch.Generator().manual_seed(0)
     seq_lens, page, hkv, group, d = [37, 80], 16, 2, 4, 64
     key_cache, _, table, keys, _ = make_cache(seq_lens, hkv, d, page, torch.float32, gen, "cpu")
-    smin, smax, _ = tk.reference_page_summaries(key_cache, table, torch.tensor(seq_lens))
+    smin, smax, _ = topk_ref.reference_page_summaries(key_cache, table, torch.tensor(seq_lens))
     for b, n in enumerate(seq_lens):
         q = torch.randn(hkv * group, d, generator=gen)
-        bound = tk.reference_page_bounds(q, smin, smax, table[b, :cdiv(n, page)].long(), 1)  # [H, pages]
+        bound = topk_ref.reference_page_bounds(q, smin, smax, table[b, :cdiv(n, page)].long(), 1)  # [H, pages]
         scores = torch.einsum("hd,nhd->hn", q.double(), keys[b].double().repeat_interleave(group, 1))
         per_page = torch.nn.functional.pad(scores, (0, cdiv(n, page) * page - n), value=-math.inf)
         assert (bound + 1e-9 >= per_page.view(hkv * group, -1, page).amax(-1)).all()
@@ -352,7 +353,7 @@ def run_attention_case(seq_lens, hkv, group, d, page, dtype, seed, *, sink=1, re
         assert err < tol, f"sequence {b} (n={n}): rel err {err:.3e} >= {tol}"
     if not full and len(seq_lens) <= 8:
         # the module's reference agrees with the independent one above
-        ref_all = tk.reference_topk_decode_attention(q, key_cache, value_cache, table, lens, sel, cnt, scale,
+        ref_all = topk_ref.reference_topk_decode_attention(q, key_cache, value_cache, table, lens, sel, cnt, scale,
                                                      topk_tokens=topk_tokens, sink_pages=sink, recent_pages=recent)
         got, ref_all = out.double()[compared], ref_all.cpu()[compared]
         err = ((got - ref_all).norm() / ref_all.norm()).item()
@@ -443,7 +444,7 @@ def test_gpu_full_budget_is_dense_decode():
 
 
 # ------------------------------------------------------------------------------------------
-# The backend's decode step (vllm_sparse_backend.decode_topk): summaries followed through a
+# The backend's decode step (vllm_sparse_backend.decode.topk): summaries followed through a
 # chunked prefill and decode steps by slot_mapping alone, then selection + attention
 # ------------------------------------------------------------------------------------------
 
@@ -453,11 +454,11 @@ def run_decode_steps(prompt_lens, hkv, group, d, page, budget, device, dtype, st
     included, as vLLM pads). After every decode step: the summaries equal the float64 ones of the
     cache, and the output equals float64 attention over the pages the float64 selection keeps
     (all pages with a full budget: plain dense decode)."""
-    from conftest import masked_attention_f64
+    from vllm_sparse_kernels.reference.dense import masked_attention_f64
 
-    from vllm_sparse_backend.decode_topk import PageSummaries, topk_decode
+    from vllm_sparse_backend.decode.topk import PageSummaries, topk_decode
 
-    tk = kernel_module("topk_decode")
+    tk = kernel_module("decode.topk_decode")
     gen = torch.Generator().manual_seed(seed)
     h = hkv * group
     final = [n + steps for n in prompt_lens]
@@ -489,10 +490,10 @@ def run_decode_steps(prompt_lens, hkv, group, d, page, budget, device, dtype, st
         out = torch.full_like(q, float("nan"))
         topk_decode(q, key_cache, value_cache, summaries, table, seq_lens, budget, d ** -0.5, out)
 
-        ref_min, ref_max, covered = tk.reference_page_summaries(key_cache, table, seq_lens)
+        ref_min, ref_max, covered = topk_ref.reference_page_summaries(key_cache, table, seq_lens)
         assert torch.equal(summaries.min[covered].double(), ref_min[covered])
         assert torch.equal(summaries.max[covered].double(), ref_max[covered])
-        selected, counts = tk.reference_select_pages(q, ref_min, ref_max, table, seq_lens, page,
+        selected, counts = topk_ref.reference_select_pages(q, ref_min, ref_max, table, seq_lens, page,
                                                      sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
                                                      num_pages_budget=budget.budget_pages)
         for b, n in enumerate(lens):
@@ -510,7 +511,7 @@ def run_decode_steps(prompt_lens, hkv, group, d, page, budget, device, dtype, st
 @cpu_only
 @pytest.mark.parametrize("budget_pages,full", [(2, False), (64, True)])
 def test_interp_backend_decode_step(budget_pages, full):
-    from vllm_sparse_backend.decode_topk import TopkDecodeBudget
+    from vllm_sparse_backend.decode.topk import TopkDecodeBudget
 
     budget = TopkDecodeBudget(sink_pages=1, recent_pages=1, budget_pages=budget_pages)
     run_decode_steps([5, 70, 130], hkv=2, group=2, d=64, page=16, budget=budget, device="cpu", dtype=torch.float32)
@@ -518,7 +519,7 @@ def test_interp_backend_decode_step(budget_pages, full):
 
 @gpu
 def test_gpu_backend_decode_step():
-    from vllm_sparse_backend.decode_topk import TopkDecodeBudget
+    from vllm_sparse_backend.decode.topk import TopkDecodeBudget
 
     budget = TopkDecodeBudget(sink_pages=1, recent_pages=4, budget_pages=16)
     run_decode_steps([300, 2100], hkv=8, group=4, d=128, page=16, budget=budget, device="cuda", dtype=torch.bfloat16,

@@ -1,4 +1,4 @@
-"""GPU index estimation (sparse_prefill_kernels/estimate.py) vs the torch pattern estimators.
+"""GPU index estimation (vllm_sparse_kernels/prefill/estimate.py) vs the torch pattern estimators.
 
 Every case builds a row's K in a paged cache (pages in random order, NaN in the unused slots,
 garbage in the block table past the row), runs the torch estimator on the row's contiguous K and
@@ -26,13 +26,13 @@ from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
 from vllm_sparse_backend.prefill.patterns.block_sparse import block_sparse_selection
 from vllm_sparse_backend.prefill.patterns.base import block_means
 from vllm_sparse_backend.prefill.patterns.flex_prefill import flex_prefill_selection
-from sparse_prefill_kernels.estimate_math import scored_block_mass
+from vllm_sparse_kernels.prefill.estimate_math import scored_block_mass
 from vllm_sparse_backend.prefill.patterns.block_sparse import row_keys
-from vllm_sparse_backend.reference import kv_head_map
+from vllm_sparse_kernels.reference.attention import kv_head_map
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-est = kernel_module("estimate")
+est = kernel_module("prefill.estimate")
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
 
 

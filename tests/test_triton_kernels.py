@@ -19,13 +19,15 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_backend.prefill.index import build_index, index_to_dense_mask, num_blocks
+from vllm_sparse_kernels.reference.attention import gather_paged_kv, sparse_attention, sparse_attention_lse
+
+from vllm_sparse_backend.prefill.index import build_index, num_blocks
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
-from vllm_sparse_backend.reference import gather_paged_kv, sparse_attention
+from vllm_sparse_backend.stats import SparseStats
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
-sa = kernel_module("sparse_attention")
+sa = kernel_module("prefill.attention")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GAP = 3  # tokens between rows in q/out that belong to no row
 
@@ -95,17 +97,6 @@ def random_index(h, q_len, ctx_len, density, n_cols, gen, device, ranges=False):
 def full_index(h, q_len, ctx_len, device):
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
     return build_index(torch.ones(h, nqb, nkb, dtype=torch.bool), 64, q_len, ctx_len).to(device)
-
-
-def reference_lse(q, k, v, index, ctx_len, scale, softcap):
-    """float64 log-sum-exp per (head, query) of the allowed pairs ([H, q_len]); tiny sizes only."""
-    q_len, h, d = q.shape
-    kvh = torch.arange(h) // (h // k.shape[1])
-    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    allowed = index_to_dense_mask(index.to("cpu"), q_len, ctx_len)
-    return torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
 
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
@@ -188,7 +179,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
         err = ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
         assert err < tol, f"row {bt_row} (q_len={q_len}, ctx={ctx}): rel err {err:.3e} >= {tol}"
         if check_lse:
-            ref_lse = reference_lse(qr.cpu(), k.cpu(), v.cpu(), ix, ctx, scale, softcap)
+            ref_lse = sparse_attention_lse(qr.cpu(), k.cpu(), v.cpu(), ix, ctx, scale, softcap)
             got_lse = lse[:, t0:t0 + q_len].double().cpu()
             fin = torch.isfinite(ref_lse)
             assert torch.equal(fin, torch.isfinite(got_lse))
@@ -339,6 +330,102 @@ def test_pack_rows_puts_lists_of_unequal_widths_side_by_side():
         assert len({t.shape[-1] for t in lists}) > 1 or name == "range_start"
         assert torch.equal(getattr(bix, name), want.to(torch.int32)), name
     assert torch.equal(bix.block_count, torch.cat([ix.block_count for ix in indices], 1).to(torch.int32))
+
+
+def _row_table_case(device=DEV, share=1):
+    """A three-row step (one row of no queries) with per-row lists and whole-row flags."""
+    gen = torch.Generator().manual_seed(21)
+    hkv, group, d, page = 1, 2, 64, 16
+    shapes = [(70, 0), (0, 30), (130, 100)]
+    key_cache, value_cache, table, _, _ = make_cache([q + c for q, c in shapes], hkv, d, page, torch.float32, "NHD",
+                                                     gen, device)
+    rows, tok = [], GAP
+    for i, (q_len, ctx) in enumerate(shapes):
+        rows.append((i, tok, q_len, ctx))
+        tok += q_len + GAP
+    q = torch.randn(tok, hkv * group, d, generator=gen).to(device)
+    lists = [random_index(hkv * group // share, q_len, ctx, 0.35, 8, gen, device, ranges=q_len > 0)
+             for q_len, ctx in shapes]
+    whole = torch.tensor([False, True, True], device=device)
+    return dict(q=q, key_cache=key_cache, value_cache=value_cache, block_table=table, rows=rows, scale=d ** -0.5), \
+        lists, whole
+
+
+def test_plan_rows_holds_what_each_launch_built():
+    """The planned table's metadata is the one pack_rows builds per launch, and its per-block row
+    ids expand per-row flags as the launcher's per-row expansion does."""
+    args, lists, whole = _row_table_case("cpu")
+    table = sa.plan_rows(args["rows"], 64, "cpu")
+    assert torch.equal(table.meta, sa.pack_rows(args["rows"], lists).meta)
+    assert table.meta.is_contiguous() and table.meta.dtype == torch.int32
+    assert table.query_blocks == (2, 0, 3) and table.num_query_blocks == 5
+    per_row = torch.cat([whole[i].view(1).expand(n) for i, n in enumerate(table.query_blocks)]).to(torch.int32)
+    assert torch.equal(table.block_flags(whole), per_row)
+    empty = sa.plan_rows([], 64, "cpu")
+    assert empty.meta.shape == (0, 5) and empty.block_rows.shape == (0,)
+
+
+def test_row_table_refuses_other_rows():
+    args, lists, _ = _row_table_case("cpu")
+    table = sa.plan_rows(args["rows"], 64, "cpu")
+    other = [(r[0], r[1], r[2], r[3] + 1) for r in args["rows"]]
+    with pytest.raises(ValueError, match="planned for other rows"):
+        sa.pack_rows(other, lists, row_table=table)
+    with pytest.raises(ValueError, match="planned for 32-query blocks"):
+        sa.pack_rows(args["rows"], None, device="cpu", block_size=64, row_table=sa.plan_rows(args["rows"], 32, "cpu"))
+
+
+@cpu_only
+@pytest.mark.parametrize("share", [1, 2])
+def test_interp_row_table_gives_the_same_output(share):
+    """A launch with the step's planned row table writes what a launch that builds its own writes,
+    bit for bit: lists packed by the launcher, packed beforehand, and dense."""
+    args, lists, whole = _row_table_case(share=share)
+    table = sa.plan_rows(args["rows"], 64, args["q"].device)
+    outs = []
+    for row_table in (None, table):
+        out = torch.full_like(args["q"], float("nan"))
+        sa.sparse_prefill_attention(**args, index=lists, out=out, whole_rows=whole, row_table=row_table)
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    packed = sa.pack_rows(args["rows"], lists, heads_per_list=share, row_table=table)
+    if share == 1:
+        out = torch.full_like(args["q"], float("nan"))
+        sa.sparse_prefill_attention(**args, index=packed, out=out, whole_rows=whole, row_table=table)
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0, equal_nan=True)
+    dense = [torch.full_like(args["q"], float("nan")) for _ in range(2)]
+    sa.sparse_prefill_attention(**args, index=None, out=dense[0])
+    sa.sparse_prefill_attention(**args, index=sa.pack_rows(args["rows"], None, device=args["q"].device,
+                                                          row_table=table), out=dense[1])
+    torch.testing.assert_close(dense[0], dense[1], rtol=0, atol=0, equal_nan=True)
+
+
+@cpu_only
+def test_interp_row_table_is_reused_across_launches(monkeypatch):
+    """Two launches (two layers of a step) with one planned table: both pack its very meta tensor,
+    and nothing is built or copied to the device again (the host-to-device path is disabled)."""
+    from vllm_sparse_kernels.prefill import packing
+
+    args, lists, whole = _row_table_case()
+    table = sa.plan_rows(args["rows"], 64, args["q"].device)
+
+    def no_copy(*a, **k):
+        raise AssertionError("the row table was built or copied again")
+
+    monkeypatch.setattr(packing, "_meta_table", no_copy)
+    monkeypatch.setattr(packing, "_to_device", no_copy)
+    packed = []
+    real_pack = sa.pack_rows
+
+    def recording_pack(*a, **k):
+        packed.append(real_pack(*a, **k))
+        return packed[-1]
+
+    monkeypatch.setattr(sa, "pack_rows", recording_pack)
+    for _ in range(2):
+        out = torch.full_like(args["q"], float("nan"))
+        sa.sparse_prefill_attention(**args, index=lists, out=out, whole_rows=whole, row_table=table)
+    assert len(packed) == 2 and all(bix.meta is table.meta for bix in packed)
 
 
 @cpu_only
@@ -575,11 +662,11 @@ def test_gpu_fp8_kv_cache(group, share, d, mode):
 
 
 # ------------------------------------------------------------------------------------------
-# GPU index building for vertical-slash heads (sparse_prefill_kernels/vs_index.py)
+# GPU index building for vertical-slash heads (vllm_sparse_kernels/prefill/vs_index.py)
 # ------------------------------------------------------------------------------------------
 
-vsi = pytest.importorskip("sparse_prefill_kernels.vs_index",
-                          reason="sparse_prefill_kernels is not installed (pip install -e .)")
+vsi = pytest.importorskip("vllm_sparse_kernels.prefill.vs_index",
+                          reason="vllm_sparse_kernels is not installed (pip install -e .)")
 DIAG_MODES = sorted(vsi.DIAG_MODES)
 
 
@@ -641,7 +728,7 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
     the reference sums the per-head float scores afterwards. ``odd_row``: the row's block table
     at an address that is not 16-byte aligned (:func:`odd_table_row`)."""
     from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_backend.reference import kv_head_map
+    from vllm_sparse_kernels.reference.attention import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx_len + q_len
@@ -710,7 +797,7 @@ def test_interp_last_q_scores_unaligned_table_row(diagonals):
     # row vLLM hands over need not be 16-byte aligned where the profiling run's was
     check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=9, device="cpu", tol=1e-4, diagonals=diagonals,
                  group_sum=True, odd_row=True)
-    est = kernel_module("estimate")
+    est = kernel_module("prefill.estimate")
     for kernel in (vsi._lastq_pass, vsi._lastq_skew_pass, est._pool_kernel):
         assert "bt_ptr" in kernel.kwargs["do_not_specialize_on_alignment"]
 
@@ -738,7 +825,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
     of into the keys)."""
     from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_backend.reference import kv_head_map
+    from vllm_sparse_kernels.reference.attention import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx_len + q_len
@@ -851,10 +938,11 @@ def _glue_case(dtype, device, seed=5):
         return gather_paged_kv(key_cache, value_cache, table[r.row].to(device), r.ctx_len + r.q_len)
 
     ref = torch.full_like(query, float("nan"))
-    run_sparse_rows(query, ref, rows, kv, heads, settings, d ** -0.5)
+    run_sparse_rows(query, ref, rows, kv, heads, settings, d ** -0.5, 0.0, None, SparseStats())
     got = torch.full_like(query, float("nan"))
     run_sparse_rows_paged(query, got, rows, key_cache, value_cache, table.to(device),
-                          HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention)
+                          HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention,
+                          SparseStats())
     assert torch.isfinite(got).all()
     rel = (got.double() - ref.double()).norm() / ref.double().norm()
     assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel

@@ -2,6 +2,7 @@
 be switched on before triton is first imported), and a clean skip where triton is absent (the
 CPU project venv has none on purpose; `make test` runs these modules with a separate site)."""
 
+import importlib
 import os
 
 import pytest
@@ -17,5 +18,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def kernel_module(name: str):
-    return pytest.importorskip(f"sparse_prefill_kernels.{name}",
-                               reason="sparse_prefill_kernels is not installed (pip install -e .)")
+    """A kernel module by its name inside ``vllm_sparse_kernels`` (e.g. ``prefill.attention``). Not a
+    skip: with triton present (checked above), a module that does not import is a failure."""
+    return importlib.import_module(f"vllm_sparse_kernels.{name}")

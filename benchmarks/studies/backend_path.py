@@ -42,7 +42,7 @@ from vllm_sparse_backend.prefill.index import SparseIndex, count_pairs
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged
 from vllm_sparse_backend.prefill.budgets import kv_group_share
 from vllm_sparse_backend.prefill.plan import SparseRow
-from sparse_prefill_kernels import sparse_attention as sa
+from vllm_sparse_kernels.prefill import attention as sa
 
 
 def structured_qkv(n, h, hkv, d, gen, dev="cuda"):
@@ -208,7 +208,7 @@ def kernel_sweep(n, chunk, gen, h=32, hkv=8, d=128, dev="cuda") -> list[str]:
         lines.append(f"  kernel, {which} {var or '[default]'}: {graph_ms(kernel_only, reps=5):.3f} ms "
                      f"(max |diff| vs default {diff:.1e})")
         print(lines[-1], flush=True)
-    from sparse_prefill_kernels import vs_index as vsi
+    from vllm_sparse_kernels.prefill import vs_index as vsi
     r = rows[-1]
     lines.append(f"  estimation of the last chunk (ctx {r.ctx_len // 1024}K), GPU us per kernel:")
     for name, us in gpu_kernel_times(lambda: estimate_index_paged(q[r.tok_start:], key_cache, table[0], r.ctx_len,

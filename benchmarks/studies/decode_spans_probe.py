@@ -95,7 +95,7 @@ class ProbeSelector:
         self.topk.prefill(layer, q, k, v)
 
     def attend(self, layer, q, k, v, scale) -> torch.Tensor:
-        from sparse_prefill_kernels import span_decode, topk_decode
+        from vllm_sparse_kernels.reference import span_decode, topk_decode
 
         length = k.shape[1]
         self.attended.add(length, length)

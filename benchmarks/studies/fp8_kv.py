@@ -45,8 +45,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.kernels import bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
-from vllm_sparse_backend.prefill.index import index_to_dense_mask  # noqa: E402
-from sparse_prefill_kernels import vs_index as vsi  # noqa: E402
+from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
+from vllm_sparse_kernels.prefill import vs_index as vsi  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # Llama-3-8B
 PAGE = 16

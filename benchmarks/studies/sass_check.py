@@ -101,7 +101,7 @@ def _sass(cubin: bytes) -> tuple[str, str]:
 
 
 def _launch(sa, d=128, h=8, hkv=2, page=64, kv=None, dense=False, shared=False, merge=0, whole=None, **kw):
-    from sparse_prefill_kernels.index_format import SparseIndex
+    from vllm_sparse_kernels.index_format import SparseIndex
 
     t, pages = 300, 32  # 300 keys fit 32 pages of 16; 32: the block table's stride specialises as 16 would
     q = torch.randn(t, h, d, dtype=torch.bfloat16)
@@ -130,7 +130,7 @@ def _launch(sa, d=128, h=8, hkv=2, page=64, kv=None, dense=False, shared=False, 
 
 def compile_cases(out_dir: str, only: list[str]) -> None:
     _fake_sm90_driver()
-    import sparse_prefill_kernels.sparse_attention as sa
+    import vllm_sparse_kernels.prefill.attention as sa
 
     compiled: list = []
     _compile_only([sa], compiled)

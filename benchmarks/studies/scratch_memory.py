@@ -33,7 +33,7 @@ import random
 
 import torch
 
-from sparse_prefill_kernels import sparse_attention as sa
+from vllm_sparse_kernels.prefill import attention as sa
 
 from vllm_sparse_backend.prefill.budgets import kv_group_share
 from vllm_sparse_backend.head_configs import resolve_head
@@ -41,6 +41,7 @@ from vllm_sparse_backend.prefill.estimate import HeadGroups
 from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 from vllm_sparse_backend.prefill.claim import run_worst_case_steps
+from vllm_sparse_backend.stats import SparseStats
 from vllm_sparse_tools.evaluation.variants import parse_variant
 
 GIB = 2 ** 30
@@ -122,7 +123,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             run_sparse_rows_paged(query, output, rows, key_cache, value_cache, table, groups, cfg, scale, 0.0,
-                                  sa.sparse_prefill_attention, dense_row=lambda row: None)
+                                  sa.sparse_prefill_attention, SparseStats(), density_fallback=True)
             if cuda:
                 torch.cuda.synchronize()
                 used = torch.cuda.max_memory_allocated() - live

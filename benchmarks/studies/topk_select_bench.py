@@ -61,7 +61,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to time")
         return 0
-    from sparse_prefill_kernels import topk_select as ts
+    from vllm_sparse_kernels import topk_select as ts
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print()
     print("| R | N | k | torch topk+sort eager (us) | ours eager (us) | ours host (us) | ours graph (us) "

@@ -41,6 +41,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadataBuilder)
+from vllm_sparse_kernels.reference.attention import gather_paged_kv
 
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, current_vllm_config,
@@ -50,7 +51,6 @@ from ..decode import decode_mode
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
 from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged
-from ..reference import gather_paged_kv
 from ..runtime import worker_runtime
 from .claim import claim_scratch
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, count_dense_tokens,
@@ -125,7 +125,9 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         if self.runtime.settings.max_density < 1.0:
             for r in plan.sparse_rows:
                 fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
-        row_table = None  # wired to the kernel's per-step table below
+        # the kernel's table of the step's sparse rows, copied to the device once for every layer
+        row_table = kernels.sparse_attention.plan_rows(plan.sparse_rows, self.runtime.settings.block_size,
+                                                       self.device) if self._uses_kernel_table else None
         return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
                                   cm.block_table_tensor, cm.slot_mapping, fallback, row_table, decode_plan)
 

@@ -1,7 +1,7 @@
 """One step of the opt-in span-retrieval decode mode (issue 8, item 2): metadata -> spans -> pages -> attention.
 
 Backend-agnostic glue between a step's paged-cache metadata and the kernels of
-``sparse_prefill_kernels/span_decode.py`` (Ltri-LLM, mapped onto vLLM's pages; the module doc there has
+``vllm_sparse_kernels/decode/span_decode.py`` (Ltri-LLM, mapped onto vLLM's pages; the module doc there has
 the algorithm):
 
 1. every step, the pages its slots wrote get a fallback span key (their mean key times

@@ -1,7 +1,7 @@
 """One decode step of the opt-in top-k decode mode (issue 8): metadata -> summaries -> pages -> attention.
 
 Backend-agnostic glue between a step's paged-cache metadata and the kernels of
-``sparse_prefill_kernels/topk_decode.py``:
+``vllm_sparse_kernels/decode/topk_decode.py``:
 
 1. the pages the step's slots were written to get their key summaries (per-page min / max per
    KV head) recomputed, so summaries follow the cache through prefill and decode alike;

@@ -23,10 +23,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from vllm_sparse_kernels.reference.attention import kv_head_map
 
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead
-from ..reference import kv_head_map
 from .budgets import budget_density, kv_group_share
 from .index import SparseIndex, build_index, num_blocks
 from .patterns import get_pattern

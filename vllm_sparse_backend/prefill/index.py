@@ -1,19 +1,20 @@
 """Building and measuring :class:`SparseIndex` lists on the package side: compaction of masks into
-lists, the dense mask of an index (tests), pair counts and density (stats).
+lists, pair counts and density (stats).
 
 The format itself (what every pattern produces and every kernel consumes) is defined in the kernel
-package, :mod:`sparse_prefill_kernels.index_format`; its names are re-exported here.
+package, :mod:`vllm_sparse_kernels.index_format`; its names are re-exported here. The dense mask
+of an index (an oracle for tests) is :func:`vllm_sparse_kernels.reference.index.index_to_dense_mask`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sparse_prefill_kernels.index_format import (SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks,
-                                                 query_block_bounds, range_stops)
+from vllm_sparse_kernels.index_format import (SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks,
+                                              query_block_bounds, range_stops)
 
 __all__ = ["SparseIndex", "build_index", "causal_block_mask", "compact", "count_pairs", "count_pairs_tensor",
-           "diagonal_block_mask", "in_ranges", "index_density", "index_to_dense_mask", "num_blocks",
+           "diagonal_block_mask", "in_ranges", "index_density", "num_blocks",
            "query_block_bounds", "range_cover", "range_stops"]
 
 
@@ -99,38 +100,6 @@ def in_ranges(range_start: torch.Tensor, keys: torch.Tensor, block_size: int) ->
     found = torch.gather(sorted_starts, -1, last.clamp(min=0))
     # the next start is > key by construction, so the range's own width decides
     return (last >= 0) & (keys < found + block_size)
-
-
-def index_to_dense_mask(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
-    """bool [H, q_len, kv_len] of the (query, key) pairs the index allows, causality applied.
-
-    Materialises the full mask: for tests and small inputs only.
-    """
-    b = index.block_size
-    kv_len = ctx_len + q_len
-    h, nqb = index.block_count.shape
-    device = index.block_count.device
-    # one block of slack: a range may reach past the last key block (its keys there are masked)
-    mask = torch.zeros(h, nqb, num_blocks(kv_len, b) * b + b, dtype=torch.bool, device=device)
-    for j in range(index.block_index.shape[-1]):
-        kb = index.block_index[..., j].to(torch.int64)
-        valid = kb >= 0
-        pos = kb.clamp(min=0)[..., None] * b + torch.arange(b, device=device)
-        mask.scatter_(2, pos, valid[..., None].expand(-1, -1, b) | torch.gather(mask, 2, pos))
-    stops = range_stops(index.range_start, b)
-    for j in range(index.range_start.shape[-1]):
-        s0 = index.range_start[..., j].to(torch.int64)
-        pos = s0.clamp(min=0)[..., None] + torch.arange(b, device=device)
-        valid = (s0 >= 0)[..., None] & (pos < stops[..., j, None])
-        mask.scatter_(2, pos, valid | torch.gather(mask, 2, pos))
-    for j in range(index.column_index.shape[-1]):
-        c = index.column_index[..., j].to(torch.int64)
-        valid = c >= 0
-        pos = c.clamp(min=0)[..., None]
-        mask.scatter_(2, pos, valid[..., None] | torch.gather(mask, 2, pos))
-    mask = mask[..., :kv_len].repeat_interleave(b, dim=1)[:, :q_len]
-    qpos = torch.arange(q_len, device=device) + ctx_len
-    return mask & (torch.arange(kv_len, device=device)[None, :] <= qpos[:, None])[None]
 
 
 def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:

@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from vllm_sparse_kernels.reference.attention import causal_pairs, sparse_attention
 
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead
-from ..reference import causal_pairs, sparse_attention
 from ..stats import SparseStats
 from .budgets import budgets_cover_every_key
 from .estimate import HeadGroups, estimate_index, estimate_index_paged
@@ -73,7 +73,7 @@ def _record(stats: SparseStats, row: SparseRow, num_heads: int, computed: int | 
     stats.record_sparse_row(row.q_len, causal_pairs(row.q_len, row.ctx_len, num_heads), computed, head_patterns)
 
 
-# The Triton kernel's entry point (sparse_prefill_kernels.sparse_attention.sparse_prefill_attention).
+# The Triton kernel's entry point (vllm_sparse_kernels.prefill.attention.sparse_prefill_attention).
 PagedKernel = Callable[..., object]
 
 

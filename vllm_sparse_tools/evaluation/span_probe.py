@@ -96,7 +96,7 @@ def probe_layer(q: torch.Tensor, k: torch.Tensor, scale: float, page_size: int, 
         by_span.setdefault(span_ids[t // page_size], []).append(t)
     span_bound = None
     if summaries is not None:
-        from sparse_prefill_kernels import topk_decode  # imports triton
+        from vllm_sparse_kernels.reference import topk_decode  # its torch references
 
         smin, smax = (x[:n_pages].double().clone() for x in summaries)
         ids = torch.tensor(span_ids)

@@ -13,7 +13,7 @@ backend needs to know about it:
 
 Nothing outside this folder dispatches on a pattern's name. The score arithmetic the estimators
 share with the GPU kernels (``block_means``, ``sum_head_groups``, ``cumulative_budget``) lives in
-:mod:`sparse_prefill_kernels.estimate_math` and is re-exported here.
+:mod:`vllm_sparse_kernels.prefill.estimate_math` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
-from sparse_prefill_kernels.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
+from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ..index import SparseIndex, build_index, num_blocks
 

@@ -3,9 +3,9 @@
 Three ways to score a block (``block_scoring``): MInference's mean-pooled Q . mean-pooled K
 (softmax does not change a row's top-k); the estimated softmax mass of each block from the
 anti-diagonals of strided cells (``antidiagonal``, XAttention's scoring,
-:func:`sparse_prefill_kernels.estimate_math.antidiagonal_block_mass`); or the real attention
+:func:`vllm_sparse_kernels.prefill.estimate_math.antidiagonal_block_mass`); or the real attention
 mass of a few sampled queries of each query block (``sampled``,
-:func:`sparse_prefill_kernels.estimate_math.sampled_block_mass`). The last two can also keep
+:func:`vllm_sparse_kernels.prefill.estimate_math.sampled_block_mass`). The last two can also keep
 only the fewest blocks reaching ``block_mass`` of a row's mass (at most top-k). The diagonal
 blocks are always kept (they count toward k, except that both are kept when an unaligned chunk
 has two) so that every query sees at least its own position."""
@@ -13,11 +13,11 @@ has two) so that every query sees at least its own position."""
 from __future__ import annotations
 
 import torch
-from sparse_prefill_kernels.estimate_math import mass_block_counts, scored_block_mass
-from sparse_prefill_kernels.kv_quant import scale_operand
+from vllm_sparse_kernels.prefill.estimate_math import mass_block_counts, scored_block_mass
+from vllm_sparse_kernels.kv_quant import scale_operand
+from vllm_sparse_kernels.reference.attention import gather_pages
 
 from ...kernels import estimate
-from ...reference import gather_pages
 from ..index import causal_block_mask, diagonal_block_mask
 from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sparse_prefill_kernels.estimate_math import rescale_block_mask, sqrt_js_divergence
+from vllm_sparse_kernels.prefill.estimate_math import rescale_block_mask, sqrt_js_divergence
 
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks

@@ -66,7 +66,7 @@ def slash_ranges(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size:
     one continue its segment; a segment is cut into ranges of ``block_size`` keys from its first
     key, so each diagonal adds at most two ranges and a segment of L keys costs ceil(L / B). The
     last range of a segment may reach past the segment (real keys, computed for free) but stops
-    where the next segment starts. Same arithmetic as ``sparse_prefill_kernels.vs_index``'s conversion.
+    where the next segment starts. Same arithmetic as ``vllm_sparse_kernels.prefill.vs_index``'s conversion.
     """
     h, kv_len = slash_keep.shape
     device = slash_keep.device

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .index_format import num_blocks
+from ..index_format import num_blocks
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 :func:`topk_ascending` computes ``scores.topk(k, sorted=False).indices.sort(-1).values`` on rows of
 fp32 scores. Used by the decode page selection (``topk_decode.select_pages``: 8..256 rows of
-2K..8K pages, k = 40..400), which runs in CUDA graphs where it is 1.3-3.5x faster than torch (see
-the table). Also the prefill estimation's (``vs_index.vs_topk`` with one host budget: 8..32 rows
-of up to 512K columns, k = 1000 / 6096): eagerly a call is bound by the host's launch cost (only
-1.0-1.6x faster), but in the engine the host runs ahead and the GPU time counts: 0.085 vs
-0.259 ms for torch's topk + sort at 8 x 128K (docs/kernel-notes.md, run 29).
+2K..8K pages, k = 40..400), which runs in CUDA graphs where it is faster than torch. Also the
+prefill estimation's (``vs_index.vs_topk`` with one host budget: 8..32 rows of up to 512K
+columns, k = 1000 / 6096): eagerly a call is bound by the host's launch cost, but in the engine
+the host runs ahead and the GPU time counts, which is less than torch's topk + sort.
 
 Algorithm (no sort, no host synchronisation, shapes fixed by host ints: CUDA-graph capturable):
 
@@ -35,20 +34,11 @@ Launches per call: 1 memset (``torch.zeros``) + 4 histogram passes + 1 compactio
 (``k >= N`` or ``k == 0`` without ``row_k``: a few small torch ops instead). The row is read 5
 times, after the first read from L2 (16 MB at 8 x 512K fits).
 
-Measured on an H200 (Triton 3.6, torch 2.11; ``benchmarks/topk_select_bench.py``, rows uniform^4
-with 64 +inf columns; median us, this version):
+Timings: docs/kernel-measurements.md (eager calls are bound by the host's launch cost; the
+GPU work is what a CUDA graph runs).
 
-    R x N, k            ours eager   ours graph   torch eager   torch graph
-    8 x 128K, 6096         135           45          220           160
-    8 x 512K, 6096         174          125          243           190
-    8 x 128K, 1000         133           46          142            98
-    32 x 128K, 6096        176          127          255           204
-    256 x 8K, 170          140           77          143           104
-
-Eager calls are bound by the host (the bench's "host" column: 140-220 us per call for a 5-launch
-variant, i.e. 25-40 us per Triton 3.6 launch on that machine): the GPU work is the graph column.
 ``tl.histogram`` lowers to shared-memory atomics (one per element), so keys piling into
-few bins serialise; a 12 + 12 + 8-bit variant (3 passes, 4096 bins) was about 4x slower on the GPU
+few bins serialise; a 12 + 12 + 8-bit variant (3 passes, 4096 bins) was slower on the GPU
 (zeroing and reading 4096 shared bins per tile and per-program 4096-bin scans), hence 8-bit digits.
 """
 

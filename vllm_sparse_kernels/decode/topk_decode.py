@@ -53,9 +53,10 @@ Design notes:
   byte once for at most a group of query heads, so the slower fp32 MMA should not show (not yet
   measured on a GPU), and Triton's interpreter computes bf16 dots wrongly, which this avoids.
 
-Imports nothing from vLLM; torch, triton and ``topk_select`` of this folder only. The ``reference_*``
-functions at the end are plain torch (float64, loops over sequences) for tests and debugging;
-tests/test_topk_decode.py checks the kernels against them and against references of its own.
+Imports nothing from vLLM; torch, triton and this package only. Its plain torch references
+(float64, loops over sequences) for tests and debugging are in
+:mod:`vllm_sparse_kernels.reference.topk_decode`; tests/test_topk_decode.py checks the kernels
+against them and against references of its own.
 """
 
 from __future__ import annotations
@@ -64,25 +65,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk_select import topk_ascending
+from .paged_cache import SUPPORTED_DTYPES, check_cache, last_written_slot, page_key_tile, top_pages
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Programs that keep an H100/H200 busy for a decode step; below that, split the selected pages
 # (flash-decoding). A guess of the SM count, not a measurement.
 _TARGET_PROGRAMS = 132
-
-
-def _check_cache(key_cache: torch.Tensor) -> tuple[int, int, int]:
-    """(page_size, num_kv_heads, head_dim) of a ``[num_pages, page_size, Hkv, D]`` cache view."""
-    if key_cache.dim() != 4:
-        raise ValueError(f"key cache must be [num_pages, page_size, num_kv_heads, head_dim], "
-                         f"got {tuple(key_cache.shape)}")
-    if key_cache.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"cache dtype {key_cache.dtype} not supported (fp16, bf16, fp32)")
-    page, hkv, d = key_cache.shape[1:]
-    if page & (page - 1):
-        raise ValueError(f"page size {page} must be a power of two")
-    return page, hkv, d
+# Keys the attention kernel gathers per tile (whole pages: several small pages, or one larger page).
+KEYS_PER_TILE = 64
 
 
 def _check_summaries(summary_min: torch.Tensor, summary_max: torch.Tensor, key_cache: torch.Tensor) -> None:
@@ -90,7 +79,7 @@ def _check_summaries(summary_min: torch.Tensor, summary_max: torch.Tensor, key_c
     for s in (summary_min, summary_max):
         if tuple(s.shape) != want:
             raise ValueError(f"summaries must be [num_pages, num_kv_heads, head_dim] = {want}, got {tuple(s.shape)}")
-        if s.dtype not in _SUPPORTED_DTYPES:
+        if s.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"summary dtype {s.dtype} not supported")
     if summary_min.stride() != summary_max.stride():
         raise ValueError("summary_min and summary_max must have the same strides")
@@ -106,38 +95,11 @@ def allocate_page_summaries(key_cache: torch.Tensor,
     page_size, num_kv_heads, head_dim]`` key cache, one per physical page, on its device.
     ``dtype``: default the cache dtype (exact, see the module notes), or fp32. Contents are
     undefined until the pages are summarised; only pages inside a sequence are ever read."""
-    _check_cache(key_cache)
+    check_cache(key_cache)
     shape = (key_cache.shape[0], key_cache.shape[2], key_cache.shape[3])
     dtype = dtype or key_cache.dtype
     return (torch.empty(shape, dtype=dtype, device=key_cache.device),
             torch.empty(shape, dtype=dtype, device=key_cache.device))
-
-
-@triton.jit
-def page_key_tile(k_ptr, page, n_valid, kvh, s_kp, s_kt, s_kh, s_kd,
-                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The first ``n_valid`` keys of physical ``page`` and KV head ``kvh`` as fp32 ``[PAGE,
-    BLOCK_D]`` (0 elsewhere: unused slots may hold NaN), the validity mask, offs_d and d_ok."""
-    offs_t = tl.arange(0, PAGE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    valid = (offs_t < n_valid)[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + page * s_kp + offs_t[:, None] * s_kt + kvh * s_kh + offs_d[None, :] * s_kd,
-                mask=valid, other=0.0).to(tl.float32)
-    return k, valid, offs_d, d_ok
-
-
-@triton.jit
-def last_written_slot(slot_ptr, i, num_slots, PAGE: tl.constexpr):
-    """Slot ``i`` of a slot_mapping: (slot, physical page, offset, n_valid). ``n_valid`` = offset + 1
-    when no later slot of this call continues the page (only the last write of a page recomputes
-    it), else 0; 0 for padding (-1)."""
-    slot = tl.load(slot_ptr + i).to(tl.int64)
-    nxt = tl.load(slot_ptr + i + 1, mask=i + 1 < num_slots, other=-1).to(tl.int64)
-    page = tl.maximum(slot // PAGE, 0)
-    offset = slot % PAGE
-    last_of_page = (nxt != slot + 1) | (offset == PAGE - 1)
-    return slot, page, offset, tl.where((slot >= 0) & last_of_page, offset + 1, 0)
 
 
 @triton.jit
@@ -193,7 +155,7 @@ def update_page_summaries(key_cache: torch.Tensor, summary_min: torch.Tensor, su
     slots in one call are consecutive in ``slot_mapping``. One program per (slot, KV head); those
     of a page's earlier slots read two slot ids and nothing else (their loads are masked off).
     """
-    page, hkv, d = _check_cache(key_cache)
+    page, hkv, d = check_cache(key_cache)
     _check_summaries(summary_min, summary_max, key_cache)
     n = slot_mapping.shape[0]
     if n == 0:
@@ -214,7 +176,7 @@ def build_page_summaries(key_cache: torch.Tensor, block_table: torch.Tensor, seq
     cover, at least ``ceil(max(seq_lens) / page_size)``. Pages past a sequence's length are left
     untouched (their block-table entries are never read).
     """
-    page, hkv, d = _check_cache(key_cache)
+    page, hkv, d = check_cache(key_cache)
     _check_summaries(summary_min, summary_max, key_cache)
     max_pages = block_table.shape[1] if max_pages is None else max_pages
     batch = seq_lens.shape[0]
@@ -318,17 +280,6 @@ def select_pages(q: torch.Tensor, summary_min: torch.Tensor, summary_max: torch.
         BLOCK_H=triton.next_power_of_2(hps), BLOCK_P=block_p,
     )
     return top_pages(scores, width)
-
-
-def top_pages(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``width`` best pages of fp32 page scores ``[batch, S, score_width]``: (selected int32
-    ``[batch, S, width]`` logical pages ascending, -1 where the score is -inf; counts ``[batch,
-    S]``). Forced pages scored +inf always make the width; pages past the sequence are -inf and
-    have the highest page numbers, so in ascending order they come last and are cut off there."""
-    batch, n_sel, score_width = scores.shape
-    ids, _, vals = topk_ascending(scores.view(batch * n_sel, score_width), width, return_values=True)
-    ok = (vals > float("-inf")).view(batch, n_sel, width)
-    return torch.where(ok, ids.view(batch, n_sel, width), -1), ok.sum(-1, dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,8 +444,8 @@ def _combine_splits_kernel(part_o_ptr, part_lse_ptr, o_ptr, s_ob, s_oh, s_od, nu
 
 
 def pages_per_tile(page_size: int) -> int:
-    """Selected pages gathered per key tile: 64 keys a tile (one page when pages are larger)."""
-    return max(1, 64 // page_size)
+    """Selected pages gathered per key tile: KEYS_PER_TILE keys a tile (one page when pages are larger)."""
+    return max(1, KEYS_PER_TILE // page_size)
 
 
 def default_num_splits(batch: int, num_selections: int, width: int, page_size: int) -> int:
@@ -551,11 +502,11 @@ def topk_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     Triton 3.9) spills 0.5 KB per thread at 4 warps for head dim 128 and 64-key tiles (the
     gathered tiles' 64-bit addresses), none at 8; not timed yet. Returns ``out``.
     """
-    page, hkv, d = _check_cache(key_cache)
+    page, hkv, d = check_cache(key_cache)
     batch, h, dq = q.shape
     if dq != d or value_cache.shape[-1] != d or tuple(value_cache.shape[:3]) != tuple(key_cache.shape[:3]):
         raise ValueError("q, key cache and value cache head sizes / shapes disagree")
-    if q.dtype not in _SUPPORTED_DTYPES:
+    if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not supported")
     if h % hkv:
         raise ValueError(f"{h} query heads not a multiple of {hkv} KV heads")
@@ -611,110 +562,4 @@ def topk_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
             part_o, part_lse, out, *out.stride(), h,
             NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=d, BLOCK_D=block_d,
         )
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Plain torch references (float64, loops over sequences; small sizes)
-# --------------------------------------------------------------------------------------------
-
-def reference_page_summaries(key_cache: torch.Tensor, block_table: torch.Tensor,
-                             seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float64 min / max ``[num_pages, Hkv, D]`` over the valid keys of every page of every
-    sequence (NaN for pages of no sequence), and a bool ``[num_pages]`` of the pages covered."""
-    num_pages, page, hkv, d = key_cache.shape
-    smin = torch.full((num_pages, hkv, d), float("nan"), dtype=torch.float64, device=key_cache.device)
-    smax = smin.clone()
-    covered = torch.zeros(num_pages, dtype=torch.bool, device=key_cache.device)
-    for b in range(seq_lens.shape[0]):
-        n = int(seq_lens[b])
-        n_pages = -(-n // page)
-        phys = block_table[b, :n_pages].to(torch.int64)
-        k = key_cache[phys].double()  # [n_pages, page, Hkv, D]
-        valid = (torch.arange(n_pages * page, device=k.device) < n).view(n_pages, page, 1, 1)
-        smin[phys] = torch.where(valid, k, float("inf")).amin(1)
-        smax[phys] = torch.where(valid, k, float("-inf")).amax(1)
-        covered[phys] = True
-    return smin, smax, covered
-
-
-def reference_page_bounds(q: torch.Tensor, summary_min: torch.Tensor, summary_max: torch.Tensor,
-                          phys_pages: torch.Tensor, heads_per_selection: int) -> torch.Tensor:
-    """float64 Quest bounds ``[S, n]`` of one sequence: q ``[H, D]``, pages ``[n]`` physical ids;
-    ``sum over the selection's heads of sum_d max(q_d * min_d, q_d * max_d)``."""
-    h = q.shape[0]
-    kv_of_head = torch.arange(h, device=q.device) // (h // summary_min.shape[1])
-    mn = summary_min[phys_pages].double()[:, kv_of_head]  # [n, H, D]
-    mx = summary_max[phys_pages].double()[:, kv_of_head]
-    qd = q.double()[None]
-    bound = torch.maximum(qd * mn, qd * mx).sum(-1)  # [n, H]
-    return bound.view(-1, h // heads_per_selection, heads_per_selection).sum(-1).T
-
-
-def reference_select_pages(q: torch.Tensor, summary_min: torch.Tensor, summary_max: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, *, sink_pages: int,
-                           recent_pages: int, num_pages_budget: int,
-                           per_query_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`select_pages`, by sorting float64 bounds (stable: ties go to the
-    lower page)."""
-    batch, h, _ = q.shape
-    hps = 1 if per_query_head else h // summary_min.shape[1]
-    n_sel = h // hps
-    width = sink_pages + recent_pages + num_pages_budget
-    selected = torch.full((batch, n_sel, width), -1, dtype=torch.int32)
-    counts = torch.zeros(batch, n_sel, dtype=torch.int32)
-    for b in range(batch):
-        n_pages = -(-int(seq_lens[b]) // page_size)
-        if n_pages == 0:
-            continue
-        score = reference_page_bounds(q[b], summary_min, summary_max, block_table[b, :n_pages].long(), hps).cpu()
-        j = torch.arange(n_pages)
-        forced = ((j < sink_pages) | (j >= n_pages - recent_pages)).expand(n_sel, n_pages)
-        cand = score.masked_fill(forced, float("-inf"))
-        best = cand.argsort(dim=-1, descending=True, stable=True)[:, :num_pages_budget]
-        top = torch.zeros_like(forced)
-        top.scatter_(1, best, cand.gather(1, best) > float("-inf"))  # short sequences: fewer than the budget
-        keep = forced | top
-        count = int(keep[0].sum())  # the same for every selection
-        selected[b, :, :count] = keep.nonzero()[:, 1].view(n_sel, count).to(torch.int32)
-        counts[b] = count
-    return selected, counts
-
-
-def reference_topk_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                    block_table: torch.Tensor, seq_lens: torch.Tensor, selected: torch.Tensor,
-                                    counts: torch.Tensor, scale: float, *, topk_tokens: int = 0, sink_pages: int = 0,
-                                    recent_pages: int = 0) -> torch.Tensor:
-    """float64 ``[batch, H, D]``: same contract as :func:`topk_decode_attention`, by gathering each
-    selection's tokens and a masked softmax (token top-k by ``torch.topk`` on float64 scores).
-    Counts must be equal across a sequence's selections (as :func:`select_pages` makes them)."""
-    batch, h, d = q.shape
-    page, hkv = key_cache.shape[1:3]
-    n_sel = selected.shape[1]
-    hps = h // n_sel
-    out = torch.zeros(batch, h, d, dtype=torch.float64)
-    sel_kv = torch.arange(n_sel) * hps // (h // hkv)  # KV head of each selection
-    for b in range(batch):
-        n, count = int(seq_lens[b]), int(counts[b, 0])
-        if count == 0:
-            continue
-        lp = selected[b, :, :count].cpu().long()  # [S, count]
-        pos = (lp[..., None] * page + torch.arange(page)).view(n_sel, -1)  # [S, T]
-        valid = pos < n
-        phys = block_table[b].cpu().long()[pos // page]
-        k = key_cache.cpu()[phys, pos % page, sel_kv[:, None]].double()  # [S, T, D]
-        v = value_cache.cpu()[phys, pos % page, sel_kv[:, None]].double()
-        k = torch.where(valid[..., None], k, 0.0)  # unused slots may be NaN
-        v = torch.where(valid[..., None], v, 0.0)
-        qs = q[b].cpu().double().view(n_sel, hps, d)
-        s = torch.einsum("shd,std->sht", qs, k)
-        allowed = valid[:, None, :].expand_as(s)
-        if topk_tokens > 0:
-            n_pages = -(-n // page)
-            forced = ((lp < sink_pages) | (lp >= n_pages - recent_pages)).repeat_interleave(page, -1)[:, None, :]
-            cand = s.masked_fill(~allowed | forced, float("-inf"))
-            kth = cand.topk(min(topk_tokens, cand.shape[-1]), -1).values[..., -1:]
-            allowed = allowed & (forced | (s >= kth))
-        p = torch.softmax((s * scale).masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-        out[b] = torch.einsum("sht,std->shd", p, v).reshape(h, d)
     return out

@@ -53,11 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..constants import BLOCK
+from ..index_format import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, query_block_bounds
+from ..kv_quant import scale_operand
 from .estimate_math import (block_means, cumulative_budget, mass_block_counts, rescale_block_mask, sqrt_js_divergence,
                             sum_head_groups)
-from .index_format import SparseIndex, causal_block_mask, diagonal_block_mask, num_blocks, query_block_bounds
-from .kv_quant import scale_operand
-from .vs_index import last_q_scores, vertical_slash_index, vs_topk
+from .vs_index import LAST_Q, last_q_scores, vertical_slash_index, vs_topk
 
 # Default cap on FlexPrefill vertical columns per head (the column lists are [H, NQB, cap]).
 DEFAULT_MAX_COLUMNS = 4096
@@ -190,7 +191,7 @@ def _no_columns(h: int, nqb: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 
 def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int, topk: torch.Tensor,
-                       block_size: int = 64, max_topk: int | None = None, share: int = 1) -> SparseIndex:
+                       block_size: int = BLOCK.value, max_topk: int | None = None, share: int = 1) -> SparseIndex:
     """MInference block-sparse heads (``patterns/block_sparse.py``) on the device.
 
     q_row: [q_len, H, D] the row's queries; pooled_k: [Hkv, NKB, D] from :func:`pooled_keys` at
@@ -212,7 +213,7 @@ def block_sparse_index(q_row: torch.Tensor, pooled_k: torch.Tensor, ctx_len: int
     return _top_blocks_index(scores, counts, q_len, ctx_len, block_size, max_topk)
 
 
-def mass_block_index(mass: torch.Tensor, topk: torch.Tensor, q_len: int, ctx_len: int, block_size: int = 64,
+def mass_block_index(mass: torch.Tensor, topk: torch.Tensor, q_len: int, ctx_len: int, block_size: int = BLOCK.value,
                      max_topk: int | None = None, block_mass: float | None = None) -> SparseIndex:
     """Block-sparse heads scored by a block mass (``estimate_math.scored_block_mass``: the
     ``antidiagonal`` and ``sampled`` scorings of ``patterns/block_sparse.py``) on the device: per
@@ -301,14 +302,15 @@ def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_ta
     """Vertical and slash sums [H, kv_len] fp32 of the last ``n`` queries of the row (any n);
     [Hkv, kv_len] summed over each KV group's heads with ``group_sum``.
 
-    ``last_q_scores`` takes at most 64 queries ending at kv_len; queries are independent rows of
-    the softmax, so the last n are split into chunks of 64 ending at kv_len, kv_len - 64, ... and
+    ``last_q_scores`` takes at most LAST_Q (64) queries ending at kv_len; queries are independent
+    rows of the softmax, so the last n are split into chunks of LAST_Q ending at kv_len,
+    kv_len - LAST_Q, ... and
     each chunk only sees keys below its own end (causality), its sums padded with zeros.
     ``k_scale``: as :func:`vs_index.last_q_scores` (an fp8 cache's per-layer scale)."""
     q_len = q_row.shape[0]
     vert = slash = None
-    for end in range(q_len, q_len - n, -64):  # host ints only
-        start = max(end - 64, q_len - n)
+    for end in range(q_len, q_len - n, -LAST_Q):  # host ints only
+        start = max(end - LAST_Q, q_len - n)
         kv_end = kv_len - (q_len - end)
         v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale, group_sum=group_sum,
                              k_scale=k_scale)
@@ -384,7 +386,7 @@ def flex_prefill_index(q_row: torch.Tensor, key_cache: torch.Tensor, block_table
 # --------------------------------------------------------------------------------------------
 
 def a_shape_index(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_len: int, ctx_len: int,
-                  block_size: int = 64, max_blocks: int | None = None) -> SparseIndex:
+                  block_size: int = BLOCK.value, max_blocks: int | None = None) -> SparseIndex:
     """Sink blocks plus the local window (``patterns/a_shape.py``), in closed form.
 
     sink_tokens, local_window: int [H] on the target device. The list of a query block is

@@ -6,13 +6,16 @@ kernels are tested against, so it favours clarity over speed, but it only touche
 keys: work and memory grow with the selected area, not with the full n x n square.
 
 GQA is handled by indexing K/V with ``kv_head = q_head // group`` (no repeated KV tensors).
+
+Torch only (no triton): the CPU serving path imports it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .prefill.index import SparseIndex, range_stops
+from ..index_format import SparseIndex, range_stops
+from .index import index_to_dense_mask
 
 # Upper bound on gathered key elements per step (query blocks are processed in groups).
 _GATHER_BUDGET = 1 << 24
@@ -107,7 +110,7 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     """softmax(q k^T * scale [softcapped] + mask) v on [..., B, K] tiles; rows with no allowed key -> 0."""
     if softcap <= 0:
         # An additive float mask keeps torch on its fused CPU attention kernel (a boolean mask is
-        # converted per call and measured ~4x slower on 2 cores).
+        # converted per call, which is several times slower).
         bias = torch.where(allowed, 0.0, float("-inf")).to(q.dtype)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         return o.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
@@ -118,6 +121,20 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     denom = p.sum(-1, keepdim=True)
     return torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def sparse_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex, ctx_len: int,
+                         scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """float64 log-sum-exp per (head, query) of the pairs the index allows ([H, q_len]), from the
+    dense mask: tiny sizes only. q: [q_len, H, D]; k: [kv_len, Hkv, D] (v: unused, the
+    signature of :func:`sparse_attention`)."""
+    q_len, h, d = q.shape
+    kvh = torch.arange(h) // (h // k.shape[1])
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = index_to_dense_mask(index.to("cpu"), q_len, ctx_len)
+    return torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
 
 
 def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:

@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .constants import BIG_KEY, MAX_START, NEG_INF
-from .index_format import SparseIndex, num_blocks
-from .kv_quant import check_kv_dtypes, scale_operand
-from .topk_select import aligned_rows, topk_ascending
+from ..constants import BIG_KEY, BLOCK, MAX_START, NEG_INF
+from ..index_format import SparseIndex, num_blocks
+from ..kv_quant import check_kv_dtypes, scale_operand
+from ..topk_select import aligned_rows, topk_ascending
 
 
 _ROW_COUNTS: dict[tuple, torch.Tensor] = {}
@@ -214,20 +214,20 @@ def _vs_convert_kernel(v_idx_ptr, v_cnt_ptr, s_idx_ptr, s_cnt_ptr,
     tl.store(ccnt_ptr + out_row, tl.minimum(ccount, max_c))
 
 
-def max_blocks_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64) -> int:
+def max_blocks_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = BLOCK.value) -> int:
     """Widest possible block list: every diagonal crosses at most two key blocks, and a query
     block sees at most all causal key blocks."""
     return max(1, min(num_blocks(ctx_len + q_len, block_size), 2 * max_s))
 
 
-def max_ranges_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = 64) -> int:
+def max_ranges_bound(q_len: int, ctx_len: int, max_s: int, block_size: int = BLOCK.value) -> int:
     """Widest possible range list: a diagonal adds at most two ranges, and the ranges of a query
     block number at most its segments (one per diagonal) plus one per ``block_size`` keys."""
     return max(1, min(2 * max_s, max_s + num_blocks(ctx_len + q_len, block_size)))
 
 
 def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.Tensor, s_cnt: torch.Tensor,
-                         q_len: int, ctx_len: int, block_size: int = 64, max_blocks: int | None = None,
+                         q_len: int, ctx_len: int, block_size: int = BLOCK.value, max_blocks: int | None = None,
                          max_columns: int | None = None, chunk: int = 512, slash_tiles: str = "blocks") -> SparseIndex:
     """Sorted vertical positions / diagonals (from :func:`vs_topk`) -> SparseIndex of one row.
 
@@ -236,9 +236,8 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
     (``max_blocks`` defaults to :func:`max_blocks_bound` / :func:`max_ranges_bound` and bounds
     whichever list the diagonals fill, ``max_columns`` to ``v_idx.shape[1]``); lists longer than
     a width given smaller than that are cut (their counts say so). No host synchronisation.
-    ``chunk`` (a power of two): diagonals or verticals a program handles per step (H200, 16K
-    chunk at 112K, 6096 diagonals, blocks: 512 takes 0.078 ms, 128 0.097 ms;
-    docs/kernel-notes.md).
+    ``chunk`` (a power of two): diagonals or verticals a program handles per step (the default
+    measured faster than smaller chunks).
     """
     if slash_tiles not in ("ranges", "blocks"):
         raise ValueError(f"slash_tiles must be 'ranges' or 'blocks', not {slash_tiles!r}")
@@ -481,9 +480,8 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
 def lastq_stack(group: int) -> int:
     """Query heads stacked per program in :func:`last_q_scores` with ``group_sum``: the largest
     power of two dividing the group, at most 4 (M = 256 rows; 8 heads would be 512 rows of fp32
-    scores per tile). H200, 128K, Llama-3-8B shape, diagonals summed per tile through a global
-    scratch (the mode before skew): 1.85 ms vs 2.67 ms for per-head scores summed afterwards;
-    skew mode, 4 warps: 4 heads 0.99-1.05 ms, 2 heads 1.36 ms."""
+    scores per tile). Stacking measured faster than per-head scores summed afterwards, and 4
+    heads faster than 2."""
     st = 1
     while st < 4 and group % (2 * st) == 0:
         st *= 2
@@ -539,27 +537,42 @@ def _skew_colsum(skew_ptr, slash_ptr, skew_w, kv_len, q0_pos, n_q,
     tl.store(slash_ptr + o.to(tl.int64) * kv_len + d, acc, mask=(d >= 0) & (d < kv_len))
 
 
-# The skew mode's slabs (64 x (kv_len + 63) fp32 per program) are a per-layer transient; above this
-# the gather mode (no slab, ~1.3x slower) takes over. KV-group-shared Llama-3-8B shape: 8 slabs,
-# skew up to ~768K tokens; one list per query head (32 slabs): up to ~192K.
+# Queries of one last_q_scores call: the rows of its query tile (the chunk's last LAST_Q queries).
+LAST_Q = 64
+
+# Keys per tile of last_q_scores' first pass, and of its second pass but in the skew mode.
+KEY_TILE = 64
+
+# Keys per program of the skew mode's column sums.
+SKEW_COLUMNS = 512
+
+
+def skew_width(kv_len: int) -> int:
+    """Columns of a skew slab: a tile row shifted by its query's offset spans kv_len + LAST_Q - 1."""
+    return kv_len + LAST_Q - 1
+
+
+# The skew mode's slabs (LAST_Q x skew_width(kv_len) fp32 per program) are a per-layer transient;
+# above this the gather mode (no slab, slower) takes over. KV-group-shared Llama-3-8B shape: 8
+# slabs, skew up to ~768K tokens; one list per query head (32 slabs): up to ~192K.
 SKEW_SLAB_BYTES = 3 << 29  # 1.5 GiB
 
 
 def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
                   scale: float, split: int | None = None, diagonals: str = "auto", group_sum: bool = False,
                   stack: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  block_n: int = 64, k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_n: int = KEY_TILE, k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores (fp32) of the row's last queries: [H, kv_len], or [Hkv, kv_len]
     summed over each KV group's query heads with ``group_sum``.
 
-    q_last: [n, H, D] with n <= 64, the chunk's last n queries (absolute positions kv_len - n ..
+    q_last: [n, H, D] with n <= LAST_Q (64), the chunk's last n queries (absolute positions kv_len - n ..
     kv_len - 1); key_cache: [pages, page, Hkv, D] view; block_table_row: int32 [max_pages].
     Same sums as ``patterns.common.last_queries_probs`` + ``vertical_and_slash_sums``: pass 1
     takes each key range's row max / sum (grid head stacks x key ranges, ``stack`` heads of a
     group sharing each K tile with ``group_sum``: default :func:`lastq_stack`), a small kernel
     merges them, pass 2 writes normalised column sums and the diagonal sums. ``diagonals`` says
     how pass 2 gets those from each 64 x 64 tile: ``skew`` stores the tile's rows shifted into a
-    per-program slab (64 x (kv_len + 63) fp32) that a third kernel sums by column; ``gather``
+    per-program slab (64 x :func:`skew_width` fp32) that a third kernel sums by column; ``gather``
     sums the tile's diagonals in registers (``tl.gather``) and adds them atomically; ``atomic``
     adds every element atomically; ``auto``: skew while the slabs fit in :data:`SKEW_SLAB_BYTES`,
     else gather. ``num_warps``, ``num_stages`` and ``block_n`` (skew only) set pass 2's launch.
@@ -568,8 +581,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
-    if n > 64 or key_cache.stride(3) != 1 or q_last.stride(2) != 1:
-        raise ValueError("last_q_scores needs at most 64 queries and unit stride over the head dim")
+    if n > LAST_Q or key_cache.stride(3) != 1 or q_last.stride(2) != 1:
+        raise ValueError(f"last_q_scores needs at most {LAST_Q} queries and unit stride over the head dim")
     if diagonals not in DIAG_MODES and diagonals != "auto":
         raise ValueError(f"diagonals={diagonals!r}: auto or one of {sorted(DIAG_MODES)}")
     group = h // hkv
@@ -577,44 +590,46 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     if group % st or st not in (1, 2, 4):
         raise ValueError(f"stack {st}: 1, 2 or 4 heads dividing the KV group of {group}")
     if diagonals == "auto":
-        diagonals = "skew" if (h // st) * 64 * (kv_len + 63) * 4 <= SKEW_SLAB_BYTES else "gather"
-    if block_n != 64 and diagonals != "skew":
-        raise ValueError("only the skew mode takes key tiles other than 64 wide")
+        slab_bytes = LAST_Q * skew_width(kv_len) * torch.finfo(torch.float32).bits // 8
+        diagonals = "skew" if (h // st) * slab_bytes <= SKEW_SLAB_BYTES else "gather"
+    if block_n != KEY_TILE and diagonals != "skew":
+        raise ValueError(f"only the skew mode takes key tiles other than {KEY_TILE} wide")
     dev = q_last.device
     check_kv_dtypes(q_last, key_cache)
     ks = scale_operand(k_scale, dev)
     split = split or lastq_split(kv_len, h // st)
     n_split = (kv_len + split - 1) // split
-    part = torch.empty(h, n_split, 2, 64, dtype=torch.float32, device=dev)
-    stats = torch.empty(h, 2, 64, dtype=torch.float32, device=dev)
+    part = torch.empty(h, n_split, 2, LAST_Q, dtype=torch.float32, device=dev)
+    stats = torch.empty(h, 2, LAST_Q, dtype=torch.float32, device=dev)
     n_out = hkv if group_sum else h
     n_prog = h // st
     one_writer = st == group or not group_sum  # else the group's stacks add their column sums
     skew = diagonals == "skew"
     vert = (torch.empty if skew and one_writer else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
     slash = (torch.empty if skew else torch.zeros)(n_out, kv_len, dtype=torch.float32, device=dev)
-    common = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=64, HEAD_DIM=d,
+    common = dict(GROUP=group, STACK=st, GROUP_SUM=group_sum, PAGE=page, BLOCK_Q=LAST_Q, HEAD_DIM=d,
                   K_SCALED=ks is not None)
     ks = stats if ks is None else ks  # a placeholder, not read unless K_SCALED
     geometry = (q_last.stride(0), q_last.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 kv_len, kv_len - n, n, float(scale))
-    # pass 1: 8 warps for 4 stacked heads (M = 256), else 4 (H200, 128K: 8 warps 0.24 vs 0.38 ms)
+    # pass 1: 8 warps for 4 stacked heads (M = 256), else 4 (measured faster)
     _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks, *geometry,
-                                   n_split, split, SECOND=False, DIAG=0, BLOCK_N=64, **common,
+                                   n_split, split, SECOND=False, DIAG=0, BLOCK_N=KEY_TILE, **common,
                                    num_warps=max(4, 2 * st), num_stages=2)
-    _merge_row_stats[(h,)](part, stats, n_split, BLOCK_Q=64, BLOCK_S=32, num_warps=4)
+    _merge_row_stats[(h,)](part, stats, n_split, BLOCK_Q=LAST_Q, BLOCK_S=32, num_warps=4)
     if skew:
-        # 4 warps and 2 stages (H200, 128K: 8 warps 1.2x slower, 3 stages 1.2x, 32-key tiles 1.15x)
-        slabs = torch.empty(n_prog * 64 * (kv_len + 63), dtype=torch.float32, device=dev)
+        # 4 warps and 2 stages (more warps or stages, or 32-key tiles, measured slower)
+        slabs = torch.empty(n_prog * LAST_Q * skew_width(kv_len), dtype=torch.float32, device=dev)
         _lastq_skew_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, stats, vert, slabs, ks, *geometry,
-                                            split, kv_len + 63, BLOCK_N=block_n, **common, num_warps=num_warps or 4,
+                                            split, skew_width(kv_len), BLOCK_N=block_n, **common, num_warps=num_warps or 4,
                                             num_stages=num_stages or 2)
-        _skew_colsum[(n_out, triton.cdiv(kv_len + 63, 512))](slabs, slash, kv_len + 63, kv_len, kv_len - n, n,
-                                                              SLABS=n_prog // n_out, BLOCK_Q=64, BLOCK_C=512,
-                                                              num_warps=4)
+        width = skew_width(kv_len)
+        _skew_colsum[(n_out, triton.cdiv(width, SKEW_COLUMNS))](slabs, slash, width, kv_len, kv_len - n, n,
+                                                                 SLABS=n_prog // n_out, BLOCK_Q=LAST_Q,
+                                                                 BLOCK_C=SKEW_COLUMNS, num_warps=4)
     else:
         _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks,
-                                       *geometry, n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=64,
+                                       *geometry, n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=KEY_TILE,
                                        **common,
                                        num_warps=num_warps or max(4, 2 * st), num_stages=num_stages or 3)
     return vert, slash

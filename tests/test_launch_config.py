@@ -1,0 +1,57 @@
+"""The sparse prefill kernel's launch table (vllm_sparse_kernels/prefill/launch_config.py) gives,
+for every input, the configuration the if/else decision tree it replaced gave: a frozen copy of
+those results (tests/data/launch_config_expected.txt, written from the old function over this
+input space) is compared entry by entry. Plain Python: no triton needed."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from vllm_sparse_kernels.prefill.launch_config import LAUNCH_TABLE, default_config, shared_stack
+
+EXPECTED = Path(__file__).resolve().parent / "data" / "launch_config_expected.txt"
+HEAD_DIMS = (16, 32, 64, 128, 256)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+MERGED_HEADS = (1, 2, 4, 8)
+FLAGS = (False, True)
+KEYS = ("heads_per_program", "num_warps", "num_stages", "block_n", "kv_major", "prefetch")
+
+
+def _expected() -> dict[tuple, tuple]:
+    table = {}
+    for line in EXPECTED.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        inputs, outputs = line.split("->")
+        table[tuple(int(x) for x in inputs.split())] = tuple(int(x) for x in outputs.split())
+    return table
+
+
+def test_default_config_matches_the_frozen_table_for_every_input():
+    expected = _expected()
+    space = list(itertools.product(HEAD_DIMS, FLAGS, GROUPS, MERGED_HEADS, FLAGS, FLAGS))
+    assert len(expected) == len(space)
+    wrong = []
+    for head_dim, dense, group, merged, shared, tma in space:
+        cfg = default_config(head_dim, dense, group, merged, shared=shared, tma=tma)
+        got = tuple(int(cfg[k]) for k in KEYS)
+        want = expected[(head_dim, int(dense), group, merged, int(shared), int(tma))]
+        if got != want:
+            wrong.append(((head_dim, dense, group, merged, shared, tma), got, want))
+    assert not wrong, wrong[:10]
+
+
+def test_every_row_of_the_table_is_reachable():
+    used = set()
+    for head_dim, dense, group, merged, shared, tma in itertools.product(HEAD_DIMS, FLAGS, GROUPS, MERGED_HEADS,
+                                                                         FLAGS, FLAGS):
+        conditions = dict(tma=tma, dense=dense, wide=head_dim >= 128, stacked=merged > 1, shared=shared)
+        used.add(next(i for i, r in enumerate(LAUNCH_TABLE) if r.matches(**conditions)))
+    assert used == set(range(len(LAUNCH_TABLE)))
+
+
+def test_shared_stack():
+    # wide heads: the largest power of two up to 4 dividing the list's heads; narrow: 4 or none
+    assert [shared_stack(128, n) for n in (1, 2, 3, 4, 6, 8, 12)] == [1, 2, 1, 4, 2, 4, 4]
+    assert [shared_stack(64, n) for n in (1, 2, 3, 4, 6, 8, 12)] == [1, 1, 1, 4, 1, 4, 4]
