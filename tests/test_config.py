@@ -159,9 +159,9 @@ def test_cli_import_and_check(tmp_path, capsys):
 
 def test_shipped_head_config_loads_by_name():
     """VLLM_SPARSE_HEAD_CONFIG=smollm2-135m-instruct resolves the file shipped in head_configs/."""
-    from vllm_sparse_backend.backends.common import _head_config
+    from vllm_sparse_backend.head_configs import resolve_head_config
 
-    cfg = _head_config("smollm2-135m-instruct")
+    cfg = resolve_head_config("smollm2-135m-instruct")
     assert (cfg.model, cfg.num_layers, cfg.num_heads) == ("SmolLM2-135M-Instruct", 30, 9)
     assert cfg.produced_by.startswith("vllm-sparse search-patterns")
     assert all(h.score is not None for layer in cfg.layers for h in layer.heads)
