@@ -1,4 +1,4 @@
-"""The CUDA backend's estimation step (vllm_sparse_backend/paged_estimate.py) vs the torch one.
+"""The CUDA backend's estimation step (vllm_sparse_backend.prefill.estimate.estimate_index_paged) vs the torch one.
 
 A layer's heads carry per-head patterns (a head-config file's mix, or one default pattern); the
 paged path must give exactly the SparseIndex that ``patterns.estimate_index`` gives on the row's
@@ -460,7 +460,7 @@ def _scratch_shapes(est):
 
 @cpu_only
 def test_index_widths_do_not_depend_on_the_data():
-    """The profiling-run claim (sparse_prefill.run_worst_case_steps) runs the path on a stand-in
+    """The profiling-run claim (prefill.claim.run_worst_case_steps) runs the path on a stand-in
     cache of zeros; it measures the real scratch only if every buffer's size follows from the
     row's lengths and the budgets, never from K's values. Random structured K vs zeros."""
     q_len, ctx, hkv, d = 200, 333, 2, 64

@@ -183,7 +183,7 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     import torch
     from prometheus_client import CollectorRegistry
 
-    from vllm_sparse_backend.prefill import run as sparse_prefill
+    from vllm_sparse_backend.prefill import run as sparse_run
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.metrics import PrometheusMetrics
     from vllm_sparse_backend.stats import SparseStats
@@ -200,12 +200,12 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     # row 0: 1000 + 6096 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
     settings = SparseSettings(vertical_size=30, slash_size=30)
     heads = [resolve_head(None, SparseSettings())] * 2
-    sparse_prefill.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
-                                   settings, 0.125, 0.0, None, stats)
-    sparse_prefill.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
-                                   [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None, stats)
+    sparse_run.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
+                               settings, 0.125, 0.0, None, stats)
+    sparse_run.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
+                               [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None, stats)
     d = stats.as_dict()
-    assert d["dense_reasons"] == {sparse_prefill.EVERY_KEY_REASON: 1}
+    assert d["dense_reasons"] == {sparse_run.EVERY_KEY_REASON: 1}
     assert (d["sparse_rows"], d["sparse_query_tokens"], d["dense_query_tokens"]) == (1, 2000, 600)
     assert 0 < d["computed_pairs"] < d["causal_pairs"] == 2 * 2000 * 2001 // 2
     assert registry.get_sample_value("sparse_prefill_query_tokens_total", {"route": "dense"}) == 600

@@ -160,7 +160,7 @@ class SparseStats:
         computed them, without waiting here: on CUDA they are copied to pinned memory behind an
         event that later calls poll (:meth:`poll_readouts`: every sparse forward, and a waiting
         one in :meth:`dump`). A forward that read them back at once would stall the GPU until
-        the host had queued the rest of the layer (~0.8 ms at 128K per read)."""
+        the host had queued the rest of the layer."""
         if not self.exporting:
             return
         import torch

@@ -3,7 +3,7 @@
 For a prompt of n tokens split into chunks of ``--chunk`` queries (vLLM's chunked prefill), each
 chunk is one sparse row (q_len = chunk, ctx_len = tokens before it) run the way
 ``run_sparse_rows_paged`` runs it: GPU index estimation on the paged cache
-(``paged_estimate.estimate_index_paged``), then the Triton block+column kernel. Times are summed
+(``prefill.estimate.estimate_index_paged``), then the Triton block+column kernel. Times are summed
 over the chunks, estimation and kernel separately, and compared with dense causal attention over
 the same n tokens (torch SDPA, flash and cuDNN, the faster one) and with our kernel's dense mode.
 

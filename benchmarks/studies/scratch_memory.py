@@ -1,7 +1,7 @@
 """GPU memory of the sparse path's scratch: what the profiling run claims vs what serving steps use.
 
 vLLM sizes the KV cache from the peak memory of its profiling run, where the backend claims its
-scratch (``sparse_prefill.run_worst_case_steps``). A serving step can hold several sparse rows
+scratch (``prefill.claim.run_worst_case_steps``). A serving step can hold several sparse rows
 (the last chunk of one prompt and the first of the next, each at least ``min_sparse_query_len``
 queries), and their index lists all live until the one kernel launch of the layer. If such a
 step needs more than the claim, the KV cache was sized too large; if it needs no more but the

@@ -3,7 +3,7 @@
 Selected with ``--attention-backend sparse-prefill`` (registered as vLLM's CUSTOM backend).
 The builder returns FlashAttention's own metadata whenever no row of the step qualifies, so
 decode batches, CUDA-graph capture and drafting are byte-for-byte FlashAttention. Steps with a
-long prefill row get :class:`SparsePrefillMetadata`: contiguous runs of the other rows go to
+long prefill row get :class:`SparseStepMetadata`: contiguous runs of the other rows go to
 FlashAttention, the long rows to the sparse path, which reads K/V through the paged cache (the
 current chunk's K/V were written by vLLM's cache-update op before attention runs).
 

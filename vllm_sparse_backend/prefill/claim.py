@@ -28,7 +28,7 @@ def worst_case_steps(q_len: int, kv_len: int, min_query_len: int,
     """The steps the profiling-run claim runs. A step's sparse rows share its chunk of ``q_len``
     queries, each at least ``min_query_len`` long, and every row's index lists live until the
     layer's one kernel launch, so several rows can need more scratch than one row of the whole
-    chunk (``benchmarks/studies/scratch_memory.py``: 1.8x with budgets that cover the context). Each row
+    chunk (measured by ``benchmarks/studies/scratch_memory.py``). Each row
     sits at the longest context (``kv_len`` tokens, its queries included), in its own block-table
     row. The chunk as one row; then for k = 2 .. min(max_rows, q_len // min_query_len) rows, the
     corners and the middle of the ways to split it: k nearly equal rows, and one long row with
@@ -55,10 +55,9 @@ def compile_row(q_len: int, kv_len: int, min_query_len: int) -> SparseRow:
     """One short row the profiling run adds after the claim's steps. The last-q pass picks how it
     sums diagonals by the row's context (``vs_index.last_q_scores``: skewed slabs while they fit,
     a gather above about 768K tokens), so with a long max_model_len the claim's rows compile only
-    the long-context variant, and the first request of ordinary length compiled the other one
-    (vLLM 0.26's JIT monitor flagged ``_lastq_skew_pass`` and ``_skew_colsum``: on an H200 serving
-    1M tokens the first 32K request took 3.1 s, FLASH_ATTN's 1.2 s). Its scratch is far below the
-    claim's."""
+    the long-context variant, and the first request of ordinary length would compile the other
+    one (vLLM's JIT monitor flags ``_lastq_skew_pass`` and ``_skew_colsum`` then). Its scratch is
+    far below the claim's."""
     q = max(1, min(q_len, kv_len // 2, max(min_query_len, 64)))
     return SparseRow(row=0, tok_start=0, q_len=q, ctx_len=min(q, kv_len - q))
 

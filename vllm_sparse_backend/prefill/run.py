@@ -82,8 +82,8 @@ class DenseRowHistory:
     call have rows whose estimated index came out denser than ``max_density``?
 
     Reading the flags on the host costs one sync per layer (the GPU queue drains, and the next
-    launches are exposed: 0.18 s of a 1.6 s prefill at 130K on Qwen2.5-Coder-1.5B); not reading
-    them runs flagged rows in the kernel's dense mode, ~1.2x FlashAttention's time. Which pays
+    launches are exposed); not reading them runs flagged rows in the kernel's dense mode, slower
+    than FlashAttention. Which pays
     depends on how many rows get flagged, and that changes slowly from one call of a layer to
     the next (the same prompt's next chunk, with a little more context). So: read on the host
     (and send flagged rows to FlashAttention) while the previous call had flagged rows or

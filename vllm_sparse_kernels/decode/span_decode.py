@@ -1,7 +1,7 @@
 """Ltri-LLM span retrieval for decode over vLLM's paged KV cache: span index, page selection.
 
 Kernel layer of the opt-in ``decode_mode=spans`` (issue 8, item 2), driven by
-``vllm_sparse_backend/decode_spans.py``. The paper (``shared/seeds/ltri-llm.txt``) splits the
+``vllm_sparse_backend/decode/spans.py``. The paper (``shared/seeds/ltri-llm.txt``) splits the
 context into semantic spans where the attention map shows triangles, keeps a few index vectors per
 span, and retrieves spans per decode step by the similarity of the query to those vectors. Here
 that is mapped onto vLLM's pages, so that the state follows the cache through vLLM's own memory

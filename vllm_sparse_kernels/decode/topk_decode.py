@@ -1,7 +1,7 @@
 """Top-k decode attention over vLLM's paged KV cache: page summaries, page selection, attention.
 
 Kernel layer of the opt-in decode-side top-k mode (issue 8, item 1), driven by
-``vllm_sparse_backend/decode_topk.py`` for ``decode_mode=topk``. One decode step of one layer runs,
+``vllm_sparse_backend/decode/topk.py`` for ``decode_mode=topk``. One decode step of one layer runs,
 after vLLM has written the new token's K/V into the cache:
 
 1. :func:`update_page_summaries` (Triton): for every page a new slot was written to, recompute the
