@@ -592,7 +592,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
 
     real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
         q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None], groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention, SparseStats()))
+        sparse_prefill_attention, SparseStats.measuring_only()))  # a sampled forward: pairs counted too
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
@@ -621,7 +621,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
 
     real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
         q, out, rows, key_cache, value_cache, torch.stack([table, table]), groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention, SparseStats(), density_fallback=True))
+        sparse_prefill_attention, SparseStats.measuring_only(), density_fallback=True))
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0

@@ -54,6 +54,15 @@ class SparseStats:
         if self.timer is None:
             self.timer = metrics.SampledTimer(self._observe_stage, every=_DEFAULT_SAMPLE_EVERY)
 
+    @classmethod
+    def measuring_only(cls) -> "SparseStats":
+        """Stats that make every forward a sampled one (pairs counted on the device, stages timed)
+        and export nothing: what the profiling-run claim runs the sparse path with, so that it
+        allocates what a sampled forward allocates without counting the claim's rows."""
+        stats = cls(_prom=metrics.NO_METRICS)
+        stats.timer.every = 1
+        return stats
+
     # -- set-up ------------------------------------------------------------------------------
 
     @property

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from ..config import SparseSettings
+from ..stats import SparseStats
 from .estimate import HeadGroups, estimate_index_paged
-from .index import count_pairs_tensor, index_density
+from .index import index_density
 from .plan import SparseRow
-from .run import PagedKernel
+from .run import PagedKernel, run_sparse_rows_paged
 
 
 # Most sparse rows one claimed step holds (a step holds at most chunk // min_sparse_query_len).
@@ -91,19 +92,21 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
     if kv_dtype != query.dtype:  # a quantized layer's variants: scales read on the device
         one = torch.ones(1, dtype=torch.float32, device=query.device)
         scales = {"k_scale": one, "v_scale": one}
+    # every row estimated and counted as a sampled forward counts it (pair counts and head labels
+    # measured on the device): the path itself, with max_density 1 so that no row is skipped
+    every_row = settings.model_copy(update={"max_density": 1.0, "stats_file": None})
     flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
     for rows in runs:
-        indices = [estimate_index_paged(query[r.tok_start:r.tok_start + r.q_len], key_cache, block_table[r.row],
-                                        r.ctx_len, groups, settings, scale, one).index for r in rows]
-        # the density fallback's temporaries, and a stats / sampled forward's
-        dens = torch.stack([index_density(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows)])
-        for ix, r in zip(indices, rows):
-            count_pairs_tensor(ix, r.q_len, r.ctx_len)
-        kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap, **scales)
+        run_sparse_rows_paged(query, output, rows, key_cache, value_cache, block_table, groups, every_row, scale,
+                              softcap, kernel, SparseStats.measuring_only(), **scales)
         if flagged_dense:
-            # rows flagged on the device run in the kernel's dense mode, another variant of it:
-            # compiled here too, not in the first request that has such a row
+            # the density fallback's temporaries, and rows flagged on the device running in the
+            # kernel's dense mode, another variant of it: compiled here, not in the first request
+            # that has such a row
+            indices = [estimate_index_paged(query[r.tok_start:r.tok_start + r.q_len], key_cache, block_table[r.row],
+                                            r.ctx_len, groups, settings, scale, one).index for r in rows]
+            dens = torch.stack([index_density(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows)])
             kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap,
                    whole_rows=dens > settings.max_density, **scales)
-        del indices, dens
+            del indices, dens
     return steps

@@ -110,7 +110,7 @@ def count_pairs(index: SparseIndex, q_len: int, ctx_len: int) -> int:
 
 def count_pairs_tensor(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Tensor:
     """:func:`count_pairs` as a 0-dim int64 tensor on the index's device (no host sync).
-    Heads are taken a few at a time so the int64 temporaries stay around 128 MiB."""
+    Heads are taken a few at a time so that each int64 temporary stays around 32 MiB (a few live at once)."""
     b = index.block_size
     kv_len = ctx_len + q_len
     device = index.block_count.device
@@ -118,7 +118,7 @@ def count_pairs_tensor(index: SparseIndex, q_len: int, ctx_len: int) -> torch.Te
     qf, ql = q_first.view(1, -1, 1), q_last.view(1, -1, 1)
     h, nqb = index.block_count.shape
     per_head = nqb * max(1, index.block_index.shape[-1], index.column_index.shape[-1], index.range_start.shape[-1])
-    step = max(1, (1 << 24) // per_head)
+    step = max(1, (1 << 22) // per_head)
     total = torch.zeros((), dtype=torch.int64, device=device)
 
     def run_pairs(s, e, listed):  # keys s..e (inclusive) of each listed run, for the rows qf..ql
