@@ -218,3 +218,68 @@ def test_preferred_block_size_is_one_tma_page_on_hopper(sparse_env, monkeypatch)
         monkeypatch.delenv("VLLM_SPARSE_KV_BLOCK_SIZE")
     with pytest.raises(Exception, match="VLLM_SPARSE_KV_BLOCK_SIZE=.48.: Input should be .auto."):
         sparse_env(VLLM_SPARSE_KV_BLOCK_SIZE="48")
+
+
+class _RaisingVerticalSlash:
+    """Stands in for the vertical-slash pattern and raises from both estimators."""
+
+    def __init__(self, real, error):
+        self._real, self._error = real, error
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def select(self, *args, **kwargs):
+        raise self._error
+
+    def estimate_paged(self, *args, **kwargs):
+        raise self._error
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_an_error_in_the_sparse_path_sends_the_step_to_flash_attention(sparse_env, monkeypatch, kernel):
+    """The error boundary: an estimator that raises (here a pattern replaced through the registry)
+    sends the step's sparse rows to FlashAttention with their own metadata, counts them under
+    'sparse path error' and logs the cause once; the next step tries the sparse path again."""
+    from vllm_sparse_backend.prefill.patterns import PATTERNS
+
+    if kernel == "triton":
+        if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+            pytest.skip("needs triton's interpreter (CPU)")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # max_density 1: no row of these short prompts is sent to FlashAttention by its budgets first
+    settings = sparse_env(VLLM_SPARSE_KERNEL=kernel, VLLM_SPARSE_VERTICAL_SIZE="50", VLLM_SPARSE_SLASH_SIZE="90",
+                          VLLM_SPARSE_LAST_Q="32", VLLM_SPARSE_MAX_DENSITY="1")
+    monkeypatch.setitem(PATTERNS, "vertical_slash",
+                        _RaisingVerticalSlash(PATTERNS["vertical_slash"], ValueError("injected estimator fault")))
+    gen = torch.Generator().manual_seed(3)
+    query, kv_cache, md, (h, hkv, d) = _step(torch.float16 if kernel == "triton" else torch.float32, gen, settings)
+    md.fallback = {r.row: f"metadata of row {r.row}" for r in md.sparse_rows}
+    calls = []
+    monkeypatch.setattr(cuda_backend.FlashAttentionImpl, "forward",
+                        lambda self, layer, q, k, v, cache, metadata, out, *a: calls.append((metadata, q.shape[0])))
+    impl = _impl(settings, h, d, hkv)
+    output = torch.zeros(query.shape[0], h, d, dtype=query.dtype)
+    with pytest.MonkeyPatch.context() as logs:
+        logged = []
+        logs.setattr(impl.runtime, "log_once", lambda msg, *args, **kw: logged.append(msg % args))
+        impl.forward(_Layer(), query, None, None, kv_cache, md, output)
+        impl.forward(_Layer(), query, None, None, kv_cache, md, output)
+    assert calls == [(f"metadata of row {r.row}", r.q_len) for r in md.sparse_rows] * 2
+    assert impl.runtime.stats.dense_reasons == {common.SPARSE_PATH_ERROR: 2 * len(md.sparse_rows)}
+    assert any("injected estimator fault" in line for line in logged)
+
+
+def test_a_device_error_is_not_swallowed(sparse_env, monkeypatch):
+    """After an illegal memory access the CUDA context is lost: the error reaches vLLM."""
+    from vllm_sparse_backend.prefill.patterns import PATTERNS
+
+    settings = sparse_env(VLLM_SPARSE_KERNEL="torch", VLLM_SPARSE_VERTICAL_SIZE="50", VLLM_SPARSE_SLASH_SIZE="90")
+    fault = RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setitem(PATTERNS, "vertical_slash", _RaisingVerticalSlash(PATTERNS["vertical_slash"], fault))
+    query, kv_cache, md, (h, hkv, d) = _step(torch.float32, torch.Generator().manual_seed(3), settings)
+    md.fallback = {r.row: None for r in md.sparse_rows}
+    impl = _impl(settings, h, d, hkv)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        impl.forward(_Layer(), query, None, None, kv_cache, md, torch.zeros(query.shape[0], h, d))
+    assert common.recoverable(torch.OutOfMemoryError("CUDA out of memory")) and common.recoverable(KeyError("x"))

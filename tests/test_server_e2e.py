@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from tiny_llama import make_tiny_llama  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
+from vllm_sparse_backend.backends.common import SPARSE_PATH_ERROR  # noqa: E402
 from vllm_sparse_backend.prefill.run import EVERY_KEY_REASON  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -208,3 +209,55 @@ def test_head_config_for_another_model_stops_start_up_before_the_kv_cache(model_
     assert f"{path}: field 'num_layers': 3, but model {model_dir.resolve()} has 2 layers" in log
     assert f"{path}: field 'num_heads': 6, but model {model_dir.resolve()} has 4 query heads" in log
     assert "KV cache size" not in log
+
+
+# A second vLLM plugin, loaded by every server process like ours, that replaces the vertical-slash
+# pattern through the registry with one whose estimators raise: a fault inside the sparse path.
+_FAULTY_PLUGIN = """
+from vllm_sparse_backend.prefill.patterns import PATTERNS
+from vllm_sparse_backend.prefill.patterns.vertical_slash import VerticalSlash
+
+
+class RaisingVerticalSlash(VerticalSlash):
+    def select(self, *args, **kwargs):
+        raise RuntimeError("injected estimator fault")
+
+    def estimate_paged(self, *args, **kwargs):
+        raise RuntimeError("injected estimator fault")
+
+
+def register():
+    PATTERNS["vertical_slash"] = RaisingVerticalSlash()
+"""
+
+
+@pytest.fixture(scope="module")
+def faulty_server(model_dir, tmp_path_factory):
+    site = tmp_path_factory.mktemp("faulty-plugin")
+    (site / "faulty_pattern.py").write_text(_FAULTY_PLUGIN)
+    info = site / "faulty_pattern-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-pattern\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nfaulty = faulty_pattern:register\n")
+    import os
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    h = _server(model_dir, tmp_path_factory, "sparse-faulty",
+                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000", "PYTHONPATH": path})
+    yield h
+    h.stop()
+
+
+def test_a_fault_in_the_sparse_path_keeps_the_server_answering(dense_server, faulty_server):
+    """Every sparse row's estimation raises: the rows run on vLLM's CPU kernel instead, the server
+    answers every request with the dense server's tokens, counts the rows under the fault's reason
+    and logs the cause once; it stays healthy."""
+    prompts = [_prompt(n, 300 + i) for i, n in enumerate([2000, 900])]
+    for p in prompts:
+        _assert_same_generation(_complete(dense_server, p), _complete(faulty_server, p))
+    st = _stats(faulty_server)
+    assert st["dense_reasons"] == {SPARSE_PATH_ERROR: 2 * len(prompts)}  # 2 layers per prompt
+    assert st["sparse_rows"] == 0
+    log = faulty_server.log_path.read_text(errors="replace")
+    assert log.count("injected estimator fault") == 1
+    faulty_server.request("GET", "/health")  # raises unless HTTP 200
+    assert faulty_server.alive()

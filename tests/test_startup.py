@@ -32,7 +32,8 @@ def _write(path, data):
     return str(path)
 
 
-@pytest.mark.parametrize("case", ["variable", "settings_file", "missing_head_config", "malformed_head_config"])
+@pytest.mark.parametrize("case", ["variable", "settings_file", "missing_head_config", "malformed_head_config",
+                                  "stats_file_folder"])
 def test_bad_settings_stop_vllm_serve_with_the_error_as_last_line(tmp_path, case):
     env, want = {
         "variable": ({"VLLM_SPARSE_DEFAULT_PATTERN": "banana"},
@@ -44,6 +45,9 @@ def test_bad_settings_stop_vllm_serve_with_the_error_as_last_line(tmp_path, case
                                 f"{tmp_path / 'nope.json'}: cannot read head config"),
         "malformed_head_config": ({"VLLM_SPARSE_HEAD_CONFIG": _write(tmp_path / "h.json", "{\"format\": ")},
                                   f"{tmp_path / 'h.json'}: invalid JSON"),
+        "stats_file_folder": ({"VLLM_SPARSE_STATS_FILE": str(tmp_path / "no-such-folder" / "stats.json")},
+                              f"VLLM_SPARSE_STATS_FILE='{tmp_path / 'no-such-folder' / 'stats.json'}': folder "
+                              f"{tmp_path / 'no-such-folder'} does not exist"),
     }[case]
     done = _serve(tmp_path, env)
     assert done.returncode == startup.EXIT_STATUS, done.stderr[-3000:]

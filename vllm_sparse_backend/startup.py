@@ -36,7 +36,19 @@ def check_settings(env: Mapping[str, str] | None = None) -> tuple[SparseSettings
     variable or file and the field otherwise)."""
     settings = load_settings(env)
     head_config = resolve_head_config(settings.head_config) if settings.head_config else None
+    if settings.stats_file:
+        check_stats_file(settings.stats_file)
     return settings, head_config
+
+
+def check_stats_file(path: str) -> None:
+    """The stats file's folder must exist and be writable by this process (ConfigError naming
+    the variable otherwise): the worker rewrites the file while it serves."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"VLLM_SPARSE_STATS_FILE={path!r}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"VLLM_SPARSE_STATS_FILE={path!r}: folder {folder} is not writable")
 
 
 def check_at_registration() -> None:

@@ -19,7 +19,9 @@ write no file.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from typing import Callable, Mapping
 from . import metrics
 from .config import SparseSettings
 
+logger = logging.getLogger("vllm.sparse_prefill")
 _DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
 _MAX_READOUTS = 256
 
@@ -49,6 +52,7 @@ class SparseStats:
     _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
     timer: metrics.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
+    _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
 
     def __post_init__(self):
         if self.timer is None:
@@ -256,11 +260,26 @@ class SparseStats:
             self._write(path)
 
     def _write(self, path: str) -> None:
+        """Replace the file atomically (a private temporary file beside it, then a rename). A write
+        that fails (a full disk, a folder made read-only) is logged once and serving goes on: the
+        next write tries again."""
         with self._lock:
             data = self.as_dict()
             data["pending_readouts"] = len(self._readouts)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        folder, name = os.path.split(os.path.abspath(path))
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            if not self._write_failed:
+                self._write_failed = True
+                logger.warning("sparse-prefill: cannot write the stats file %s (%s); serving goes on, and later "
+                               "writes try again", path, e)
+            return
+        self._write_failed = False
 

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .._compat import (attention_layers, impl_unsupported_reason, layer_index, seq_lens_host,
                        step_has_multimodal_prefix_ranges, tensor_parallel_rank)
 from ..config import ConfigError
@@ -42,7 +44,8 @@ class SparseStepMetadata:
     block_table: Any = None  # [num_reqs, max_pages] of the whole step (sparse rows index it by row)
     slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (the decode modes' state follows them)
     # row index -> the wrapped backend's metadata for that row alone, so the impl can still send
-    # a sparse row to the dense kernel when its estimated index turns out too dense
+    # a sparse row to the dense kernel: its estimated index turned out too dense, or the sparse
+    # path failed
     fallback: dict[int, Any] = field(default_factory=dict)
     # the kernel's per-step table of the sparse rows (CUDA, Triton path): built once per step,
     # reused by every layer that runs all of the step's sparse rows
@@ -147,6 +150,35 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     if not plan.has_sparse:
         return None
     return plan, qsl, seq_lens
+
+
+# Rows that ran on the wrapped dense kernel because the sparse path raised (counted per row).
+SPARSE_PATH_ERROR = "sparse path error"
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether serving can go on after the sparse path raised ``error``: any Python-level error,
+    and running out of memory (the step's rows then run dense); not an error of the device itself
+    (an illegal memory access, a device-side assert), after which the CUDA context is lost and
+    vLLM must stop."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return False
+    text = str(error)
+    return not any(mark in text for mark in ("CUDA error", "illegal memory access", "device-side assert"))
+
+
+def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, rows: list[SparseRow]) -> None:
+    """Log (once per distinct cause) and count a step whose sparse rows go to the dense kernel
+    because the sparse path raised ``error``."""
+    runtime.log_once("the sparse path raised %s: %s; the step's sparse rows ran dense (later steps try the "
+                     "sparse path again; counted in dense_fallbacks_total{reason=\"sparse_path_error\"})",
+                     type(error).__name__, error)
+    runtime.stats.record_dense_reason(SPARSE_PATH_ERROR, rows=len(rows), tokens=sum(r.q_len for r in rows))
+    if runtime.settings.stats_file:
+        runtime.stats.dump(runtime.settings.stats_file, wait=False)
 
 
 def count_dense_tokens(runtime: WorkerRuntime, md: SparseStepMetadata) -> None:

@@ -17,7 +17,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
-from .common import DenseRun, SparseStepMetadata, count_dense_tokens, layer_heads, plan_sparse_step, prepare_group
+from .common import (DenseRun, SparseStepMetadata, count_dense_tokens, layer_heads, plan_sparse_step, prepare_group,
+                     recoverable, sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -45,14 +46,24 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        planned = plan_sparse_step(self.runtime, cm, allow_context=False) if self.sparse_enabled else None
+        try:
+            planned = plan_sparse_step(self.runtime, cm, allow_context=False) if self.sparse_enabled else None
+        except Exception as e:  # noqa: BLE001 - a planning error sends the step to the CPU kernel
+            sparse_path_failed(self.runtime, e, [])
+            planned = None
         if planned is None:
             return super().build(common_prefix_len, cm, fast_build)
         plan, qsl, seq_lens = planned
-        runs = [DenseRun(qsl[a], qsl[b], super(SparsePrefillCPUMetadataBuilder, self).build(
-            0, slice_rows(cm, a, b, seq_lens), fast_build)) for a, b in plan.dense_runs]
+        runs = []
+        for a, b in plan.dense_runs:
+            runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build)))
+        # each sparse row alone, for the CPU kernel should the sparse path fail
+        fallback = {r.row: self._row_metadata(cm, r.row, seq_lens, fast_build) for r in plan.sparse_rows}
         return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
-                                  cm.block_table_tensor, cm.slot_mapping)
+                                  cm.block_table_tensor, cm.slot_mapping, fallback)
+
+    def _row_metadata(self, cm, row: int, seq_lens: list[int], fast_build: bool):
+        return super().build(0, slice_rows(cm, row, row + 1, seq_lens), fast_build)
 
 
 class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
@@ -79,12 +90,21 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                             output_scale, output_block_scale)
         runtime = self.runtime
         count_dense_tokens(runtime, attn_metadata)
-        heads = layer_heads(runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
-        # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
-        run_sparse_rows(query, output, attn_metadata.sparse_rows,
-                        lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                        heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share,
-                        runtime.stats)
+        try:
+            heads = layer_heads(runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
+            # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
+            run_sparse_rows(query, output, attn_metadata.sparse_rows,
+                            lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
+                            heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share,
+                            runtime.stats)
+        except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
+            if not recoverable(e):
+                raise
+            sparse_path_failed(runtime, e, attn_metadata.sparse_rows)
+            for r in attn_metadata.sparse_rows:
+                s = slice(r.tok_start, r.tok_start + r.q_len)
+                super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
+                                output_scale, output_block_scale)
         return output
 
 

@@ -54,7 +54,8 @@ from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_page
 from ..runtime import worker_runtime
 from .claim import claim_scratch
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, count_dense_tokens,
-                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, unsupported_reason)
+                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
+                     unsupported_reason)
 from .decode import LayerDecode, step_decode_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
@@ -106,8 +107,12 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets) \
-            if self.sparse_enabled else None
+        try:
+            planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets) \
+                if self.sparse_enabled else None
+        except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
+            sparse_path_failed(self.runtime, e, [])
+            planned = None
         decode_plan = step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
         if planned is None:
             md = super().build(common_prefix_len, cm, fast_build)
@@ -121,10 +126,9 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         runs = []
         for k, (a, b) in enumerate(plan.dense_runs):
             runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build or k > 0)))
-        fallback = {}  # each sparse row alone, for the density fallback
-        if self.runtime.settings.max_density < 1.0:
-            for r in plan.sparse_rows:
-                fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+        fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
+        for r in plan.sparse_rows:
+            fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
         # the kernel's table of the step's sparse rows, copied to the device once for every layer
         row_table = kernels.sparse_attention.plan_rows(plan.sparse_rows, self.runtime.settings.block_size,
                                                        self.device) if self._uses_kernel_table else None
@@ -245,14 +249,32 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         step = attn_metadata
-        if step.sparse_rows and (output_scale is not None or output_block_scale is not None):
-            raise NotImplementedError("sparse-prefill: fused output quantization is not supported")
         for run in step.dense_runs:  # FA slices by its metadata's num_actual_tokens
             self._dense(layer, query, key, value, kv_cache, run.metadata, slice(run.tok_start, run.tok_end), output,
                         output_scale, output_block_scale)
         if not step.sparse_rows:
             return output
         count_dense_tokens(runtime, step)
+        if output_scale is not None or output_block_scale is not None:
+            runtime.log_once("fused output quantization: sparse rows run on FlashAttention")
+            dense = step.sparse_rows
+        else:
+            try:
+                dense = self._sparse(layer, query, kv_cache, step, output)
+            except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
+                if not recoverable(e):
+                    raise
+                sparse_path_failed(runtime, e, step.sparse_rows)
+                dense = step.sparse_rows
+        for r in dense:
+            self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
+                        slice(r.tok_start, r.tok_start + r.q_len), output, output_scale, output_block_scale)
+        return output
+
+    def _sparse(self, layer, query, kv_cache, step: SparseStepMetadata, output) -> list[SparseRow]:
+        """The step's sparse rows into ``output``; returns the rows left to FlashAttention (the
+        density fallback)."""
+        runtime, cfg = self.runtime, self.runtime.settings
         heads = self._layer_heads(layer)
         key_cache, value_cache = self._kv_views(kv_cache)
         softcap = float(self.logits_soft_cap or 0.0)
@@ -269,11 +291,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             if dense:
                 runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
                                  "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
-                                 cfg.max_density)
-            for r in dense:
-                self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
-                            slice(r.tok_start, r.tok_start + r.q_len), output)
-            return output
+                                 cfg.max_density, info=True)
+            return dense
 
         def kv_for_row(r: SparseRow):
             k, v = gather_paged_kv(key_cache, value_cache, step.block_table[r.row], r.ctx_len + r.q_len)
@@ -283,7 +302,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
 
         run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
                         heads.share, runtime.stats)
-        return output
+        return []
 
     def _dense(self, layer, query, key, value, kv_cache, metadata, tokens: slice, output, output_scale=None,
                output_block_scale=None) -> None:
