@@ -23,6 +23,7 @@ with patterns ``vertical_and_slash``, ``stream_llm`` and ``block_sparse``) is co
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -120,19 +121,38 @@ def load_head_config(path: str | Path) -> HeadConfigFile:
     return parse_head_config(_read_json(path), str(path))
 
 
+def _shipped_folder():
+    """head_configs/ as installed (package data), or in a source checkout on sys.path."""
+    try:
+        return resources.files("vllm_sparse_backend.shipped_head_configs")
+    except ModuleNotFoundError:  # a source checkout on sys.path: the folder is not mapped
+        return Path(__file__).resolve().parent.parent / "head_configs"
+
+
+def shipped_head_config_names() -> list[str]:
+    """The names ``VLLM_SPARSE_HEAD_CONFIG`` accepts for the files shipped in head_configs/."""
+    return sorted(f.name[:-len(".json")] for f in _shipped_folder().iterdir() if f.name.endswith(".json"))
+
+
 def resolve_head_config(spec: str) -> HeadConfigFile:
     """The file ``VLLM_SPARSE_HEAD_CONFIG`` names: a path, or the name of a file shipped in
-    head_configs/ (without .json). A missing or malformed file raises ConfigError naming it."""
+    head_configs/ (without .json). A missing or malformed file raises ConfigError naming it.
+
+    A name is a plain file name: anything with a path separator or ``..`` that is not an
+    existing path is refused, so a name can never reach a file outside the shipped folder."""
     path = Path(spec)
-    if not path.exists() and not spec.endswith(".json"):
-        try:
-            shipped = resources.files("vllm_sparse_backend.shipped_head_configs") / f"{spec}.json"
-        except ModuleNotFoundError:  # a source checkout on sys.path: the folder is not mapped
-            shipped = Path(__file__).resolve().parent.parent / "head_configs" / f"{spec}.json"
-        if shipped.is_file():
-            with resources.as_file(shipped) as p:
-                return load_head_config(p)
-    return load_head_config(path)
+    if path.exists() or spec.endswith(".json"):
+        return load_head_config(path)
+    separators = {"/", "\\", os.sep, os.altsep} - {None}
+    if ".." in spec or any(sep in spec for sep in separators) or not spec.strip():
+        raise ConfigError(f"{spec}: no such head-config file, and not a shipped head-config name (a name is "
+                          f"a plain file name without '/' or '..'; shipped: {', '.join(shipped_head_config_names())})")
+    shipped = _shipped_folder() / f"{spec}.json"
+    if not shipped.is_file():
+        raise ConfigError(f"{spec}: no such head-config file or shipped name (shipped: "
+                          f"{', '.join(shipped_head_config_names())})")
+    with resources.as_file(shipped) as p:
+        return load_head_config(p)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,10 @@ from __future__ import annotations
 import functools
 import logging
 
-from .config import SparseSettings, load_settings
+from .config import ConfigError, SparseSettings, load_settings
 from .head_configs import HeadConfigFile, check_fits_model, model_shape_from_hf_config, resolve_head_config
 from .prefill.plan import RankHeads
+from .startup import report_startup_error
 from .stats import SparseStats
 
 logger = logging.getLogger("vllm.sparse_prefill")
@@ -57,8 +58,12 @@ class WorkerRuntime:
         (ConfigError naming the file and field otherwise); checked once per model."""
         if self.head_config is None or model in self._fitted_models:
             return
-        shape = model_shape_from_hf_config(hf_text_config, f"model {model}")
-        check_fits_model(self.head_config, shape, self.settings.head_config)
+        try:
+            shape = model_shape_from_hf_config(hf_text_config, f"model {model}")
+            check_fits_model(self.head_config, shape, self.settings.head_config)
+        except ConfigError as e:
+            report_startup_error(e)  # so that the plugin's `vllm` command ends with it (startup.py)
+            raise
         self._fitted_models.add(model)
 
 

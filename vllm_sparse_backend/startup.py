@@ -4,8 +4,17 @@ vLLM calls the general plugin's ``register()`` in the API server while it builds
 parser (before the engine, the model load, the compile and the profiling run), then again in
 the engine-core and worker processes. Checking the settings and the head-config file there
 turns a bad value into an error within seconds of ``vllm serve`` instead of after the model
-has loaded. The model's shape is not known yet at that point: the worker checks the head-config
-file against it when it builds the attention layers (``backends.common``).
+has loaded.
+
+The model's shape is not known yet at that point, and vLLM offers a general plugin no later call
+in the API server (it builds the engine config, with the model's Hugging Face config, and starts
+the engine with no hook in between). So the worker checks the head-config file against the model
+when it builds the attention layers (``runtime.WorkerRuntime.check_head_config_fits``). Under the
+plugin's ``vllm`` command (:mod:`vllm_sparse_backend.vllm_cli`, what ``make venv`` installs on
+CPU) the worker also writes the cause to a report file the command named in
+:data:`STARTUP_REPORT_ENV`; when vLLM's start-up then fails, the command prints the cause as its
+last lines and exits with status 2, as for any other bad setting (vLLM's own logs of the failure
+come before it).
 
 vLLM runs ``register()`` without catching its exceptions: an exception raised in the API server
 ends ``vllm serve`` with a traceback of vLLM's parser set-up. Inside vLLM's command line the
@@ -29,6 +38,10 @@ logger = logging.getLogger("vllm.sparse_prefill")
 # Importing this module means the process runs vLLM's command line (`vllm serve ...`).
 _VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
 EXIT_STATUS = 2
+# Where a vLLM process started by the plugin's `vllm` command leaves a start-up error that only
+# the worker can find (the path is set by that command, inherited by the engine and worker
+# processes). Not a VLLM_* name: vLLM would warn about it as an unknown variable.
+STARTUP_REPORT_ENV = "SPARSE_PREFILL_STARTUP_REPORT"
 
 
 def check_settings(env: Mapping[str, str] | None = None) -> tuple[SparseSettings, HeadConfigFile | None]:
@@ -61,9 +74,7 @@ def check_at_registration() -> None:
     except ConfigError as e:
         if _VLLM_CLI_MODULE not in sys.modules:
             raise
-        for line in str(e).splitlines():
-            print(f"vllm-sparse-backend: error: {line}", file=sys.stderr)
-        sys.stderr.flush()
+        print_error(str(e))
         raise SystemExit(EXIT_STATUS) from None
     if multiprocessing.parent_process() is None:
         # The launching process is the one where vLLM checks the environment against its own
@@ -73,3 +84,32 @@ def check_at_registration() -> None:
         logger.warning("sparse-prefill: %d VLLM_SPARSE_* variable(s) checked and valid; vLLM will still call "
                     "each an 'Unknown vLLM environment variable' (it has no way for a plugin to declare its "
                     "variables)", len(ours))
+
+
+def print_error(message: str) -> None:
+    """The error as vLLM's command line prints a bad argument: alone, one line per problem."""
+    for line in message.splitlines():
+        print(f"vllm-sparse-backend: error: {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def report_startup_error(error: ConfigError) -> None:
+    """Leave ``error`` for the plugin's ``vllm`` command, if it started this process (a no-op
+    otherwise); the caller raises it as before."""
+    path = os.environ.get(STARTUP_REPORT_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(str(error))
+    except OSError:  # the command's folder is gone: vLLM's own logs still carry the error
+        pass
+
+
+def read_startup_report(path: str) -> str | None:
+    """The error a vLLM process left at ``path`` (:func:`report_startup_error`), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

@@ -1,9 +1,9 @@
 """The ``vllm-sparse`` command.
 
   vllm-sparse import-minference IN.json OUT.json --model NAME   convert MInference's per-head file
-  vllm-sparse check-head-config FILE.json [--model DIR]         validate a head-config file (and
-                                                                 that it fits the model in DIR)
-  vllm-sparse settings                                           validate and print the effective
+  vllm-sparse check-head-config FILE.json|NAME [--model DIR]    validate a head-config file or shipped
+                                                                 name (and that it fits the model in DIR)
+  vllm-sparse settings [--model DIR]                             validate and print the effective
                                                                  settings (and their head-config file)
   vllm-sparse search-patterns --model DIR --out FILE.json        kernel-aware per-head search (search.py)
       [--length 16384] [--density 0.3] [--samples 2] [--device auto] [--text FILE]
@@ -28,7 +28,8 @@ from pathlib import Path
 
 from vllm_sparse_backend.config import ConfigError, load_settings
 from vllm_sparse_backend.head_configs import (check_fits_model, import_minference, load_head_config,
-                                              read_model_shape, save_head_config)
+                                              read_model_shape, resolve_head_config, save_head_config,
+                                              shipped_head_config_names)
 from vllm_sparse_backend.startup import check_settings
 
 from . import assets, demo, layer_budgets
@@ -37,6 +38,8 @@ DESCRIPTION = ("Tools for the sparse-prefill attention backend of vLLM: check an
                "files and settings, search per-head patterns for a model, and run a demo. The backend "
                "itself runs inside 'vllm serve MODEL --attention-backend sparse-prefill'.")
 EPILOG = "Run 'vllm-sparse COMMAND --help' for the options of a command."
+MODEL_HELP = ("Hugging Face model folder: the head-config file must fit its config.json (num_hidden_layers, "
+              "num_attention_heads, num_key_value_heads), as the server checks when it builds the model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,15 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-head-config", help="validate a head-config file",
                        description="Validate a head-config file the way the server does at start-up, "
                        "and optionally check that it fits a model.")
-    p.add_argument("path", help="head-config JSON file")
-    p.add_argument("--model", help="Hugging Face model folder: the file must fit its config.json "
-                   "(num_hidden_layers, num_attention_heads, num_key_value_heads)")
+    p.add_argument("path", metavar="FILE_OR_NAME", help="head-config JSON file, or the name of a shipped one "
+                   "as VLLM_SPARSE_HEAD_CONFIG takes it (" + ", ".join(shipped_head_config_names()) + ")")
+    p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(run=_check_head_config)
 
     p = sub.add_parser("settings", help="validate and print the effective settings",
                        description="Validate the settings that VLLM_SPARSE_* and VLLM_SPARSE_CONFIG give "
                        "(and the head-config file they name) the way the server does, and print them "
-                       "as JSON on stdout.")
+                       "as JSON on stdout. A head-config file is checked against a model only with --model.")
+    p.add_argument("--model", help=MODEL_HELP)
     p.set_defaults(run=_settings)
 
     p = sub.add_parser("search-patterns", help="kernel-aware per-head pattern search (MInference Alg. 1)",
@@ -155,7 +159,7 @@ def _import_minference(args: argparse.Namespace) -> int:
 
 
 def _check_head_config(args: argparse.Namespace) -> int:
-    cfg = load_head_config(args.path)
+    cfg = resolve_head_config(args.path)
     fits = ""
     if args.model:
         check_fits_model(cfg, read_model_shape(args.model), args.path)
@@ -166,10 +170,17 @@ def _check_head_config(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace) -> int:
     settings, head_config = check_settings()
+    if head_config is not None and args.model:
+        check_fits_model(head_config, read_model_shape(args.model), settings.head_config)
     print(json.dumps(settings.model_dump(mode="json"), indent=1))
     if head_config is not None:  # stderr: stdout stays one JSON document
+        fits = (f"; fits {args.model}" if args.model else
+                "; not checked against a model (the server checks it when it builds the model): "
+                "add --model DIR to check it now")
         print(f"head_config {settings.head_config}: OK ({head_config.model}, {head_config.num_layers} "
-              f"layers x {head_config.num_heads} heads)", file=sys.stderr)
+              f"layers x {head_config.num_heads} heads){fits}", file=sys.stderr)
+    elif args.model:
+        print(f"no head_config set: every head of {args.model} uses the global settings", file=sys.stderr)
     return 0
 
 

@@ -143,7 +143,7 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     seq_lens = seq_lens_host(cm)
     plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets)
     for reason, count in plan.dense_reasons.items():
-        runtime.log_once("long rows with %s run dense", reason)
+        runtime.log_once("long rows with %s run dense", reason, info=True)  # routing, counted in the metrics
         runtime.stats.record_dense_reason(reason, count)
     if plan.dense_reasons and cfg.stats_file:
         runtime.stats.dump(cfg.stats_file, wait=False)

@@ -30,7 +30,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
             cfg = runtime.settings
             if not cfg.enabled:
-                runtime.log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense")
+                runtime.log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense", info=True)
             elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
                 runtime.log_once("non-decoder or sliding-window layer group runs dense")
             else:

@@ -92,5 +92,5 @@ class LayerDecode:
                      "dense (lower gpu_memory_utilization to leave room)", name, key_cache.shape[1])
             return None
         self.log_once("decode_mode=%s: per-page state takes %.2f GiB per layer beside the KV cache (1/%d of it), "
-                 "allocated after vLLM sized the cache", name, self.state.nbytes / 2**30, key_cache.shape[1])
+                 "allocated after vLLM sized the cache", name, self.state.nbytes / 2**30, key_cache.shape[1], info=True)
         return self.state
