@@ -202,7 +202,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if self._use_triton is None:
             self._use_triton = self.runtime.settings.kernel != "torch"
             if not self._use_triton:
-                self.runtime.log_once("sparse rows use the PyTorch reference attention: kernel=torch")
+                self.runtime.log_once("sparse rows use the PyTorch reference attention: kernel=torch", info=True)
         if not self._use_triton:
             return None
         return kernels.sparse_attention.sparse_prefill_attention
