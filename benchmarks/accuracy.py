@@ -24,7 +24,7 @@ the default list when ``head_configs/<model folder or name>.json`` exists. Write
 ``<out>.json`` (every prompt's output, score, density, timing) and ``<out>.txt`` (the tables:
 per task and length, and per length with each variant's TTFT speedup over the first variant).
 ``benchmarks/frontier.py`` draws score against TTFT speedup from the JSON.
-Asserts nothing: CI runs a small subset (tests/test_accuracy_ci.py).
+Asserts nothing: CI runs a small subset (tests/tools/test_accuracy_ci.py).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ spans:persist=4,budget=22 spans:persist=0,budget=26`` (result ``..._spans_...``)
 text, score, attended share, budget, output error and decode time; rewritten after each prompt)
 and ``<out>.txt`` (the table); default ``<out>`` is
 ``benchmarks/results/decode_accuracy_cpu_<model>_<lengths>_<date>``. Tests of the spec parser and
-the selectors: ``tests/test_decode_accuracy.py``.
+the selectors: ``tests/tools/test_decode_accuracy.py``.
 """
 
 from __future__ import annotations

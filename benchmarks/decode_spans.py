@@ -27,7 +27,7 @@ decode inputs and the decode baselines are ``benchmarks.decode_topk``'s.
     python3 -m benchmarks.decode_spans --only decode --contexts-decode 128 --batches 8
 
 Needs CUDA (else it says so, exit 0). ``prefill_case`` / ``decode_case(..., device="cpu")`` run
-under Triton's interpreter as a smoke test (tests/test_decode_spans_bench.py).
+under Triton's interpreter as a smoke test (tests/tools/test_decode_spans_bench.py).
 """
 
 from __future__ import annotations

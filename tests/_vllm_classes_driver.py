@@ -1,4 +1,4 @@
-"""Run by tests/test_vllm_versions.py in a subprocess whose sys.path starts with one vLLM release's
+"""Run by tests/backend/test_vllm_versions.py in a subprocess whose sys.path starts with one vLLM release's
 Python sources: registers the plugin, builds the CUDA backend's attention layers and metadata
 builder with that release's own classes (VllmConfig, Attention, FlashAttention's builder,
 CommonAttentionMetadata) and builds the metadata of one mixed step. Prints one JSON line; the test

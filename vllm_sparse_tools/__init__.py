@@ -10,6 +10,6 @@
 * :mod:`.cli`: the ``vllm-sparse`` command, every subcommand.
 
 A package of its own, beside the serving package ``vllm_sparse_backend``: the tools import the
-serving package, never the reverse (``tests/test_layout.py``), so a server loads neither this
+serving package, never the reverse (``tests/unit/test_layout.py``), so a server loads neither this
 package nor what it needs (the ``tools`` extra: transformers, gguf, accelerate).
 """

@@ -15,7 +15,7 @@
 The first three wrap the serving package's own checks (:mod:`vllm_sparse_backend.head_configs`,
 :mod:`vllm_sparse_backend.startup`), so a file or setting the command accepts is one a server
 accepts. This module belongs to the tools package: vLLM never imports it, and the serving package
-never imports it either (``tests/test_layout.py``).
+never imports it either (``tests/unit/test_layout.py``).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="32,128", help="n in K tokens (default 32,128)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), untimed")
     args = ap.parse_args()
-    if args.smoke:  # fp16: the interpreter's bf16 tl.dot is wrong (tests/test_triton_kernels.py)
+    if args.smoke:  # fp16: the interpreter's bf16 tl.dot is wrong (tests/kernels/test_triton_kernels.py)
         dev, sizes, budgets, acc, dtype = torch.device("cpu"), [256], (40, 100), (256, 40, 100), torch.float16
     else:
         if not torch.cuda.is_available():

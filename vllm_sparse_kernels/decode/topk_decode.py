@@ -55,7 +55,7 @@ Design notes:
 
 Imports nothing from vLLM; torch, triton and this package only. Its plain torch references
 (float64, loops over sequences) for tests and debugging are in
-:mod:`vllm_sparse_kernels.reference.topk_decode`; tests/test_topk_decode.py checks the kernels
+:mod:`vllm_sparse_kernels.reference.topk_decode`; tests/kernels/test_topk_decode.py checks the kernels
 against them and against references of its own.
 """
 

@@ -295,7 +295,6 @@ def _samples(text):
 @pytest.mark.slow
 def test_server_metrics_at_vllm_metrics_after_a_long_request(tmp_path):
     pytest.importorskip("vllm")
-    sys.path.insert(0, os.path.dirname(__file__))
     from tiny_llama import make_tiny_llama
     from vllm_sparse_tools.demo import free_port, start_server, wait_ready
 

@@ -16,9 +16,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_files import REPO_ROOT as ROOT, load_script
+
 ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 

@@ -375,6 +375,7 @@ def test_fused_sdpa_path_gives_the_models_attention(tmp_path):
     assert ac.resolve_dtype("auto", "cuda") == torch.bfloat16 and ac.resolve_dtype(None, "cpu") == torch.float32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_checker_and_capture_on_cuda(tmp_path):
     """The same measurements on the GPU (tensors stay there) as on the CPU, chunked and gated;

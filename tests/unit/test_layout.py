@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_files import REPO_ROOT as ROOT
+
 KERNELS = "vllm_sparse_kernels"
 SERVING = "vllm_sparse_backend"
 TOOLS = "vllm_sparse_tools"

@@ -7,14 +7,13 @@ import argparse
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from repo_files import REPO_ROOT as ROOT
 from vllm_sparse_tools import demo
 from vllm_sparse_tools.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
 SUBCOMMANDS = ["import-minference", "check-head-config", "settings", "search-patterns", "layer-budgets", "demo"]
 # Words of notes about the code's structure, which belong in docstrings, not in --help.
 DEVELOPER_NOTES = re.compile(r"\bmodules?\b|:mod:|:func:|serving core|\bimport(s|ed)\b|\bboth layers\b"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
+from kernel_helpers import assert_same_index, fp8_cache, make_row, no_host_sync
 
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.stats import SparseStats
@@ -30,10 +31,12 @@ pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under it
 kernel_module("prefill.estimate")
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index_paged  # noqa: E402
 
-from test_triton_estimate import assert_same_index, make_row, no_host_sync  # noqa: E402
-
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
-gpu = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")
+
+
+def gpu(fn):
+    skip = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")
+    return pytest.mark.gpu(skip(fn))
 
 
 def _heads(patterns: list[str], settings: SparseSettings, seed: int):
@@ -150,8 +153,6 @@ def check_fp8(patterns, q_len, ctx_len, hkv, d, dtype, seed, device, settings, k
     of stored scaled), and, with ``reference``, what the torch estimator selects on the
     dequantised keys. fp32 dequantised keys are exact up to one rounding of fp8 x scale; for bf16
     / fp16 the scale is a power of two, so they are exact and every score is the same number."""
-    from test_triton_estimate import fp8_cache
-
     group = len(patterns) // hkv
     q, k, key_cache, table = make_row(q_len, ctx_len, hkv, group, d, 16, torch.float32, seed, device, structure=1.5)
     k8 = fp8_cache(key_cache, k_scale)
@@ -189,7 +190,6 @@ def test_interp_fp8_cache_fp16_queries():
     check_fp8(MIXED, 130, 100, 1, 128, torch.float16, 12, "cpu", SETTINGS, 0.0625, torch.float16, reference=False)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns,settings", [(["vertical_slash"] * 32, SHARED), (MIXED * 4, SETTINGS)])
 def test_gpu_fp8_cache_selects_what_the_dequantised_cache_selects(patterns, settings):
@@ -205,7 +205,6 @@ def test_head_count_mismatch_is_an_error():
         estimate_index_paged(q, key_cache, table, 0, HeadGroups.from_heads(heads, "cpu"), SETTINGS, 0.1)
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, MIXED * 4])
 def test_gpu_layer(patterns):
@@ -213,7 +212,6 @@ def test_gpu_layer(patterns):
     check(patterns, 4096 + 77, 9000, 8, 128, 16, torch.bfloat16, 5, "cuda", settings, tol=0.02)
 
 
-@pytest.mark.gpu
 @gpu
 def test_gpu_layer_kv_group_shared():
     check(["vertical_slash"] * 16 + ["block_sparse"] * 16, 4096 + 77, 9000, 8, 128, 16, torch.bfloat16, 5, "cuda",
@@ -572,7 +570,6 @@ def gpu_peak_bytes(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("patterns", [["vertical_slash"] * 32, ["flex_prefill"] * 32, MIXED * 4])
 def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
@@ -598,7 +595,6 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     assert claim >= real > 0
 
 
-@pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("budgets", [{}, {"vertical_size": 32768, "slash_size": 32768, "max_density": 1.0}])
 def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
@@ -627,7 +623,6 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     assert claim >= real > 0
 
 
-@pytest.mark.gpu
 @gpu
 def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     """At a 1M max_model_len the claim's rows sum diagonals by gathering (the skew slabs would

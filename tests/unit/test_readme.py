@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from repo_files import REPO_ROOT as ROOT
 from vllm_sparse_backend.config import ENV_PREFIX, NON_SETTING_ENV, SparseSettings
 
-ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 MAX_README_LINES = 250

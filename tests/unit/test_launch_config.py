@@ -6,11 +6,11 @@ input space) is compared entry by entry. Plain Python: no triton needed."""
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
+from repo_files import TEST_DATA
 from vllm_sparse_kernels.prefill.launch_config import LAUNCH_TABLE, default_config, shared_stack
 
-EXPECTED = Path(__file__).resolve().parent / "data" / "launch_config_expected.txt"
+EXPECTED = TEST_DATA / "launch_config_expected.txt"
 HEAD_DIMS = (16, 32, 64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 MERGED_HEADS = (1, 2, 4, 8)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from repo_files import REPO_ROOT
 from vllm_sparse_backend import startup
 from vllm_sparse_backend.config import ConfigError
 
@@ -81,7 +82,7 @@ def test_valid_settings_explain_vllm_unknown_variable_warning_once(monkeypatch):
         assert records == []  # nothing set: nothing to check or explain
         monkeypatch.setenv("VLLM_SPARSE_GAMMA", "0.9")
         monkeypatch.setenv("VLLM_SPARSE_HEAD_CONFIG", str(
-            __import__("pathlib").Path(__file__).resolve().parents[1] / "head_configs" / "smollm2-135m-instruct.json"))
+            REPO_ROOT / "head_configs" / "smollm2-135m-instruct.json"))
         startup.check_at_registration()
     finally:
         log.removeHandler(handler)

@@ -341,6 +341,7 @@ def test_calibration_prompts():
         S.calibration_prompts(encode, words[:1000], 3000, 1)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_batched_search_on_cuda_matches_cpu():
     n, h, hkv = 4096, 12, 2

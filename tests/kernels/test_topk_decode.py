@@ -9,7 +9,7 @@ entries past a sequence's pages hold garbage, and outputs are poisoned with NaN 
     the cache), after a build and after incremental updates (prefill chunks, then decode steps);
 (b) the selection equals the module's float64 reference (inputs have no ties), always holds the
     sink and recent pages, and the Quest bound really bounds every token's score;
-(c) attention equals float64 attention (tests/conftest.py) restricted to the selected pages'
+(c) attention equals float64 attention (reference/dense.py) restricted to the selected pages'
     tokens, or to the per-head top-k tokens; with a budget covering every page it equals full
     dense decode attention;
 (d) batches of sequences of different lengths, pages of 16 and 32, GQA groups 1/4/7/8, head

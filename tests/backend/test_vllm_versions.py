@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
+from repo_files import REPO_ROOT as REPO, TESTS_DIR
+
 pytest.importorskip("vllm")  # the trees borrow the installed vLLM's dependencies (pydantic, transformers, ...)
 
-REPO = Path(__file__).resolve().parents[1]
-DRIVER = Path(__file__).with_name("_vllm_classes_driver.py")
+DRIVER = TESTS_DIR / "_vllm_classes_driver.py"
 RELEASES = ("0.26.0", "0.33.0")
 
 

@@ -953,6 +953,7 @@ def test_interp_run_sparse_rows_with_the_kernel():
     _glue_case(torch.float32, "cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (and TRITON_INTERPRET unset)")
 def test_gpu_run_sparse_rows_with_the_kernel():
     _glue_case(torch.bfloat16, "cuda")

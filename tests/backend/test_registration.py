@@ -6,6 +6,7 @@ import pickle
 import pytest
 
 from _spawn_child import unpickle_then_load_plugins
+from repo_files import REPO_ROOT
 
 vllm = pytest.importorskip("vllm")
 
@@ -73,8 +74,7 @@ def test_kernels_never_pose_as_vllms_triton_kernels(tmp_path, where):
     `triton_kernels` there would count, even without `__init__.py` (a namespace package)."""
     import subprocess
     import sys
-    from pathlib import Path
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(REPO_ROOT)
     code = ("import importlib.util as u; s = u.find_spec('triton_kernels'); "
             "k = u.find_spec('vllm_sparse_kernels'); "
             "print(k is not None, "
