@@ -68,7 +68,7 @@ CACHE_MULTIPLES = (1, 2, 4, 8)
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure functions (tested in tests/test_decode_topk_trace.py)
+# Pure functions
 # ---------------------------------------------------------------------------------------------
 
 def resident_positions(length: int, sinks: int, window: int) -> torch.Tensor:

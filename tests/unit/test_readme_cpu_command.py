@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from repo_files import REPO_ROOT as ROOT
 from vllm_sparse_tools.demo import DEMO_SPARSE_ENV, demo_server_args
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _serve_block(page: Path) -> str:
