@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from server_helpers import ready_server  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
 from vllm_sparse_backend.backends.common import SPARSE_PATH_ERROR  # noqa: E402
@@ -45,14 +46,7 @@ def _server(model_dir, tmp_path_factory, name, sparse_env=None):
         args += ["--attention-backend", "sparse-prefill"]
         env = {"VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": str(MIN_SPARSE),
                "VLLM_SPARSE_STATS_FILE": str(logs / "stats.json"), **sparse_env}
-    handle = start_server(model_dir, args, env, logs / "server.log")
-    try:
-        wait_ready(handle, timeout=400)
-    except Exception:
-        handle.stop()
-        raise
-    handle.stats_path = logs / "stats.json"
-    return handle
+    return ready_server(model_dir, args, env, logs, timeout=400)
 
 
 @pytest.fixture(scope="module")

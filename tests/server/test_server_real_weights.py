@@ -17,8 +17,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from server_helpers import ready_server  # noqa: E402
 from vllm_sparse_tools import assets  # noqa: E402
-from vllm_sparse_tools.demo import demo_server_args, start_server, wait_ready  # noqa: E402
+from vllm_sparse_tools.demo import demo_server_args  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -43,14 +44,7 @@ def _server(model, tmp_path_factory, name, sparse_env=None):
     if sparse_env is not None:
         env = {"VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": str(MIN_SPARSE), "VLLM_SPARSE_STATS_FILE": str(logs / "stats.json"),
                **sparse_env}
-    handle = start_server(model, demo_server_args(cuda=False, dense=sparse_env is None), env, logs / "server.log")
-    try:
-        wait_ready(handle, timeout=600)
-    except Exception:
-        handle.stop()
-        raise
-    handle.stats_path = logs / "stats.json"
-    return handle
+    return ready_server(model, demo_server_args(cuda=False, dense=sparse_env is None), env, logs)
 
 
 @pytest.fixture(scope="module")

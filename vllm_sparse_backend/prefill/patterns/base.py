@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
-from ..index import SparseIndex, build_index, num_blocks
+from ..index import SparseIndex, build_index
 
 if TYPE_CHECKING:
     from ...config import SparseSettings
