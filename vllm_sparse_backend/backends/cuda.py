@@ -130,8 +130,15 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         for r in plan.sparse_rows:
             fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
         # the kernel's table of the step's sparse rows, copied to the device once for every layer
-        row_table = kernels.sparse_attention.plan_rows(plan.sparse_rows, self.runtime.settings.block_size,
-                                                       self.device) if self._uses_kernel_table else None
+        # (without it, each layer's launch builds its own)
+        row_table = None
+        if self._uses_kernel_table:
+            try:
+                row_table = kernels.sparse_attention.plan_rows(plan.sparse_rows, self.runtime.settings.block_size,
+                                                               self.device)
+            except Exception as e:  # noqa: BLE001 - the layers then build the table themselves
+                self.runtime.log_once("the step's row table could not be built (%s: %s); each layer builds its own",
+                                      type(e).__name__, e)
         return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
                                   cm.block_table_tensor, cm.slot_mapping, fallback, row_table, decode_plan)
 
