@@ -115,9 +115,9 @@ class SparseSettings(BaseModel):
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
     max_density: float = Field(0.4, gt=0.0, le=1.0, description=(
-        "CUDA: a row whose budgets alone allow more than this share of its causal (query, key) pairs runs on "
-        "FlashAttention without estimation; one whose estimated index covers more runs dense as "
-        "estimated_dense_rows says. 1.0 = never."))
+        "A row whose budgets alone allow more than this share of its causal (query, key) pairs runs on the "
+        "dense kernel (FlashAttention, vLLM's CPU attention) without estimation; on CUDA one whose estimated "
+        "index covers more runs dense as estimated_dense_rows says. 1.0 = never."))
     estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field("auto", description=(
         "CUDA: where rows whose estimated index is denser than max_density run. flash = read the flags on the "
         "host (one sync per layer) and run them on FlashAttention; kernel = the Triton kernel's dense mode, no "

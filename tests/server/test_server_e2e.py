@@ -58,8 +58,11 @@ def dense_server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def full_server(model_dir, tmp_path_factory):
+    # max_density 1: rows whose budgets cover every key still take the sparse path (on CPU the
+    # default gate would send them to vLLM's CPU kernel before estimation)
     h = _server(model_dir, tmp_path_factory, "sparse-full",
-                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000"})
+                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000",
+                 "VLLM_SPARSE_MAX_DENSITY": "1"})
     yield h
     h.stop()
 
@@ -224,7 +227,8 @@ def faulty_server(model_dir, tmp_path_factory):
     import os
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     h = _server(model_dir, tmp_path_factory, "sparse-faulty",
-                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000", "PYTHONPATH": path})
+                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000",
+                 "VLLM_SPARSE_MAX_DENSITY": "1", "PYTHONPATH": path})
     yield h
     h.stop()
 

@@ -57,7 +57,8 @@ def dense_server(model_and_text, tmp_path_factory):
 @pytest.fixture(scope="module")
 def full_server(model_and_text, tmp_path_factory):
     h = _server(model_and_text[0], tmp_path_factory, "real-sparse-full",
-                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000"})
+                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000",
+                 "VLLM_SPARSE_MAX_DENSITY": "1"})
     yield h
     h.stop()
 

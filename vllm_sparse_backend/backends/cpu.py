@@ -17,11 +17,13 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
-from .common import (DenseRun, SparseStepMetadata, count_dense_tokens, layer_heads, plan_sparse_step, prepare_group,
-                     recoverable, sparse_path_failed)
+from .common import (DenseRun, SparseStepMetadata, count_dense_tokens, distinct_head_sets, layer_heads,
+                     plan_sparse_step, prepare_group, recoverable, sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+    _head_sets = None  # the group's head sets for the max_density gate (None: no gate)
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.sparse_enabled = False
@@ -34,7 +36,13 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
                 runtime.log_once("non-decoder or sliding-window layer group runs dense")
             else:
-                self.sparse_enabled = prepare_group(runtime, vllm_config, layer_names) is not None
+                layer_heads_of_group = prepare_group(runtime, vllm_config, layer_names)
+                self.sparse_enabled = layer_heads_of_group is not None
+                # rows no layer's budgets could make sparser than max_density (every key, on short
+                # prompts with the default budgets) stay on vLLM's CPU kernel, far faster than the
+                # PyTorch attention of the sparse path
+                if self.sparse_enabled and cfg.max_density < 1.0:
+                    self._head_sets = distinct_head_sets(layer_heads_of_group)
             if cfg.decode_mode != "dense":
                 runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
                                  "decode stays dense", cfg.decode_mode)
@@ -47,7 +55,8 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         try:
-            planned = plan_sparse_step(self.runtime, cm, allow_context=False) if self.sparse_enabled else None
+            planned = plan_sparse_step(self.runtime, cm, allow_context=False, head_sets=self._head_sets) \
+                if self.sparse_enabled else None
         except Exception as e:  # noqa: BLE001 - a planning error sends the step to the CPU kernel
             sparse_path_failed(self.runtime, e, [])
             planned = None
