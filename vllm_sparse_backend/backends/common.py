@@ -66,6 +66,16 @@ def layer_heads(runtime: WorkerRuntime, vllm_config, layer_name: str, local_head
     return heads
 
 
+def check_head_config_fits_model(runtime: WorkerRuntime, vllm_config) -> None:
+    """The head-config file the settings name must fit the model vLLM is building (ConfigError
+    naming the file and field otherwise); nothing to do without one. Called where a worker first
+    sees the model: its attention layers being built, before the weights load."""
+    if runtime.head_config is None:
+        return
+    model_config = vllm_config.model_config
+    runtime.check_head_config_fits(model_config.hf_text_config.to_dict(), model_config.model)
+
+
 def resolve_heads(vllm_config, settings, layer_name: str, local_heads: int, local_kv_heads: int,
                   head_config: HeadConfigFile | None = None) -> RankHeads:
     """This rank's query-head patterns of one attention layer (``head_config``, else the default
@@ -182,5 +192,5 @@ def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, rows: list[
 
 
 def count_dense_tokens(runtime: WorkerRuntime, md: SparseStepMetadata) -> None:
-    if md.sparse_rows:
-        runtime.stats.record_dense_tokens(sum(r.tok_end - r.tok_start for r in md.dense_runs))
+    """The query tokens of a step with sparse rows that ran on the dense kernel."""
+    runtime.stats.record_dense_tokens(sum(r.tok_end - r.tok_start for r in md.dense_runs))

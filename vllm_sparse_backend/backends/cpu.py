@@ -17,8 +17,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
-from .common import (DenseRun, SparseStepMetadata, count_dense_tokens, distinct_head_sets, layer_heads,
-                     plan_sparse_step, prepare_group, recoverable, sparse_path_failed)
+from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
+                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable,
+                     sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -85,8 +86,7 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
         self._vllm_config = vllm_config
         if vllm_config is not None and sparse_backend_selected(vllm_config):
             self.runtime = worker_runtime()
-            model_config = vllm_config.model_config
-            self.runtime.check_head_config_fits(model_config.hf_text_config.to_dict(), model_config.model)
+            check_head_config_fits_model(self.runtime, vllm_config)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):

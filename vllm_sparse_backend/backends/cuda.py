@@ -53,7 +53,8 @@ from ..prefill.plan import RankHeads, SparseRow
 from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
-from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, count_dense_tokens,
+from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
+                     count_dense_tokens,
                      distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
                      unsupported_reason)
 from .decode import LayerDecode, step_decode_plan
@@ -76,8 +77,8 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self.runtime = runtime = worker_runtime()
         cfg = runtime.settings
         # this group's head patterns per layer (None: the group runs dense)
-        self._layer_heads = prepare_group(runtime, vllm_config, layer_names) if cfg.enabled and selected else None
-        self.sparse_enabled = self._layer_heads is not None
+        group_heads = prepare_group(runtime, vllm_config, layer_names) if cfg.enabled and selected else None
+        self.sparse_enabled = group_heads is not None
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             runtime.log_once("decode context parallelism is not supported; every row runs dense")
             self.sparse_enabled = False
@@ -97,7 +98,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._decode_mode = decode_mode(cfg) if selected else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
-        self._head_sets = distinct_head_sets(self._layer_heads) \
+        self._head_sets = distinct_head_sets(group_heads) \
             if self.sparse_enabled and cfg.max_density < 1.0 else None
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
 
@@ -157,7 +158,6 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     sparse_kv_cache_dtypes = UNQUANTIZED_KV_CACHE_DTYPES + tuple(FP8_KV_CACHE_DTYPES)  # (common.unsupported_reason)
     _use_triton: bool | None = None  # decided on the first sparse forward, logged once
     _vllm_config = None  # the config current at construction (the layer's heads, the profiling-run claim)
-    _heads: RankHeads | None = None  # this layer's head patterns on this rank (first forward: its name is known)
     _head_groups: HeadGroups | None = None  # the same, by pattern, on the device (first sparse forward)
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
     # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
@@ -173,14 +173,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
-            model_config = self._vllm_config.model_config
-            self.runtime.check_head_config_fits(model_config.hf_text_config.to_dict(), model_config.model)
-
-    def _layer_heads(self, layer) -> RankHeads:
-        if self._heads is None:
-            self._heads = layer_heads(self.runtime, self._vllm_config, layer.layer_name, self.num_heads,
-                                      self.num_kv_heads)
-        return self._heads
+            check_head_config_fits_model(self.runtime, self._vllm_config)
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
@@ -282,7 +275,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         """The step's sparse rows into ``output``; returns the rows left to FlashAttention (the
         density fallback)."""
         runtime, cfg = self.runtime, self.runtime.settings
-        heads = self._layer_heads(layer)
+        heads = layer_heads(self.runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
         key_cache, value_cache = self._kv_views(kv_cache)
         softcap = float(self.logits_soft_cap or 0.0)
         kernel = self._triton_kernel()

@@ -67,15 +67,18 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
                          groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
                          kernel: PagedKernel, page_size: int = 16,
                          kv_dtype: torch.dtype | None = None) -> list[list[SparseRow]]:
-    """Run the GPU path on the largest steps a chunk can hold (:func:`worst_case_steps`), the way
-    :func:`run_sparse_rows_paged` runs a step (every row estimated, then one kernel launch), so
+    """Run the GPU path on the largest steps a chunk can hold (:func:`worst_case_steps`), through
+    :func:`run_sparse_rows_paged` itself as a sampled forward runs it (every row estimated and its
+    pairs counted on the device, then one kernel launch), so
     that its transient scratch (score buffers, index lists, the kernel's packed metadata) is seen
     by whoever measures peak memory: vLLM sizes the KV cache from the peak of its profiling run.
 
     Every scratch size of the path is a host-side function of the rows' lengths and the budgets
     (nothing waits for the GPU), so the K/V values do not matter: all logical pages map to one
     page of a tiny stand-in cache. The steps split all of ``query``'s tokens (at most ``kv_len``);
-    ``output`` is overwritten for them; nothing is recorded in the stats. ``kv_dtype``: the
+    ``output`` is overwritten for them; nothing is recorded in the worker's stats. Where rows can
+    be flagged dense on the device, each step is estimated a second time for the kernel's dense
+    mode (the flags' temporaries and that kernel variant). ``kv_dtype``: the
     stand-in cache's dtype (the layer's, e.g. fp8: the kernels' scaled variants are then compiled
     here too, with scales of 1); default the query's. Returns the claim's steps; after them it runs
     :func:`compile_row`, so that the variants of short contexts compile here too.
