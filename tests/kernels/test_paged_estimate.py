@@ -316,21 +316,22 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
 
 @cpu_only
 def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
-    """``estimated_dense_rows="auto"`` with the layer's DenseRowHistory: the first call reads its
+    """``estimated_dense_rows="auto"`` with the layer's LayerDensityHistory: the first call reads its
     flags on the host (nothing known yet); after a call without flagged rows the next one leaves
     the flags on the device (the kernel gets them and runs a flagged row in its dense mode, none
     returned), copies whether any was flagged back, and the call after that reads again."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import DenseRowHistory, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.cost import LayerDensityHistory
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
     rows = [SparseRow(0, 0, q_len, ctx)]  # its estimated index covers 0.36 of the causal pairs
-    history = DenseRowHistory()
+    history = LayerDensityHistory()
 
-    def call(max_density):
+    def call(max_density):  # (the cost model, off here, would send a row this small dense)
         settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 2, "slash_size": 2,
-                                               "estimated_dense_rows": "auto"})
+                                               "estimated_dense_rows": "auto", "cost_model": False})
         heads = [resolve_head(None, settings)] * (hkv * group)
         launched = []
         sent_dense = run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
@@ -351,23 +352,68 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
     assert not history.read_on_host()
 
 
-@gpu
-def test_gpu_dense_row_history_copies_back_without_waiting():
-    """On CUDA the flags' summary comes back through pinned memory and an event: not read until
-    the GPU has written it, and then read without a sync."""
-    from vllm_sparse_backend.prefill.run import DenseRowHistory
+@cpu_only
+def test_cost_model_sends_rows_dense_before_estimating_them():
+    """``cost_model``: a row whose predicted sparse cost (the layer's measured expansion times
+    its budget density, the estimation, the fixed cost per row) is not below FlashAttention's is
+    returned without being estimated or launched, under its own dense reason; one the model
+    predicts to win runs the kernel; with ``cost_model`` off only max_density decides; and one
+    gated row in PROBE_EVERY is estimated anyway."""
+    from vllm_sparse_backend.prefill.cost import LayerDensityHistory, RowCost
+    from vllm_sparse_backend.prefill.plan import SparseRow
+    from vllm_sparse_backend.prefill import run as run_mod
 
-    for flags, expect in (([False, False], False), ([False, True], True)):
-        history = DenseRowHistory()
-        whole = torch.tensor(flags, device="cuda")  # (a pageable upload would wait for the sleep)
-        history.watch(whole)  # the first watch allocates the pinned buffer (which may sync)
+    q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
+    q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
+    rows = [SparseRow(0, 0, q_len, ctx)]  # budgets: 24 keys of ~400 visible (0.06); computed about 0.65
+    free = RowCost(estimate_key=0.0, row_overhead=0.0)  # only the pairs count
+
+    def call(history, row_cost=free, cost_model=True):
+        settings = SETTINGS.model_copy(update={"max_density": 0.9, "vertical_size": 8, "slash_size": 16,
+                                               "block_size": 16, "estimated_dense_rows": "flash",
+                                               "cost_model": cost_model})
+        heads = [resolve_head(None, settings)] * (hkv * group)
+        launched, stats = [], SparseStats()
+        sent = run_mod.run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
+                                             HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                                             lambda *args, **kw: launched.append(args[4]), stats,
+                                             density_fallback=True, history=history, row_cost=row_cost)
+        return sent, launched, stats.as_dict()["dense_reasons"].get(run_mod.COST_MODEL_REASON, 0)
+
+    fresh = LayerDensityHistory()
+    assert call(fresh) == ([], [rows], 0)  # nothing measured: predicted = budgets (0.06), sparse wins
+    assert fresh.expansion is not None  # the estimate was measured on the way
+    assert call(LayerDensityHistory(), row_cost=RowCost()) == (rows, [], 1)  # the fixed cost outweighs 200 queries
+    dense_layer = LayerDensityHistory()
+    dense_layer.observed([0.95], [0.05], [1], 0.99)  # this layer computes 19x its budgets: every pair
+    assert call(dense_layer) == (rows, [], 1)
+    assert call(dense_layer, cost_model=False) == ([], [rows], 0)
+    probed = LayerDensityHistory()
+    probed.observed([0.95], [0.05], [1], 0.99)
+    results = [call(probed) for _ in range(LayerDensityHistory.PROBE_EVERY)]
+    assert all(r == (rows, [], 1) for r in results[:-1])
+    assert results[-1] == ([], [rows], 0)  # the probe: estimated and launched
+    assert probed.expansion != pytest.approx(19.0)  # and measured again
+
+
+@gpu
+def test_gpu_density_history_copies_back_without_waiting():
+    """On CUDA the densities come back through pinned memory and an event: not read until the
+    GPU has written them, and then read without a sync."""
+    from vllm_sparse_backend.prefill.cost import LayerDensityHistory
+
+    for densities, expect in (([0.1, 0.2], False), ([0.1, 0.9], True)):
+        history = LayerDensityHistory()
+        dens = torch.tensor(densities, device="cuda")  # (a pageable upload would wait for the sleep)
+        history.watch(dens, [0.1, 0.1], [1, 1], 0.5)  # the first watch allocates the pinned buffer (may sync)
         torch.cuda.synchronize()
-        history.observed([not expect])
+        history.observed([0.6 if not expect else 0.1], [0.2], [1], 0.5)
         torch.cuda._sleep(200_000_000)  # the copy back waits behind this on the stream
-        history.watch(whole)
+        history.watch(dens, [0.1, 0.1], [1, 1], 0.5)
         assert history.read_on_host() is (not expect)  # not yet copied back: the older answer
         torch.cuda.synchronize()
         assert history.read_on_host() is expect
+        assert history.expansion == pytest.approx(sum(densities) / 0.2)
 
 
 @cpu_only

@@ -50,7 +50,8 @@ from ..config import load_settings
 from ..decode import decode_mode
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
-from ..prefill.run import DenseRowHistory, run_sparse_rows, run_sparse_rows_paged
+from ..prefill.cost import LayerDensityHistory
+from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
@@ -161,7 +162,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     _head_groups: HeadGroups | None = None  # the same, by pattern, on the device (first sparse forward)
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
     # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
-    _dense_rows: DenseRowHistory | None = None
+    _density_history: LayerDensityHistory | None = None  # this layer's (one impl per layer)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -282,12 +283,12 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         # the dense rows above got the query as vLLM passed it (quantized for FlashAttention 3)
         q, k_scale, v_scale = self._sparse_operands(layer, query, output)
         if kernel is not None:
-            if self._dense_rows is None:
-                self._dense_rows = DenseRowHistory()
+            if self._density_history is None:
+                self._density_history = LayerDensityHistory()
             dense = run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
                                           self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
                                           runtime.stats, density_fallback=bool(step.fallback), k_scale=k_scale,
-                                          v_scale=v_scale, history=self._dense_rows, row_table=step.row_table)
+                                          v_scale=v_scale, history=self._density_history, row_table=step.row_table)
             if dense:
                 runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
                                  "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",

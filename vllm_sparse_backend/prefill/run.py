@@ -10,7 +10,8 @@ Backend-agnostic glue between a planned step and the math. Two paths:
   nothing is gathered, and nothing waits for the GPU except the one read of the rows' density
   flags per layer that sends too-dense rows back to the backend's dense kernel
   (``estimated_dense_rows="flash"``, or ``"auto"`` where the layer's previous call had such
-  rows: :class:`DenseRowHistory`).
+  rows: :class:`.cost.LayerDensityHistory`). Before that, the cost model (:mod:`.cost`) sends rows
+  dense that the sparse path is not predicted to win.
 
 What the rows did is recorded in the worker's :class:`..stats.SparseStats`, handed in.
 """
@@ -26,6 +27,7 @@ from ..config import SparseSettings
 from ..head_configs import ResolvedHead
 from ..stats import SparseStats
 from .budgets import budgets_cover_every_key
+from .cost import ROW_COST, LayerDensityHistory, RowCost
 from .estimate import HeadGroups, estimate_index, estimate_index_paged
 from .index import count_pairs, count_pairs_tensor, index_density
 from .plan import SparseRow
@@ -77,60 +79,13 @@ def _record(stats: SparseStats, row: SparseRow, num_heads: int, computed: int | 
 PagedKernel = Callable[..., object]
 
 
-class DenseRowHistory:
-    """One layer's memory for ``estimated_dense_rows="auto"``: did the layer's previous sparse
-    call have rows whose estimated index came out denser than ``max_density``?
-
-    Reading the flags on the host costs one sync per layer (the GPU queue drains, and the next
-    launches are exposed); not reading them runs flagged rows in the kernel's dense mode, slower
-    than FlashAttention. Which pays
-    depends on how many rows get flagged, and that changes slowly from one call of a layer to
-    the next (the same prompt's next chunk, with a little more context). So: read on the host
-    (and send flagged rows to FlashAttention) while the previous call had flagged rows or
-    nothing is known yet; otherwise let the kernel decide, and copy whether anything was
-    flagged back to the host without waiting, to be looked at on the next call. A wrong guess
-    costs time only: both ways compute the same attention."""
-
-    def __init__(self) -> None:
-        self._flagged: bool | None = None  # the last known call's answer; None: read
-        self._pending: tuple[torch.Tensor, object] | None = None  # (host copy, its CUDA event)
-        self._pinned: torch.Tensor | None = None  # allocated once: a pinned allocation can sync
-
-    def read_on_host(self) -> bool:
-        """Whether this call should read its flags on the host. Never waits: a copy the GPU has
-        not finished yet leaves the older answer in force."""
-        if self._pending is not None:
-            host, done = self._pending
-            if done is None or done.query():
-                self._flagged, self._pending = bool(host.item()), None
-        return self._flagged is not False
-
-    def observed(self, flags: list[bool]) -> None:
-        """The flags this call read on the host."""
-        self._flagged, self._pending = any(flags), None
-
-    def watch(self, whole: torch.Tensor) -> None:
-        """Flags left on the device (the kernel ran flagged rows in its dense mode): copy whether
-        any row was flagged to pinned host memory, without waiting."""
-        flagged = whole.any().view(1)
-        if not whole.is_cuda:
-            self._pending = (flagged.clone(), None)
-            return
-        if self._pinned is None:
-            self._pinned = torch.empty(1, dtype=torch.bool, pin_memory=True)
-        host = self._pinned  # a later copy into it is queued behind this one on the stream
-        host.copy_(flagged, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending = (host, done)
-
-
 def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[SparseRow],
                           key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                           groups: HeadGroups, settings: SparseSettings, scale: float, softcap: float,
                           kernel: PagedKernel, stats: SparseStats, *, density_fallback: bool = False,
                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                          history: DenseRowHistory | None = None, row_table=None) -> list[SparseRow]:
+                          history: LayerDensityHistory | None = None, row_table=None,
+                          row_cost: RowCost = ROW_COST) -> list[SparseRow]:
     """Estimate every row on the paged cache, then one kernel launch for all rows. Returns the
     rows the caller computes on its dense kernel instead (the density fallback); their output is
     left untouched here.
@@ -147,11 +102,15 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
 
     * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
       arithmetic) are returned without being estimated;
+    * with ``settings.cost_model`` and a ``history``, so are rows the cost model predicts dense
+      to be faster on (:meth:`.cost.RowCost.sparse_pays`, with the density ``history`` predicts),
+      except one in :attr:`~.cost.LayerDensityHistory.PROBE_EVERY`, estimated to keep the
+      prediction measured;
     * rows whose estimated index covers more than ``max_density`` of their causal pairs are
       flagged on the GPU. With ``estimated_dense_rows="flash"`` the flags are read on the host
       (one sync per layer) and those rows are returned, counted as dense rows like the budget
       fallback's. ``"auto"`` (the default) does that where ``history`` (the layer's
-      :class:`DenseRowHistory`; without one, every call) says the previous call had flagged
+      :class:`.cost.LayerDensityHistory`; without one, every call) says the previous call had flagged
       rows, else what ``"kernel"`` does. With ``"kernel"`` (and always under CUDA-graph capture)
       the kernel runs them in its dense mode (every causal key): no host read decides it, so the
       layer never waits for the GPU; they stay counted as sparse rows (they ran on the sparse
@@ -173,12 +132,24 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     exact_stats = stats.exporting and (bool(settings.stats_file) or timing.sampled)  # TP rank 0 counts
     fallback = density_fallback and settings.max_density < 1.0
     to_dense: list[SparseRow] = []
+    budgets: dict[int, float] = {}  # row -> budget density, for what the history learns
     if fallback:
-        # Rows the budgets cannot make sparse enough skip estimation (short rows, mostly).
+        head_size = query.shape[2]
         for row in rows:
-            if groups.budget_density(row.q_len, row.ctx_len, settings) > settings.max_density:
+            budget = groups.budget_density(row.q_len, row.ctx_len, settings)
+            if budget > settings.max_density:  # short rows, mostly: no estimate can be sparse enough
                 to_dense.append(row)
                 stats.record_dense_reason("budgets denser than max_density", tokens=row.q_len)
+                continue
+            if settings.cost_model and history is not None:
+                predicted = history.predicted_density(budget)
+                if (predicted > settings.max_density or not row_cost.sparse_pays(
+                        row.q_len, row.ctx_len, num_heads, head_size, predicted, settings.last_q)) \
+                        and not history.probe_due():
+                    to_dense.append(row)
+                    stats.record_dense_reason(COST_MODEL_REASON, tokens=row.q_len)
+                    continue
+            budgets[row.row] = budget
         if to_dense:
             rows = [r for r in rows if r not in to_dense]
     covered = {r.row for r in rows if budgets_cover_every_key(groups.head_counts, r.q_len, r.ctx_len, settings)}
@@ -193,12 +164,15 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         dens = [index_density(e.index, r.q_len, r.ctx_len) for e, r in zip(estimates, rows)]
         dens = dens[0].view(1) if len(dens) == 1 else torch.stack(dens)
         whole = dens > settings.max_density
+        learned = ([budgets[r.row] for r in rows], [causal_pairs(r.q_len, r.ctx_len, num_heads) for r in rows],
+                   settings.max_density)
         mode, capturing = settings.estimated_dense_rows, _capturing(query)
         if not capturing and (mode == "flash" or (mode == "auto" and (history is None or history.read_on_host()))):
             timing.lap("estimate")
-            flags = whole.tolist()  # the one host read of the layer
+            densities = dens.tolist()  # the one host read of the layer
+            flags = [d > settings.max_density for d in densities]
             if history is not None:
-                history.observed(flags)
+                history.observed(densities, *learned)
             for row, flagged in zip(rows, flags):
                 if flagged:
                     to_dense.append(row)
@@ -209,8 +183,8 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
             timing.mark()  # the wait for the flags is not estimation
         else:
             stats.defer_dense_rows(DENSE_MODE_REASON, whole)
-            if history is not None and mode == "auto" and not capturing:
-                history.watch(whole)
+            if history is not None and not capturing:
+                history.watch(dens, *learned)
     timing.lap("estimate")
     if exact_stats:
         stats.flush_deferred(wait=False)
@@ -263,6 +237,9 @@ def _defer_measured(stats: SparseStats, row: SparseRow, num_heads: int, est, fla
 
     stats.read_later(values, measured)
 
+
+# Rows the cost model sent to the dense kernel before estimating them (:mod:`.cost`).
+COST_MODEL_REASON = "cost model: dense predicted faster"
 
 # Rows the kernel ran in its dense mode because their estimated index was too dense (flagged on
 # the GPU, counted when the flags are read).
