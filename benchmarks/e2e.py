@@ -114,7 +114,10 @@ def run_env(variant_env: dict[str, str], base: dict[str, str] | None = None) -> 
         raise SystemExit(f"variant sets {clash}: these stay {MULTICAST_OFF} (NVLink multicast off)")
     base = os.environ if base is None else base
     path = os.pathsep.join(p for p in (str(WORKER_EXTENSIONS), base.get("PYTHONPATH", "")) if p)
-    return {**base, "PYTHONPATH": path, **variant_env, **MULTICAST_OFF}
+    env = {**base, "PYTHONPATH": path, **variant_env, **MULTICAST_OFF}
+    if env.get("VLLM_SPARSE_STATS_FILE"):  # read as soon as the run ends: every forward writes it
+        env.setdefault("VLLM_SPARSE_STATS_WRITE_INTERVAL_S", "0")
+    return env
 
 
 def write_model(out: Path, layers: int, max_len: int) -> Path:

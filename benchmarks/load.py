@@ -783,7 +783,8 @@ def start_target(label: str, variant: Variant, model_dir: pathlib.Path, workdir:
     if not variant.dense:
         stats_path = folder / "stats.json"
         gating = {} if args.min_sparse_query_len is None else {"min_sparse_query_len": args.min_sparse_query_len}
-        env.update(variant.env(stats_file=str(stats_path), **gating))
+        # read before and after each prompt: written on every forward, not at the bounded rate
+        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=0, **gating))
     handle = start_server(model_dir, server_args(model_dir, sparse=not variant.dense, cuda=cuda,
                                                  max_model_len=max_model_len, args=args),
                           env, folder / "server.log")
@@ -977,7 +978,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="attach to this running server instead of starting any")
     p.add_argument("--dense-url", help="with --url: a running dense server as the reference")
     p.add_argument("--server-log", type=pathlib.Path, help="with --url: its log, checked for errors")
-    p.add_argument("--stats-file", type=pathlib.Path, help="with --url: its VLLM_SPARSE_STATS_FILE (densities)")
+    p.add_argument("--stats-file", type=pathlib.Path, help="with --url: its VLLM_SPARSE_STATS_FILE (densities; "
+                                                           "per prompt when it runs with "
+                                                           "VLLM_SPARSE_STATS_WRITE_INTERVAL_S=0)")
     p.add_argument("--long-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="long prompts' tokens")
     p.add_argument("--long-max-tokens", type=int, default=8, help="tokens generated for long prompts")
     p.add_argument("--chat-max-tokens", type=int, default=16, help="tokens generated for short chats")

@@ -16,9 +16,16 @@ For the base and every overlay:
    PROMETHEUS_MULTIPROC_DIR are emptyDirs, the start-up probe allows a long-context model time
    to load, service links are off, and the plugin's settings (VLLM_SPARSE_* variables and the
    VLLM_SPARSE_CONFIG file from its ConfigMap) pass the plugin's own validation.
+4. Security rules (every Deployment and Job): images pinned by digest (``--release``: not the
+   all-zero placeholder), non-root, no capabilities, no privilege escalation, a read-only root
+   filesystem with /tmp on an emptyDir. For the serving Deployment: the API key from a Secret
+   (never in the arguments), a NetworkPolicy that admits only selected sources to named ports,
+   compile caches (VLLM_CACHE_ROOT, TRITON_CACHE_DIR) on per-pod emptyDirs, claims mounted
+   read-only, vLLM's usage telemetry off, and the model pinned to a commit (MODEL_REVISION) that
+   the model-download Job fetches too.
 
 Exit status 1 with every problem listed when anything fails. Usage:
-    python deploy/check.py [--kubectl auto|never|require] [--k8s-versions 1.28,1.33] [DIR ...]
+    python deploy/check.py [--kubectl auto|never|require] [--k8s-versions 1.28,1.33] [--release] [DIR ...]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import copy
 import os
 import posixpath
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +47,10 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_VERSIONS = ("1.28.0", "1.33.0")
 MIN_STARTUP_SECONDS = 600  # download + load + warm-up of a long-context model
 CRD_GROUPS = ("monitoring.coreos.com/",)
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+PLACEHOLDER_DIGEST = "@sha256:" + "0" * 64  # what the manifests ship: replaced before a release
+COMMIT = re.compile(r"[0-9a-f]{40}")
+TELEMETRY_OFF = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 
 class CheckError(Exception):
@@ -317,7 +329,118 @@ def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, wh
     return errs
 
 
-def cross_check(objects: list[dict]) -> list[str]:
+def _volume_at(path: str, mounts: dict, volumes: dict) -> dict:
+    """The volume whose mount holds ``path`` (the longest mount path that is ``path`` or a parent of it)."""
+    best = ""
+    for mpath in mounts:
+        if (path == mpath or path.startswith(mpath.rstrip("/") + "/")) and len(mpath) > len(best):
+            best = mpath
+    return volumes.get(mounts.get(best), {}) if best else {}
+
+
+def check_pod_security(where: str, pod: dict, release: bool) -> list[str]:
+    """Rules for every pod template (Deployment, Job): see the module doc, item 4."""
+    errs = []
+    pod_ctx = pod.get("securityContext") or {}
+    volumes = {v.get("name"): v for v in pod.get("volumes", [])}
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        cw = f"{where} container {c.get('name')}"
+        ctx = c.get("securityContext") or {}
+        image = str(c.get("image", ""))
+        if not DIGEST.search(image):
+            errs.append(f"{cw}: image {image!r} is not pinned by digest (NAME@sha256:<64 hex>; a tag can be moved)")
+        elif release and image.endswith(PLACEHOLDER_DIGEST):
+            errs.append(f"{cw}: image {image!r} has the placeholder digest; set your build's digest in the overlay")
+        if ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is not True:
+            errs.append(f"{cw}: runAsNonRoot must be true (container or pod securityContext)")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            errs.append(f"{cw}: runAsUser is 0 (root)")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            errs.append(f"{cw}: securityContext.allowPrivilegeEscalation must be false")
+        if "ALL" not in ((ctx.get("capabilities") or {}).get("drop") or []):
+            errs.append(f"{cw}: securityContext.capabilities.drop must contain ALL")
+        if (ctx.get("capabilities") or {}).get("add"):
+            errs.append(f"{cw}: securityContext.capabilities.add must be empty")
+        if ctx.get("privileged"):
+            errs.append(f"{cw}: must not be privileged")
+        if ctx.get("readOnlyRootFilesystem") is not True:
+            errs.append(f"{cw}: securityContext.readOnlyRootFilesystem must be true (writable places are emptyDirs)")
+        mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts", [])}
+        if "emptyDir" not in volumes.get(mounts.get("/tmp"), {}):
+            errs.append(f"{cw}: /tmp must be the mount of an emptyDir volume (the root filesystem is read-only)")
+    return errs
+
+
+def check_serving(where: str, container: dict, env: dict, mounts: dict, volumes: dict) -> list[str]:
+    """Rules for the serving container of a Deployment: see the module doc, item 4."""
+    cw = f"{where} container {container.get('name')}"
+    errs = []
+    key = env.get("VLLM_API_KEY")
+    ref = (key or {}).get("secretKeyRef") if isinstance(key, dict) else None
+    if not ref or not ref.get("name") or not ref.get("key"):
+        errs.append(f"{cw}: VLLM_API_KEY must come from a Secret (valueFrom.secretKeyRef): without it any "
+                    "client that reaches the port can use the API")
+    elif ref.get("optional"):
+        errs.append(f"{cw}: the VLLM_API_KEY secretKeyRef must not be optional (a missing Secret would serve "
+                    "without a key)")
+    extra = env.get("VLLM_EXTRA_ARGS") if isinstance(env.get("VLLM_EXTRA_ARGS"), str) else ""
+    words = extra.split() + [str(a) for a in container.get("args", []) + container.get("command", [])]
+    if any(w == "--api-key" or w.startswith("--api-key=") for w in words):
+        errs.append(f"{cw}: --api-key in the container's arguments puts the key in the manifest; use VLLM_API_KEY "
+                    "from a Secret")
+    for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
+        value = env.get(name)
+        if not isinstance(value, str):
+            errs.append(f"{cw}: {name} is not set (compile caches must be per pod, on an emptyDir)")
+        elif "emptyDir" not in _volume_at(value, mounts, volumes):
+            errs.append(f"{cw}: {name}={value} is not on an emptyDir volume (compiled code must not be shared "
+                        "between pods)")
+    for mpath, vname in mounts.items():
+        vol = volumes.get(vname, {})
+        ro = [m for m in container.get("volumeMounts", []) if m.get("mountPath") == mpath][0].get("readOnly")
+        if "persistentVolumeClaim" in vol and ro is not True:
+            errs.append(f"{cw}: claim volume {vname} at {mpath} must be mounted readOnly (the model-download Job "
+                        "writes it)")
+    for name, want in TELEMETRY_OFF.items():
+        if env.get(name) != want:
+            errs.append(f"{cw}: {name} must be {want!r} (vLLM's usage telemetry off)")
+    revision = env.get("MODEL_REVISION")
+    if not (isinstance(revision, str) and COMMIT.fullmatch(revision)):
+        errs.append(f"{cw}: MODEL_REVISION={revision!r} must be a 40-hex commit of the model repository "
+                    "(a branch name can change under a running deployment)")
+    return errs
+
+
+def check_network_policies(policies: list[dict], pods: list[dict]) -> list[str]:
+    """Each serving pod template is selected by a NetworkPolicy for Ingress whose every rule names
+    its sources and ports (none admits every pod or every port)."""
+    errs = []
+    for tmpl in pods:
+        labels = tmpl.get("metadata", {}).get("labels")
+        ports = {p.get("name") for c in tmpl["spec"].get("containers", []) for p in c.get("ports", [])} | \
+                {p.get("containerPort") for c in tmpl["spec"].get("containers", []) for p in c.get("ports", [])}
+        chosen = [p for p in policies if _labels_match(p.get("spec", {}).get("podSelector"), labels)]
+        if not any("Ingress" in (p["spec"].get("policyTypes") or ["Ingress"]) for p in chosen):
+            errs.append(f"pods {labels}: no NetworkPolicy for Ingress selects them (any pod of the cluster could "
+                        "reach the API)")
+        for pol in chosen:
+            _, name = _key(pol)
+            for i, rule in enumerate(pol["spec"].get("ingress") or []):
+                w = f"NetworkPolicy/{name}: ingress[{i}]"
+                peers = rule.get("from") or []
+                if not peers or any(not peer or peer.get("namespaceSelector") == {} and "podSelector" not in peer
+                                    or (peer.get("ipBlock") or {}).get("cidr") in ("0.0.0.0/0", "::/0")
+                                    for peer in peers):
+                    errs.append(f"{w}: admits every source; name the gateway's and Prometheus's namespaces or pods")
+                if not rule.get("ports"):
+                    errs.append(f"{w}: admits every port; name the ports")
+                for port in rule.get("ports") or []:
+                    if port.get("port") not in ports:
+                        errs.append(f"{w}: port {port.get('port')!r} is not a port of the selected containers")
+    return errs
+
+
+def cross_check(objects: list[dict], release: bool = False) -> list[str]:
     errs = []
     by_kind: dict[str, list[dict]] = {}
     for o in objects:
@@ -389,6 +512,23 @@ def cross_check(objects: list[dict]) -> list[str]:
             elif "emptyDir" not in volumes.get(mounts.get(prom), {}):
                 errs.append(f"{cw}: PROMETHEUS_MULTIPROC_DIR={prom} is not the mount of an emptyDir volume")
             errs += _check_settings(env, mounts, volumes, configmaps, cw)
+            errs += check_serving(w, c, env, mounts, volumes)
+        errs += check_pod_security(w, pod, release)
+    serving = {}
+    for dep in by_kind.get("Deployment", []):
+        for c in dep["spec"]["template"]["spec"].get("containers", []):
+            env = {e.get("name"): e.get("value") for e in c.get("env", [])}
+            serving[(env.get("MODEL"), env.get("MODEL_REVISION"))] = f"Deployment/{_key(dep)[1]}"
+    for job in by_kind.get("Job", []):
+        w = f"Job/{_key(job)[1]}"
+        pod = job.get("spec", {}).get("template", {}).get("spec", {})
+        errs += check_pod_security(w, pod, release)
+        for c in pod.get("containers", []):
+            env = {e.get("name"): e.get("value") for e in c.get("env", [])}
+            if "MODEL" in env and serving and (env["MODEL"], env.get("MODEL_REVISION")) not in serving:
+                errs.append(f"{w} container {c.get('name')}: downloads {env['MODEL']} at {env.get('MODEL_REVISION')}, "
+                            f"which no Deployment serves (served: {sorted(map(str, serving))})")
+    errs += check_network_policies(by_kind.get("NetworkPolicy", []), pods)
     for svc in services:
         _, name = _key(svc)
         spec = svc.get("spec", {})
@@ -423,7 +563,7 @@ def _targets(root: Path) -> list[Path]:
     return out
 
 
-def check_dir(directory: Path, versions, use_kubectl: bool) -> tuple[list[str], int]:
+def check_dir(directory: Path, versions, use_kubectl: bool, release: bool = False) -> tuple[list[str], int]:
     """Problems of one kustomization directory and the number of objects rendered."""
     try:
         objects = render_builtin(directory)
@@ -451,7 +591,7 @@ def check_dir(directory: Path, versions, use_kubectl: bool) -> tuple[list[str], 
         errors.append("cross-checks skipped until the schema errors are fixed")
         return errors, len(objects)
     try:
-        errors += cross_check(objects)
+        errors += cross_check(objects, release)
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # a CRD object of the wrong shape
         errors.append(f"malformed object ({type(e).__name__}: {e}); cross-checks stopped")
     return errors, len(objects)
@@ -465,6 +605,8 @@ def main(argv=None) -> int:
                     help="render with kubectl kustomize too: when on PATH (auto), never, or fail without it")
     ap.add_argument("--k8s-versions", default=",".join(DEFAULT_VERSIONS),
                     help="Kubernetes versions whose schemas the objects must satisfy")
+    ap.add_argument("--release", action="store_true",
+                    help="also refuse the placeholder image digest the repository's manifests carry")
     args = ap.parse_args(argv)
     has_kubectl = shutil.which("kubectl") is not None
     if args.kubectl == "require" and not has_kubectl:
@@ -478,7 +620,7 @@ def main(argv=None) -> int:
         return 1
     failed = False
     for d in dirs:
-        errors, n = check_dir(d, versions, use_kubectl)
+        errors, n = check_dir(d, versions, use_kubectl, args.release)
         how = "kubectl kustomize + built-in" if use_kubectl else "built-in renderer (no kubectl)"
         if errors:
             failed = True

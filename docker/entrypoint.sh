@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Entrypoint of the vllm-sparse-backend image. Runs (exec, so signals reach the server)
 #
-#   vllm serve MODEL --host $HOST --port $PORT --attention-backend sparse-prefill \
-#       [$VLLM_EXTRA_ARGS] [the container's arguments after the model]
+#   vllm serve MODEL [--revision $MODEL_REVISION] --host $HOST --port $PORT \
+#       --attention-backend sparse-prefill [$VLLM_EXTRA_ARGS] [the container's arguments after the model]
 #
 # MODEL comes from the first argument when that is not a flag, else from $MODEL. Flags given to
 # the container come last, so they override the defaults above (argparse keeps the last value).
 # VLLM_EXTRA_ARGS is split like a shell would split it (quotes respected, nothing expanded).
 # Before starting: stale metric files in $PROMETHEUS_MULTIPROC_DIR are removed, and
-# sparse_prefill is added to $VLLM_PLUGINS when that variable filters plugins.
+# sparse_prefill is added to $VLLM_PLUGINS when that variable filters plugins. The command is
+# logged with the value of any --api-key masked (vLLM also reads the key from VLLM_API_KEY, which
+# is never printed).
 #
 #   vllm-sparse-entrypoint --healthcheck   exit 0 if http://127.0.0.1:$PORT/health answers 200
 set -euo pipefail
@@ -67,6 +69,27 @@ if [[ -n "${VLLM_PLUGINS:-}" && ",${VLLM_PLUGINS// /}," != *",sparse_prefill,"* 
   echo "vllm-sparse-entrypoint: VLLM_PLUGINS filters plugins; added sparse_prefill: $VLLM_PLUGINS" >&2
 fi
 
-cmd=(vllm serve "$model" --host "$HOST" --port "$PORT" --attention-backend sparse-prefill "${extra[@]}" "$@")
-echo "vllm-sparse-entrypoint: exec ${cmd[*]}" >&2
+revision=()
+if [[ -n "${MODEL_REVISION:-}" ]]; then
+  revision=(--revision "$MODEL_REVISION")
+fi
+
+cmd=(vllm serve "$model" "${revision[@]}" --host "$HOST" --port "$PORT" --attention-backend sparse-prefill
+     "${extra[@]}" "$@")
+shown=()
+mask_next=0
+for arg in "${cmd[@]}"; do
+  if ((mask_next)); then
+    shown+=("***")
+    mask_next=0
+  elif [[ "$arg" == --api-key ]]; then
+    shown+=("$arg")
+    mask_next=1
+  elif [[ "$arg" == --api-key=* ]]; then
+    shown+=("--api-key=***")
+  else
+    shown+=("$arg")
+  fi
+done
+echo "vllm-sparse-entrypoint: exec ${shown[*]}" >&2
 exec "${cmd[@]}"

@@ -10,8 +10,10 @@ file or variable and the field named.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -50,6 +52,25 @@ def check_decode_mode_name(name: str) -> str:
 
 
 DecodeModeName = Annotated[str, AfterValidator(check_decode_mode_name)]
+
+
+def check_host(host: str) -> str:
+    """A pydantic validator: ``host`` must be an IP address or a DNS host name (what a server binds)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    # an all-digit last label is a mistyped address, not a name (RFC 1123 names end in a letter label)
+    if len(host) > 253 or labels[-1].isdigit() or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise PydanticCustomError("bad_host", "'{host}' is neither an IP address nor a host name", {"host": host})
+    return host
+
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+# An address to bind: an IP address or a host name such as localhost.
+MetricsHost = Annotated[str, AfterValidator(check_host)]
 
 
 class ConfigError(ValueError):
@@ -138,13 +159,21 @@ class SparseSettings(BaseModel):
         "default (16) elsewhere. An explicit --block-size wins."))
     # Files.
     head_config: str | None = Field(None, description=(
-        "Per-model head-config file (JSON): a path, or the name of a file in head_configs/."))
+        "Per-model head-config file (JSON): an existing path or one ending in .json, else the bare name (no "
+        "'/' or '..') of a file in head_configs/, without .json."))
     stats_file: str | None = Field(None, description=(
         "JSON file the worker keeps updated with sparse counters (rows, tokens, computed vs causal pairs, "
         "patterns, dense reasons); on CUDA written without waiting for the GPU."))
+    stats_write_interval_s: float = Field(1.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "Rewrite the stats file at most once per this many seconds (a write left for later is done at the "
+        "interval's end and at exit); 0 = after every sparse layer forward, for a client that reads the file "
+        "right after each request."))
     metrics_port: int | None = Field(None, ge=1, le=65535, description=(
         "Also serve the plugin's Prometheus metrics from the worker on this port; none = only through vLLM's "
         "/metrics (with PROMETHEUS_MULTIPROC_DIR set)."))
+    metrics_host: MetricsHost = Field("127.0.0.1", description=(
+        "Address the metrics_port server binds: an IP address or host name; the default answers this host "
+        "only, 0.0.0.0 (or ::) every interface, e.g. for a Prometheus that scrapes the pod."))
     timing_sample_every: int = Field(16, ge=0, description=(
         "Time the estimator and the sparse kernel on 1 of every N sparse layer forwards (on CUDA these forwards "
         "also count computed pairs and density fallbacks); 0 = never."))

@@ -135,22 +135,27 @@ def shipped_head_config_names() -> list[str]:
 
 
 def resolve_head_config(spec: str) -> HeadConfigFile:
-    """The file ``VLLM_SPARSE_HEAD_CONFIG`` names: a path, or the name of a file shipped in
-    head_configs/ (without .json). A missing or malformed file raises ConfigError naming it.
+    """The file the ``head_config`` setting (``VLLM_SPARSE_HEAD_CONFIG``) names. A missing or
+    malformed file raises ConfigError naming the field and the value.
 
-    A name is a plain file name: anything with a path separator or ``..`` that is not an
-    existing path is refused, so a name can never reach a file outside the shipped folder."""
+    The rule that tells the two spellings apart: a value that is an existing path, or ends in
+    ``.json``, is a path and is read as given. Anything else is a shipped name: a bare file name
+    of head_configs/ without ``.json``, so one with a path separator or ``..`` (``../../x``,
+    ``/etc/x``) is refused rather than joined onto the folder, and a name can never reach a file
+    outside the shipped folder."""
     path = Path(spec)
     if path.exists() or spec.endswith(".json"):
         return load_head_config(path)
+    shipped_names = ", ".join(shipped_head_config_names())
     separators = {"/", "\\", os.sep, os.altsep} - {None}
     if ".." in spec or any(sep in spec for sep in separators) or not spec.strip():
-        raise ConfigError(f"{spec}: no such head-config file, and not a shipped head-config name (a name is "
-                          f"a plain file name without '/' or '..'; shipped: {', '.join(shipped_head_config_names())})")
+        raise ConfigError(f"field 'head_config' = {spec!r}: no such head-config file, and not a shipped "
+                          f"head-config name (a name is a bare file name, without '/', '\\' or '..'; shipped: "
+                          f"{shipped_names})")
     shipped = _shipped_folder() / f"{spec}.json"
     if not shipped.is_file():
-        raise ConfigError(f"{spec}: no such head-config file or shipped name (shipped: "
-                          f"{', '.join(shipped_head_config_names())})")
+        raise ConfigError(f"field 'head_config' = {spec!r}: no such head-config file or shipped name "
+                          f"(shipped: {shipped_names})")
     with resources.as_file(shipped) as p:
         return load_head_config(p)
 

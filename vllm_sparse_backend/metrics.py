@@ -7,7 +7,8 @@ Where the numbers show up:
   server merges them at its own ``/metrics``. The worker that runs attention is one of those
   processes, so the plugin's metrics appear there next to vLLM's.
 * Otherwise the worker's samples stay in its own default registry, which vLLM never serves. The
-  ``metrics_port`` setting then starts prometheus_client's HTTP server inside the worker.
+  ``metrics_port`` setting then starts prometheus_client's HTTP server inside the worker, bound
+  to ``metrics_host`` (this host only unless set otherwise).
 
 Names start with ``sparse_prefill_``, never ``vllm:`` (vLLM unregisters every ``vllm:``
 collector of a process when it sets up its own). Everything here degrades to a no-op when
@@ -167,7 +168,7 @@ def exposition_registry():
     return prometheus_client.REGISTRY
 
 
-def serve_metrics(port: int, addr: str = "0.0.0.0") -> bool:
+def serve_metrics(port: int, addr: str = "127.0.0.1") -> bool:
     """Start prometheus_client's HTTP server in this process, once. False if it cannot run (no
     prometheus_client, or the port is taken: with several workers on a host only one binds; with
     PROMETHEUS_MULTIPROC_DIR set that one serves every process's samples)."""

@@ -4,7 +4,11 @@ The worker's runtime holds one :class:`SparseStats` (:attr:`..runtime.WorkerRunt
 sparse path calls its ``record_*`` methods, each of which updates the JSON counters
 below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
-such as the demo or a test can read what happened inside the server.
+such as the demo or a test can read what happened inside the server. It is rewritten at most
+once per ``stats_write_interval_s``: a forward inside the interval leaves the write to a timer
+that fires at the interval's end, and the process writes what is left when it exits, so the file
+is never more than one interval behind what was recorded (0: every forward rewrites it, what a
+client that reads the file right after each request needs).
 
 Tensor parallelism: every rank runs every row of a step on its slice of the heads, so each
 rank's counters would repeat the same rows (summed by vLLM's multiprocess metrics, and every
@@ -18,11 +22,13 @@ write no file.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
@@ -33,6 +39,13 @@ from .config import SparseSettings
 logger = logging.getLogger("vllm.sparse_prefill")
 _DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
 _MAX_READOUTS = 256
+
+
+def _timer(delay: float, callback: Callable[[], None]) -> None:
+    """Call ``callback`` on a daemon thread after ``delay`` seconds (the stats file's trailing write)."""
+    timer = threading.Timer(delay, callback)
+    timer.daemon = True
+    timer.start()
 
 
 @dataclass
@@ -53,6 +66,15 @@ class SparseStats:
     timer: metrics.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
+    # The stats file's rate: at most one write per interval (configure), timed by ``clock``; a
+    # write left for later is done by a callback that ``schedule(delay, callback)`` runs.
+    write_interval_s: float = 0.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    schedule: Callable[[float, Callable[[], None]], None] = field(default=_timer, repr=False)
+    _file_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one write at a time
+    _last_write: float | None = field(default=None, repr=False)  # clock() of the last write
+    _unwritten: str | None = field(default=None, repr=False)  # path whose newer counts wait for a write
+    _scheduled: bool = field(default=False, repr=False)  # a trailing write is scheduled
 
     def __post_init__(self):
         if self.timer is None:
@@ -85,9 +107,12 @@ class SparseStats:
             self.timer.every = 0
             return
         self.timer.every = settings.timing_sample_every
+        self.write_interval_s = settings.stats_write_interval_s
+        if settings.stats_file and self.write_interval_s > 0:
+            atexit.register(self.write_unwritten)  # the counts of the last interval
         _ = self.prom  # metrics exist (at 0) from start-up, not from the first long request
         if settings.metrics_port is not None:
-            metrics.serve_metrics(settings.metrics_port)
+            metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -239,30 +264,57 @@ class SparseStats:
         }
 
     def dump(self, path: str, wait: bool = True) -> None:
-        """Rewrite the JSON file at ``path``. ``wait``: first wait for every readout (a host
-        sync on CUDA), so the file is exact now. Without ``wait`` (what CUDA forwards do, so
-        that a stats file does not stall the GPU once per layer) the file holds what the device
-        has finished counting, ``pending_readouts`` says how many counts are still on their
-        way, and :meth:`refresh` rewrites it when they arrive."""
+        """Bring the counts up to date and rewrite the JSON file at ``path`` (at the bounded rate,
+        see the module doc). ``wait``: first wait for every readout (a host sync on CUDA), so the
+        counts are exact now. Without ``wait`` (what CUDA forwards do, so that a stats file does
+        not stall the GPU once per layer) the file holds what the device has finished counting,
+        ``pending_readouts`` says how many counts are still on their way, and :meth:`refresh`
+        rewrites it when they arrive."""
         if not self.exporting:
             return
         self.flush_deferred(wait=wait)
         if not wait:
             self.poll_readouts()
-        self._write(path)
+        self._write_when_due(path)
 
     def refresh(self, path: str) -> None:
-        """Apply the readouts the device has finished and rewrite ``path`` if any were: called
-        by every CUDA forward while counts are pending, so the file catches up at the next
-        forward (the first decode step of a prompt, at the latest, when it runs eagerly)
-        without waiting for the GPU."""
+        """Apply the readouts the device has finished and rewrite ``path`` (at the bounded rate)
+        if any were: called by every CUDA forward while counts are pending, so the file catches
+        up at the next forward (the first decode step of a prompt, at the latest, when it runs
+        eagerly) without waiting for the GPU."""
         if self._readouts and self.poll_readouts():
-            self._write(path)
+            self._write_when_due(path)
+
+    def write_unwritten(self) -> None:
+        """Write the counts that a rate-limited write left for later, if any: what the trailing
+        timer and the process's exit call. Reads no device value (it may run on another thread)."""
+        with self._file_lock:
+            self._scheduled = False
+            path, self._unwritten = self._unwritten, None
+            if path is not None:
+                self._write(path)
+
+    def _write_when_due(self, path: str) -> None:
+        """Write now if the last write is ``write_interval_s`` old, else leave it to a trailing write."""
+        with self._file_lock:
+            now = self.clock()
+            if self.write_interval_s <= 0 or self._last_write is None \
+                    or now - self._last_write >= self.write_interval_s:
+                self._unwritten = None
+                self._write(path)
+                return
+            self._unwritten = path
+            if self._scheduled:
+                return
+            self._scheduled = True
+            delay = self._last_write + self.write_interval_s - now
+        self.schedule(delay, self.write_unwritten)
 
     def _write(self, path: str) -> None:
-        """Replace the file atomically (a private temporary file beside it, then a rename). A write
-        that fails (a full disk, a folder made read-only) is logged once and serving goes on: the
-        next write tries again."""
+        """Replace the file atomically (a private temporary file beside it, then a rename); the
+        caller holds ``_file_lock``. A write that fails (a full disk, a folder made read-only) is
+        logged once and serving goes on: the next write tries again."""
+        self._last_write = self.clock()
         with self._lock:
             data = self.as_dict()
             data["pending_readouts"] = len(self._readouts)

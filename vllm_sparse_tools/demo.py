@@ -510,7 +510,9 @@ def run_demo(args: argparse.Namespace) -> int:
     stats_path = workdir / "sparse-stats.json"
     server_tmp = workdir / "tmp"  # vLLM leaves socket files in TMPDIR; keep them in here
     server_tmp.mkdir()
-    env = {"TMPDIR": str(server_tmp), "VLLM_SPARSE_STATS_FILE": str(stats_path)}
+    # the stats file is read right after the request: written on every forward, not once a second
+    env = {"TMPDIR": str(server_tmp), "VLLM_SPARSE_STATS_FILE": str(stats_path),
+           "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0"}
     if not args.dense:  # the demo's defaults; VLLM_SPARSE_* set by the caller win
         env.update({k: v for k, v in DEMO_SPARSE_ENV.items() if k not in os.environ})
     backend = "dense (vLLM default)" if args.dense else "sparse-prefill"

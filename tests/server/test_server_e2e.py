@@ -45,7 +45,8 @@ def _server(model_dir, tmp_path_factory, name, sparse_env=None):
     if sparse_env is not None:
         args += ["--attention-backend", "sparse-prefill"]
         env = {"VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": str(MIN_SPARSE),
-               "VLLM_SPARSE_STATS_FILE": str(logs / "stats.json"), **sparse_env}
+               "VLLM_SPARSE_STATS_FILE": str(logs / "stats.json"), "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0",
+               **sparse_env}
     return ready_server(model_dir, args, env, logs, timeout=400)
 
 

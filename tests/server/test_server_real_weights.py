@@ -43,7 +43,7 @@ def _server(model, tmp_path_factory, name, sparse_env=None):
     env = {}
     if sparse_env is not None:
         env = {"VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": str(MIN_SPARSE), "VLLM_SPARSE_STATS_FILE": str(logs / "stats.json"),
-               **sparse_env}
+               "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0", **sparse_env}
     return ready_server(model, demo_server_args(cuda=False, dense=sparse_env is None), env, logs)
 
 

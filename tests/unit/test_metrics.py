@@ -212,6 +212,26 @@ def test_metrics_settings_are_validated_naming_the_variable():
         load_settings({"VLLM_SPARSE_TIMING_SAMPLE_EVERY": "-1"})
 
 
+def test_metrics_host_is_validated_and_defaults_to_this_host_only():
+    assert load_settings({}).metrics_host == "127.0.0.1"
+    for host in ("0.0.0.0", "::", "::1", "10.1.2.3", "localhost", "metrics.svc.cluster.local"):
+        assert load_settings({"VLLM_SPARSE_METRICS_HOST": host}).metrics_host == host
+    for bad in ("0.0.0.0:9400", "http://localhost", "two words", "-leading-dash", "a..b", "", "300.1.2.3.4.5"):
+        with pytest.raises(ConfigError, match="VLLM_SPARSE_METRICS_HOST="):
+            load_settings({"VLLM_SPARSE_METRICS_HOST": bad})
+
+
+@pytest.mark.parametrize("env,addr", [({}, "127.0.0.1"), ({"VLLM_SPARSE_METRICS_HOST": "0.0.0.0"}, "0.0.0.0")])
+def test_the_metrics_port_binds_metrics_host(monkeypatch, env, addr):
+    calls = []
+    monkeypatch.setattr(metrics, "_server_port", None)
+    monkeypatch.setattr(prometheus_client, "start_http_server",
+                        lambda port, addr, registry: calls.append((port, addr)))
+    st = SparseStats(_prom=metrics.NO_METRICS)
+    st.configure(load_settings({"VLLM_SPARSE_METRICS_PORT": "9400", **env}))
+    assert calls == [(9400, addr)]
+
+
 # A stand-in worker: records through the stats of a worker runtime, as the backends do.
 _WORKER = textwrap.dedent("""
     import sys
@@ -307,7 +327,7 @@ def test_server_metrics_at_vllm_metrics_after_a_long_request(tmp_path):
     env = {"PROMETHEUS_MULTIPROC_DIR": str(prom_dir), "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "512",
            "VLLM_SPARSE_VERTICAL_SIZE": "64", "VLLM_SPARSE_SLASH_SIZE": "128", "VLLM_SPARSE_SLASH_BAND": "64",
            "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "1", "VLLM_SPARSE_METRICS_PORT": str(own_port),
-           "VLLM_SPARSE_STATS_FILE": str(tmp_path / "stats.json")}
+           "VLLM_SPARSE_STATS_FILE": str(tmp_path / "stats.json"), "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0"}
     args = ["--attention-backend", "sparse-prefill", "--load-format", "dummy", "--dtype", "float32",
             "--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory-bytes", "128M",
             "--max-num-batched-tokens", "2048", "--seed", "0"]

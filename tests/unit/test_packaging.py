@@ -46,7 +46,8 @@ def run_entry(tmp_path):
     (bindir / "vllm").chmod(0o755)
     out = tmp_path / "argv"
     base = {k: v for k, v in os.environ.items()
-            if k not in ("MODEL", "PORT", "HOST", "VLLM_EXTRA_ARGS", "VLLM_PLUGINS", "PROMETHEUS_MULTIPROC_DIR")}
+            if k not in ("MODEL", "MODEL_REVISION", "PORT", "HOST", "VLLM_EXTRA_ARGS", "VLLM_PLUGINS",
+                         "PROMETHEUS_MULTIPROC_DIR")}
     base.update(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable, FAKE_VLLM_OUT=str(out))
 
     def run(*args, **env):
@@ -86,6 +87,22 @@ def test_entrypoint_model_argument_flags_and_extra_args_in_order(run_entry):
                     "--max-model-len", "131072", "--override-generation-config", '{"temperature": 0.0}',
                     "--served-model-name", "my model",
                     "--port", "9000", "--enforce-eager"]  # container flags last: they win
+
+
+def test_entrypoint_pins_the_model_revision(run_entry):
+    rc, argv, _, err = run_entry(MODEL="org/model", MODEL_REVISION="0123abc")
+    assert rc == 0, err
+    assert argv == ["serve", "org/model", "--revision", "0123abc", *DEFAULT]
+
+
+def test_entrypoint_never_logs_an_api_key(run_entry):
+    rc, argv, _, err = run_entry("org/model", "--api-key", "sekrit-one", "--api-key=sekrit-two",
+                                 MODEL="m", VLLM_EXTRA_ARGS="--api-key sekrit-three --enforce-eager")
+    assert rc == 0, err
+    assert argv == ["serve", "org/model", *DEFAULT, "--api-key", "sekrit-three", "--enforce-eager",
+                    "--api-key", "sekrit-one", "--api-key=sekrit-two"]  # vLLM gets them
+    assert "sekrit" not in err
+    assert "--api-key *** --enforce-eager --api-key *** --api-key=***" in err  # the command is still logged
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -209,6 +226,8 @@ def test_dockerfile_base_image_arch_user_healthcheck_entrypoint():
     assert len(health) == 1 and '"vllm-sparse-entrypoint", "--healthcheck"' in health[0]
     assert ("ENTRYPOINT", '["vllm-sparse-entrypoint"]') in ins
     assert ("COPY", "--chmod=0755 docker/entrypoint.sh /usr/local/bin/vllm-sparse-entrypoint") in ins
+    env = " ".join(a for w, a in ins if w == "ENV").split()
+    assert "VLLM_NO_USAGE_STATS=1" in env and "DO_NOT_TRACK=1" in env  # vLLM's usage telemetry off
 
 
 def test_dockerfile_copies_every_package_source_and_the_context_keeps_them():
@@ -291,9 +310,10 @@ def test_manifests_pass(check, capsys):
     objects = {check._key(o): o for o in check.render_builtin(ROOT / "deploy" / "overlays" / "h100")}
     assert set(objects) == {("ConfigMap", "vllm-sparse-config"), ("PersistentVolumeClaim", "vllm-sparse-model-cache"),
                             ("Deployment", "vllm-sparse"), ("Service", "vllm-sparse"),
-                            ("ServiceMonitor", "vllm-sparse"), ("PodDisruptionBudget", "vllm-sparse")}
+                            ("ServiceMonitor", "vllm-sparse"), ("PodDisruptionBudget", "vllm-sparse"),
+                            ("NetworkPolicy", "vllm-sparse"), ("Job", "vllm-sparse-model-download")}
     c = objects[("Deployment", "vllm-sparse")]["spec"]["template"]["spec"]["containers"][0]
-    assert c["image"] == "vllm-sparse-backend:0.1.0-sm90"
+    assert c["image"] == "vllm-sparse-backend" + check.PLACEHOLDER_DIGEST
     assert "--max-num-batched-tokens 32768" in c["env"][1]["value"]
 
 
@@ -327,8 +347,54 @@ BREAKAGES = {
                        "field 'max_density'"),
     "patch no longer applies": ("overlays/h100/gpu.yaml", "containers/0/env/1/name", "containers/0/env/2/name",
                                 "test failed at /spec/template/spec/containers/0/env/2/name"),
-    "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /cache/prom",
-                                 "PROMETHEUS_MULTIPROC_DIR=/cache/prom is not the mount of an emptyDir"),
+    "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /models/prom",
+                                 "PROMETHEUS_MULTIPROC_DIR=/models/prom is not the mount of an emptyDir"),
+    # the security rules
+    "api key not from a Secret": ("base/deployment.yaml", "- name: VLLM_API_KEY\n              valueFrom:",
+                                  "- name: VLLM_API_KEY_UNUSED\n              valueFrom:",
+                                  "VLLM_API_KEY must come from a Secret"),
+    "optional api key": ("base/deployment.yaml", "name: vllm-sparse-api-key\n                  key: api-key",
+                         "name: vllm-sparse-api-key\n                  key: api-key\n                  optional: true",
+                         "must not be optional"),
+    "api key in the arguments": ("base/deployment.yaml", "--max-num-batched-tokens 16384",
+                                 "--max-num-batched-tokens 16384 --api-key abc",
+                                 "--api-key in the container's arguments"),
+    "no network policy": ("base/kustomization.yaml", "  - networkpolicy.yaml\n", "",
+                          "no NetworkPolicy for Ingress selects them"),
+    "policy admits everyone": ("base/networkpolicy.yaml",
+                               "        - namespaceSelector:\n            matchLabels:\n"
+                               "              kubernetes.io/metadata.name: ingress-nginx",
+                               "        - namespaceSelector: {}",
+                               "ingress[0]: admits every source"),
+    "policy admits every port": ("base/networkpolicy.yaml",
+                                 "              app.kubernetes.io/name: prometheus\n      ports:\n"
+                                 "        - port: http\n          protocol: TCP",
+                                 "              app.kubernetes.io/name: prometheus",
+                                 "ingress[1]: admits every port"),
+    "shared compile cache": ("base/deployment.yaml", "value: /cache/triton", "value: /models/triton",
+                             "TRITON_CACHE_DIR=/models/triton is not on an emptyDir volume"),
+    "no vllm cache root": ("base/deployment.yaml", "- name: VLLM_CACHE_ROOT", "- name: VLLM_CACHE_HOME",
+                           "VLLM_CACHE_ROOT is not set"),
+    "writable model claim": ("base/deployment.yaml", "mountPath: /models\n              readOnly: true",
+                             "mountPath: /models", "claim volume model-cache at /models must be mounted readOnly"),
+    "writable root filesystem": ("base/deployment.yaml", "readOnlyRootFilesystem: true",
+                                 "readOnlyRootFilesystem: false", "readOnlyRootFilesystem must be true"),
+    "no /tmp emptyDir": ("base/model-download.yaml", "mountPath: /tmp", "mountPath: /scratch",
+                         "Job/vllm-sparse-model-download container download: /tmp must be the mount of an emptyDir"),
+    "may run as root": ("base/model-download.yaml", "runAsNonRoot: true\n            readOnlyRootFilesystem",
+                        "runAsNonRoot: false\n            readOnlyRootFilesystem",  # the container's overrides the pod's
+                        "Job/vllm-sparse-model-download container download: runAsNonRoot must be true"),
+    "capabilities kept": ("base/deployment.yaml", 'drop: ["ALL"]', 'drop: ["NET_RAW"]',
+                          "capabilities.drop must contain ALL"),
+    "image by tag": ("base/deployment.yaml", "image: vllm-sparse-backend@sha256:" + "0" * 64,
+                     "image: vllm-sparse-backend:0.1.0", "image 'vllm-sparse-backend:0.1.0' is not pinned by digest"),
+    "telemetry on": ("base/deployment.yaml", '- name: VLLM_NO_USAGE_STATS\n              value: "1"',
+                     '- name: VLLM_NO_USAGE_STATS\n              value: "0"',
+                     "VLLM_NO_USAGE_STATS must be '1'"),
+    "model by branch": ("base/deployment.yaml", "value: 0e9e39f249a16976918f6564b8830bc894c89659",
+                        "value: main", "MODEL_REVISION='main' must be a 40-hex commit"),
+    "job downloads another model": ("base/model-download.yaml", "value: 0e9e39f249a16976918f6564b8830bc894c89659",
+                                    "value: " + "ab" * 20, "which no Deployment serves"),
 }
 
 
@@ -345,6 +411,20 @@ def test_a_broken_manifest_fails_the_check(check, tmp_path, capsys, name):
     assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", *dirs]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and expected in out, out
+
+
+def test_release_check_refuses_the_placeholder_digest(check, tmp_path, capsys):
+    deploy = tmp_path / "deploy"
+    shutil.copytree(ROOT / "deploy", deploy)
+    overlay = deploy / "overlays" / "h100"
+    assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("has the placeholder digest") == 2, out  # the Deployment's image and the Job's
+    for rel in ("base/deployment.yaml", "base/model-download.yaml", "overlays/h100/kustomization.yaml"):
+        path = deploy / rel
+        path.write_text(path.read_text().replace("0" * 64, "ab12" * 16))
+    assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 0, \
+        capsys.readouterr().out
 
 
 def test_check_script_exit_status_fails_the_build(tmp_path, check):

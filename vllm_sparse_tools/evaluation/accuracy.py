@@ -225,7 +225,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     if not variant.dense:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
-        env.update(variant.env(stats_file=str(stats_path), **gating))
+        # read before and after each prompt: written on every forward, not at the bounded rate
+        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=0, **gating))
     handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype), env,
