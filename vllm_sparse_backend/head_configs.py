@@ -199,8 +199,19 @@ def read_model_shape(model_dir: str | Path) -> ModelShape:
     return model_shape_from_hf_config(data, str(path))
 
 
+class HeadConfigMisfit(ConfigError):
+    """A valid head-config file made for a model of another shape (layers, heads, KV groups)."""
+
+
+def check_fits_hf_config(cfg: HeadConfigFile, hf_config: dict, model: str, source: str) -> None:
+    """:func:`check_fits_model` against a Hugging Face config of ``model`` (a ``config.json``, or
+    the dict of the config vLLM built). A config that does not give the shape raises a plain
+    ConfigError; one that gives it and does not fit, HeadConfigMisfit."""
+    check_fits_model(cfg, model_shape_from_hf_config(hf_config, f"model {model}"), source)
+
+
 def check_fits_model(cfg: HeadConfigFile, shape: ModelShape, source: str) -> None:
-    """Raise ConfigError (one line per mismatch, each naming ``source`` and the field) unless
+    """Raise HeadConfigMisfit, a ConfigError (one line per mismatch, each naming ``source`` and the field) unless
     the file has the model's layer and query-head counts and, where it says so, its KV-group
     layout: ``num_kv_heads`` if the file records it, and uniform KV groups where the file says
     it was searched per KV group (one selection shared by a group's heads; on another GQA
@@ -229,7 +240,7 @@ def check_fits_model(cfg: HeadConfigFile, shape: ModelShape, source: str) -> Non
             if len(problems) >= 3:
                 break
     if problems:
-        raise ConfigError("head config does not fit the model\n" + "\n".join(f"{source}: {p}" for p in problems))
+        raise HeadConfigMisfit("head config does not fit the model\n" + "\n".join(f"{source}: {p}" for p in problems))
 
 
 def _without_score(h: HeadPattern) -> HeadPattern:

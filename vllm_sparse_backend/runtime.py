@@ -19,7 +19,7 @@ import functools
 import logging
 
 from .config import ConfigError, SparseSettings, load_settings
-from .head_configs import HeadConfigFile, check_fits_model, model_shape_from_hf_config, resolve_head_config
+from .head_configs import HeadConfigFile, check_fits_hf_config, resolve_head_config
 from .prefill.plan import RankHeads
 from .startup import report_startup_error
 from .stats import SparseStats
@@ -59,8 +59,7 @@ class WorkerRuntime:
         if self.head_config is None or model in self._fitted_models:
             return
         try:
-            shape = model_shape_from_hf_config(hf_text_config, f"model {model}")
-            check_fits_model(self.head_config, shape, self.settings.head_config)
+            check_fits_hf_config(self.head_config, hf_text_config, model, self.settings.head_config)
         except ConfigError as e:
             report_startup_error(e)  # so that the plugin's `vllm` command ends with it (startup.py)
             raise

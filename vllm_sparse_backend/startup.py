@@ -11,10 +11,16 @@ in the API server (it builds the engine config, with the model's Hugging Face co
 the engine with no hook in between). So the worker checks the head-config file against the model
 when it builds the attention layers (``runtime.WorkerRuntime.check_head_config_fits``). Under the
 plugin's ``vllm`` command (:mod:`vllm_sparse_backend.vllm_cli`, what ``make venv`` installs on
-CPU) the worker also writes the cause to a report file the command named in
-:data:`STARTUP_REPORT_ENV`; when vLLM's start-up then fails, the command prints the cause as its
-last lines and exits with status 2, as for any other bad setting (vLLM's own logs of the failure
-come before it).
+CPU) two more things happen:
+
+* before vLLM is even imported, when ``vllm serve`` names a local model folder and selects the
+  backend, the command checks the head-config file against the folder's ``config.json``
+  (:func:`check_model_folder`): a file made for another model ends the command within a second,
+  exit status 2, the cause as the last lines;
+* for the models that check cannot see (hub names, configs rewritten by ``--hf-overrides``), the
+  worker writes the cause to a report file the command named in :data:`STARTUP_REPORT_ENV`; when
+  vLLM's start-up then fails, the command prints the cause as its last lines and exits with
+  status 2, as for any other bad setting (vLLM's own logs of the failure come before it).
 
 vLLM runs ``register()`` without catching its exceptions: an exception raised in the API server
 ends ``vllm serve`` with a traceback of vLLM's parser set-up. Inside vLLM's command line the
@@ -24,6 +30,7 @@ Python API, the engine and worker processes) it raises :class:`ConfigError`.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -31,7 +38,7 @@ import sys
 from typing import Mapping
 
 from .config import ENV_PREFIX, ConfigError, SparseSettings, load_settings
-from .head_configs import HeadConfigFile, resolve_head_config
+from .head_configs import HeadConfigFile, HeadConfigMisfit, check_fits_hf_config, resolve_head_config
 
 logger = logging.getLogger("vllm.sparse_prefill")
 
@@ -52,6 +59,32 @@ def check_settings(env: Mapping[str, str] | None = None) -> tuple[SparseSettings
     if settings.stats_file:
         check_stats_file(settings.stats_file)
     return settings, head_config
+
+
+def check_model_folder(model_dir: str, env: Mapping[str, str] | None = None) -> None:
+    """The settings (:func:`check_settings`) and, when they name a head-config file, its fit to
+    the model folder's ``config.json`` (ConfigError naming the file and field otherwise), with the
+    worker's own check and wording (``head_configs.check_fits_hf_config``).
+
+    A folder without a readable ``config.json`` that states the layer and head counts plainly
+    (a multimodal config leaving them to the model class's defaults, say) passes: the worker
+    checks the config vLLM builds from it."""
+    settings, head_config = check_settings(env)
+    if head_config is None:
+        return
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            hf_config = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(hf_config, dict):
+        return
+    try:
+        check_fits_hf_config(head_config, hf_config, model_dir, settings.head_config)
+    except HeadConfigMisfit:
+        raise
+    except ConfigError:
+        return  # the shape is not plain in config.json: left to the worker
 
 
 def check_stats_file(path: str) -> None:

@@ -7,8 +7,11 @@ hidden in a few thousand tokens of Jane Austen.
 Steps: fetch the model and the text (``assets``), start ``vllm serve`` in a child process
 group, wait for ``/health``, build a chat prompt with the needle "The secret passcode for the
 blue door is NNNNN." at 50% depth, ask for the passcode, and print the answer, the timings and
-the sparse statistics the backend wrote. The server is always stopped at the end (also on
-Ctrl-C). Exit status 0 if the answer is right, 1 otherwise.
+the sparse statistics the backend wrote. Then, unless ``--no-dense-run``, stop that server,
+serve the same model on vLLM's own attention (the ``--dense`` flags, everything else equal),
+send it the same request, and print both times and what their ratio means: the share of
+attention skipped is not a speed-up by itself. The servers are always stopped at the end (also
+on Ctrl-C). Exit status 0 if the sparse server's answer is right, 1 otherwise.
 
 The building blocks are reusable (tests start servers with them): ``start_server``,
 ``wait_ready``, ``ServerHandle``, ``cut_to_tokens``, ``insert_needle``, ``passkey_prompt``.
@@ -443,6 +446,40 @@ def demo_server_args(cuda: bool, dense: bool = False) -> list[str]:
     return args
 
 
+# Below this difference between the two times the demo calls them the same (one request each on
+# a machine that may be doing other work).
+SAME_TIME_TOLERANCE = 0.10
+
+
+def compare_with_dense(sparse_s: float, dense_s: float, cuda: bool) -> list[str]:
+    """Two lines: both times to answer the same request, then what their ratio means."""
+    times = (f"sparse-prefill {sparse_s:.1f} s, vLLM's own attention {dense_s:.1f} s, "
+             "same prompt and server flags")
+    ratio = sparse_s / dense_s if dense_s > 0 else float("inf")
+    if ratio > 1 + SAME_TIME_TOLERANCE:
+        verdict = f"sparse-prefill was {ratio:.1f}x slower: "
+        if cuda:
+            verdict += ("at a few thousand tokens choosing what to skip costs more than the skipped "
+                        "attention; the gain starts near 128K tokens (docs/accuracy.md)")
+        else:
+            verdict += ("on CPU the sparse path computes in PyTorch against vLLM's compiled kernel; it is "
+                        "there for correctness, not speed (docs/deployment.md)")
+    elif ratio < 1 - SAME_TIME_TOLERANCE:
+        verdict = f"sparse-prefill was {1 / ratio:.1f}x faster: the skipped attention saved more than the selection cost"
+    else:
+        verdict = ("about the same time: at this length the skipped attention and the cost of choosing it "
+                   "cancel out")
+    return [times, verdict]
+
+
+def _ask(handle: ServerHandle, body: dict) -> tuple[str, dict, float]:
+    """The answer, the usage block and the seconds one chat request took."""
+    started = time.monotonic()
+    reply = handle.request("POST", "/v1/chat/completions", body)
+    seconds = time.monotonic() - started
+    return reply["choices"][0]["message"].get("content") or "", reply.get("usage") or {}, seconds
+
+
 def _stop(handle: ServerHandle) -> None:
     if handle.proc.poll() is None:
         t0 = time.monotonic()
@@ -455,8 +492,9 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 DESCRIPTION = ("Passkey demo: a real vLLM OpenAI server with the sparse-prefill backend finds a number "
-               "hidden in a few thousand tokens of Jane Austen. Exit status 0 if the answer is right, "
-               "1 otherwise.")
+               "hidden in a few thousand tokens of Jane Austen; then a second server on vLLM's own attention "
+               "answers the same request, and the demo prints both times. Exit status 0 if the sparse "
+               "server's answer is right, 1 otherwise.")
 MIN_TOKENS, MAX_TOKENS = 200, 8100  # the model's context is 8192
 
 
@@ -483,6 +521,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random passcode")
     parser.add_argument("--dense", action="store_true",
                         help="run vLLM's own attention backend instead (baseline)")
+    parser.add_argument("--no-dense-run", action="store_true",
+                        help="skip the second server that times vLLM's own attention on the same prompt "
+                        "(about a minute less on a small CPU machine)")
     parser.add_argument("--cache-dir", default=None, help=f"asset cache (default: ${assets.CACHE_ENV} or "
                         f"{assets.DEFAULT_CACHE})")
     parser.add_argument("--start-timeout", type=float, default=300.0,
@@ -532,11 +573,7 @@ def run_demo(args: argparse.Namespace) -> int:
         t1 = time.monotonic()
         body = passkey_prompt(handle, text, args.tokens, args.depth, key)
         build_s = time.monotonic() - t1
-        t2 = time.monotonic()
-        reply = handle.request("POST", "/v1/chat/completions", body)
-        answer_s = time.monotonic() - t2
-        answer = reply["choices"][0]["message"].get("content") or ""
-        usage = reply.get("usage") or {}
+        answer, usage, answer_s = _ask(handle, body)
         ok = first_number(answer) == str(key)
         print(f"prompt:  {usage.get('prompt_tokens')} tokens, passcode {key} at "
               f"{args.depth:.0%} depth (built in {build_s:.1f} s)")
@@ -560,6 +597,19 @@ def run_demo(args: argparse.Namespace) -> int:
                 handle.proc.wait()
             except KeyboardInterrupt:
                 print()
+        elif not (args.dense or args.no_dense_run):
+            _stop(handle)  # one server at a time: the two would share the machine's cores
+            dense_log = workdir / "server-dense.log"
+            print(f"dense:   the same request on vLLM's own attention, log {dense_log}")
+            handle = start_server(model_dir, demo_server_args(cuda, dense=True), {"TMPDIR": str(server_tmp)},
+                                  dense_log, args.port or None)
+            wait_ready(handle, args.start_timeout)
+            dense_answer, _, dense_s = _ask(handle, body)
+            dense_ok = first_number(dense_answer) == str(key)
+            print(f"dense:   answer {dense_answer!r} -> {'CORRECT' if dense_ok else 'WRONG'}")
+            times, meaning = compare_with_dense(answer_s, dense_s, cuda)
+            print(f"speed:   {times}")
+            print(f"         {meaning}")
         keep_logs = False
     except KeyboardInterrupt:
         print("\ninterrupted; stopping the server", file=sys.stderr)

@@ -586,6 +586,17 @@ def test_first_number_and_stats(tmp_path):
     assert "0%" in demo.describe_stats({"causal_pairs": 0})[0]
 
 
+def test_the_demo_calls_a_slower_sparse_run_slower_and_says_why():
+    times, meaning = demo.compare_with_dense(38.0, 8.3, cuda=False)
+    assert times == "sparse-prefill 38.0 s, vLLM's own attention 8.3 s, same prompt and server flags"
+    assert meaning.startswith("sparse-prefill was 4.6x slower: on CPU the sparse path computes in PyTorch")
+    assert demo.compare_with_dense(20.0, 10.0, cuda=True)[1].startswith(
+        "sparse-prefill was 2.0x slower: at a few thousand tokens")
+    assert demo.compare_with_dense(5.0, 10.0, cuda=True)[1].startswith("sparse-prefill was 2.0x faster")
+    assert demo.compare_with_dense(10.5, 10.0, cuda=False)[1].startswith("about the same time")
+    assert demo.compare_with_dense(9.5, 10.0, cuda=False)[1].startswith("about the same time")
+
+
 def test_demo_server_args():
     cpu = demo.demo_server_args(cuda=False)
     assert cpu[:2] == ["--attention-backend", "sparse-prefill"]
