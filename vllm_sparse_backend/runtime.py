@@ -10,7 +10,8 @@ attention layers (tensor parallelism is set up by then). There, once per process
 * the stats and metrics are configured (under tensor parallelism only rank 0 records);
 * each layer's head patterns are resolved, on first use, and kept for the builder and the impl.
 
-It also remembers what was logged once and how the profiling-run scratch claim went.
+It also remembers what was logged once, how the profiling-run scratch claim went, and the memory
+the profiling run claimed for the decode modes' state.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import logging
 
 from .config import ConfigError, SparseSettings, load_settings
+from .decode.memory import DecodeStateMemory
 from .head_configs import HeadConfigFile, check_fits_hf_config, resolve_head_config
 from .prefill.plan import RankHeads
 from .startup import report_startup_error
@@ -40,6 +42,8 @@ class WorkerRuntime:
         # dense: sparse rows would use memory the KV cache was sized without), or None
         self.claim_failed: str | None = None
         self.claimed: set = set()  # claim signatures already run (layers of one shape share a claim)
+        # decode_mode topk / spans: the memory claimed in the profiling run for every layer's state
+        self.decode_memory = DecodeStateMemory()
         # layer name -> that layer's head patterns on this rank, resolved once (backends.common.layer_heads):
         # the builder plans with them, the layer's impl runs them
         self.layer_heads: dict[str, RankHeads] = {}

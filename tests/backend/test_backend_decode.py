@@ -79,7 +79,10 @@ class _RecordingMode:
     def unsupported_page_size(self, page_size):
         return None if self.page_limit is None or page_size <= self.page_limit else f"page size {page_size}"
 
-    def allocate(self, key_cache):
+    def state_layout(self, num_pages, num_kv_heads, head_size, kv_dtype):
+        return [((num_pages,), torch.uint8)]
+
+    def allocate(self, key_cache, empty=None):
         return _Recorder(key_cache)
 
 

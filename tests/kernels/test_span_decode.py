@@ -570,3 +570,18 @@ def test_maps_stacked_heads(group, heads_per_program):
     rm, rv = span_ref.reference_local_map(q[:min(n, SEG)], k[:min(n, SEG)], page, d ** -0.5, SEG)
     assert torch.allclose(maps[0].double().cpu(), rm, rtol=1e-4, atol=1e-3)
     assert torch.allclose(votes[0].double().cpu(), rv, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_plugins_state_layouts_are_the_kernels_allocations(dtype):
+    """The backend reserves and lays out the decode state from its own layouts
+    (vllm_sparse_backend.decode.{topk,spans}); the kernels' allocation functions are the state the
+    kernels were written for: the same tensors."""
+    from vllm_sparse_backend.decode.spans import span_index_layout
+    from vllm_sparse_backend.decode.topk import summaries_layout
+
+    key_cache = torch.zeros(9, 16, 2, 64, dtype=dtype)
+    num_pages, _, hkv, d = key_cache.shape
+    for layout, tensors in ((summaries_layout(num_pages, hkv, d, dtype), tk.allocate_page_summaries(key_cache)),
+                            (span_index_layout(num_pages, hkv, d), sd.allocate_span_index(key_cache))):
+        assert [(tuple(t.shape), t.dtype) for t in tensors] == [(tuple(s), t) for s, t in layout]

@@ -28,13 +28,17 @@ layer quantized the query for FlashAttention 3, the sparse rows widen it back an
 ``_q_scale`` into the k scale; the dense rows get it as vLLM passed it.
 
 Memory: the Triton path's scratch (score buffers, index lists) is allocated per layer and freed
-after it; the profiling run claims it so that vLLM sizes the KV cache with it (``claim.py``).
+after it; the profiling run claims it so that vLLM sizes the KV cache with it (``claim.py``). The
+decode modes' per-page state is claimed there too, before the scratch, and held until the layers
+take it (``decode.py``).
 
 Settings, stats and each layer's head patterns come from the worker's runtime
 (:func:`..runtime.worker_runtime`), read once per process.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from vllm.platforms import current_platform
@@ -44,10 +48,11 @@ from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashA
 from vllm_sparse_kernels.reference.attention import gather_paged_kv
 
 from .. import kernels
-from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, current_vllm_config,
-                       layer_kv_scales, slice_rows, sparse_backend_selected)
+from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,
+                       current_vllm_config, kv_cache_request, layer_kv_scales, slice_rows, sparse_backend_selected)
 from ..config import load_settings
 from ..decode import decode_mode
+from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
 from ..prefill.cost import LayerDensityHistory
@@ -58,12 +63,19 @@ from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, 
                      count_dense_tokens,
                      distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
                      unsupported_reason)
-from .decode import LayerDecode, step_decode_plan
+from .decode import LayerDecode, claim_decode_state, step_decode_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
 # and the dense rows, has no e5m2 path, so vLLM refuses it for this backend at start-up.
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+# the other --kv-cache-dtype values this backend declares ("auto": the model's dtype)
+UNQUANTIZED_KV_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a layer's KV cache holds (an fp8 cache's: one byte per value)."""
+    return FP8_KV_CACHE_DTYPES.get(kv_cache_dtype) or UNQUANTIZED_KV_TORCH_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
 class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataBuilder):
@@ -170,7 +182,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         self.runtime = worker_runtime()
         mode = decode_mode(self.runtime.settings)
         self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
-                                                             self.runtime.log_once)
+                                                             self.runtime.log_once, self.runtime.decode_memory)
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
@@ -186,6 +198,16 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
                 or triton_unusable_reason(self.head_size, output.dtype, cfg.block_size) is not None):
             return
         claim_scratch(self.runtime, self, layer, query, output, vc, FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype))
+
+    def _claim_decode_state(self, query: torch.Tensor) -> None:
+        """Profiling run (no metadata), before the scratch claim: the memory of every layer's
+        decode state (decode.py), once per process."""
+        vc, memory = self._vllm_config, self.runtime.decode_memory
+        if memory.claimed or vc is None or not query.is_cuda or torch.cuda.is_current_stream_capturing():
+            return
+        request = kv_cache_request(vc)
+        claim_decode_state(memory, decode_state_cost(vc, request.page_size), request, self._decode.mode.name,
+                           query.device, self.runtime.log_once)
 
     def _groups(self, heads: RankHeads, device) -> HeadGroups:
         if self._head_groups is None:
@@ -241,7 +263,9 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         runtime, cfg = self.runtime, self.runtime.settings
         if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
             runtime.stats.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
-        if attn_metadata is None:  # vLLM's profiling run: count the sparse scratch in its peak
+        if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
+            if self._decode is not None:
+                self._claim_decode_state(query)
             self._claim_scratch(layer, query, output)
         elif self._decode is not None and self._decode.active and output_scale is None:
             if self._decode.forward(query, key, *self._kv_views(kv_cache), attn_metadata, self.scale, output):
@@ -311,6 +335,23 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         super().forward(layer, query[tokens], None if key is None else key[tokens],
                         None if value is None else value[tokens], kv_cache, metadata, output[tokens],
                         output_scale, output_block_scale)
+
+
+def decode_state_cost(vllm_config, page_size: int) -> StateCost:
+    """The decode state of every attention layer of the model against its KV cache, for pages
+    of ``page_size`` tokens: layers of this backend whose decode mode will run hold a state; every
+    layer's cache counts (vLLM gives each the same pages)."""
+    model_dtype = vllm_config.model_config.dtype
+    layouts, kv_bytes_per_page = [], []
+    for layer in attention_layers(vllm_config, None).values():
+        kv_dtype = kv_cache_torch_dtype(layer.kv_cache_dtype, model_dtype)
+        hkv, d = layer.num_kv_heads, layer.head_size
+        kv_bytes_per_page.append(2 * page_size * hkv * d * kv_dtype.itemsize)
+        decode = layer.impl._decode if isinstance(layer.impl, SparsePrefillImpl) else None
+        if decode is not None and decode.needs_state(page_size):
+            layouts.append(functools.partial(decode.mode.state_layout, num_kv_heads=hkv, head_size=d,
+                                             kv_dtype=kv_dtype))
+    return StateCost.of_layers(layouts, kv_bytes_per_page)
 
 
 class SparsePrefillBackend(FlashBackendVersions, FlashAttentionBackend):

@@ -6,6 +6,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .memory import EmptyTensor, StateLayout
+
 
 class DecodeState(Protocol):
     """One layer's state beside vLLM's cache, indexed by physical page like the cache
@@ -39,5 +41,10 @@ class DecodeMode(Protocol):
     def unsupported_page_size(self, page_size: int) -> str | None:
         """Why the mode cannot run on pages of this size, or None."""
 
-    def allocate(self, key_cache: torch.Tensor) -> DecodeState:
-        """A layer's state beside a ``[pages, page, Hkv, D]`` key cache."""
+    def state_layout(self, num_pages: int, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> StateLayout:
+        """The tensors of a layer's state for a cache of ``num_pages`` pages (what :meth:`allocate`
+        allocates): the profiling run reserves their memory before vLLM sizes the cache."""
+
+    def allocate(self, key_cache: torch.Tensor, empty: EmptyTensor | None = None) -> DecodeState:
+        """A layer's state beside a ``[pages, page, Hkv, D]`` key cache, its tensors from ``empty``
+        (default: a plain allocation on the cache's device)."""

@@ -32,6 +32,7 @@ import torch
 
 from ..config import SparseSettings
 from ..kernels import span_decode, topk_decode
+from .memory import EmptyTensor, StateLayout, empty_on
 
 
 @dataclass(frozen=True)
@@ -112,17 +113,27 @@ def plan_step_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
                               device)
 
 
+def span_index_layout(num_pages: int, num_kv_heads: int, head_size: int) -> StateLayout:
+    """The tensors of :class:`SpanIndex` for a cache of ``num_pages`` pages (the kernels'
+    ``allocate_span_index``): span keys fp32 ``[num_pages + 1, Hkv, D]`` and persistent flags uint8
+    ``[num_pages + 1, Hkv]``, the extra row a write sink for padded entries."""
+    return [((num_pages + 1, num_kv_heads, head_size), torch.float32), ((num_pages + 1, num_kv_heads), torch.uint8)]
+
+
 class SpanIndex:
     """Span keys and persistent flags of one layer's cache, indexed by physical page like the cache."""
 
-    def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings):
+    def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings, empty: EmptyTensor | None = None):
+        """``empty``: where the tensors come from (default: a plain allocation beside the cache)."""
         self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
         self.page_size = key_cache.shape[1]
         self.params = span_params(cfg)
         self.budget = SpanDecodeBudget.from_settings(cfg)
         self.persist_by = cfg.decode_span_persist
         # a page written before these existed scores 0 until it is written again
-        self.keys, self.flags = span_decode.allocate_span_index(key_cache)
+        num_pages, _, hkv, d = key_cache.shape
+        empty = empty or empty_on(key_cache.device)
+        self.keys, self.flags = (empty(shape, dtype).zero_() for shape, dtype in span_index_layout(num_pages, hkv, d))
 
     @property
     def nbytes(self) -> int:
@@ -178,5 +189,8 @@ class SpanDecode:
     def unsupported_page_size(self, page_size: int) -> str | None:
         return span_decode.unsupported_page_size(page_size)
 
-    def allocate(self, key_cache: torch.Tensor) -> SpanIndex:
-        return SpanIndex(key_cache, self.cfg)
+    def state_layout(self, num_pages: int, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> StateLayout:
+        return span_index_layout(num_pages, num_kv_heads, head_size)
+
+    def allocate(self, key_cache: torch.Tensor, empty: EmptyTensor | None = None) -> SpanIndex:
+        return SpanIndex(key_cache, self.cfg, empty)

@@ -24,6 +24,7 @@ import torch
 
 from ..config import SparseSettings
 from ..kernels import topk_decode as kernels
+from .memory import EmptyTensor, StateLayout, empty_on
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,25 @@ class TopkDecodeBudget:
         return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_budget_pages, cfg.decode_topk_tokens)
 
 
+def summaries_layout(num_pages: int, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> StateLayout:
+    """The tensors of :class:`PageSummaries` for a cache of ``num_pages`` pages: key min and max
+    ``[num_pages, Hkv, D]`` in the cache's dtype (the kernels' ``allocate_page_summaries``)."""
+    shape = (num_pages, num_kv_heads, head_size)
+    return [(shape, kv_dtype), (shape, kv_dtype)]
+
+
 class PageSummaries:
     """Per-page key min / max of one layer's cache, indexed by physical page like the cache."""
 
-    def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings | None = None):
+    def __init__(self, key_cache: torch.Tensor, cfg: SparseSettings | None = None,
+                 empty: EmptyTensor | None = None):
+        """``empty``: where the tensors come from (default: a plain allocation beside the cache)."""
         self.key_cache_ptr = key_cache.data_ptr()  # the cache they describe (vLLM binds it once)
         self.budget = TopkDecodeBudget.from_settings(cfg or SparseSettings())
-        self.min, self.max = kernels.allocate_page_summaries(key_cache)
+        num_pages, _, hkv, d = key_cache.shape
+        empty = empty or empty_on(key_cache.device)
+        self.min, self.max = (empty(shape, dtype) for shape, dtype in summaries_layout(num_pages, hkv, d,
+                                                                                        key_cache.dtype))
         # a page not summarised yet (written before these existed) bounds to 0: neither always
         # chosen nor never; every page written from now on gets its real summary
         self.min.zero_()
@@ -82,8 +95,11 @@ class TopkDecode:
     def unsupported_page_size(self, page_size: int) -> str | None:
         return None
 
-    def allocate(self, key_cache: torch.Tensor) -> PageSummaries:
-        return PageSummaries(key_cache, self.cfg)
+    def state_layout(self, num_pages: int, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> StateLayout:
+        return summaries_layout(num_pages, num_kv_heads, head_size, kv_dtype)
+
+    def allocate(self, key_cache: torch.Tensor, empty: EmptyTensor | None = None) -> PageSummaries:
+        return PageSummaries(key_cache, self.cfg, empty)
 
 
 def topk_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
