@@ -41,7 +41,7 @@ from . import assets
 
 # Sparse settings for the demo server (the backend reads VLLM_SPARSE_* from the environment;
 # variables already set by the caller take precedence). The library defaults (vertical-slash
-# 1000/6096, sparse from 4096 query tokens) target 32K-1M prompts; at the demo's 4K tokens they
+# 1000/1000, sparse from 4096 query tokens) target 32K-1M prompts; at the demo's 4K tokens they
 # would select everything, so the demo runs FlexPrefill, which sizes each head's budget from the
 # input (gamma 0.9, tau 0.1 as in the paper; a 256-token minimum instead of 1024 for 4K prompts).
 DEMO_SPARSE_ENV: dict[str, str] = {

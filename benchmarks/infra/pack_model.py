@@ -31,7 +31,7 @@ CHUNK = 58 * 1024 * 1024
 
 
 def pack(model_dir: pathlib.Path | None, out: pathlib.Path, extra: list[pathlib.Path],
-         files_only: list[pathlib.Path] = (), chunk: int = CHUNK) -> int:
+         files_only: list[pathlib.Path] = (), chunk: int | None = None) -> int:
     """Pack the files of ``model_dir`` (or the single files ``files_only``), then ``extra``,
     into ``out/m0 .. out/mN``; return N + 1. ``mN`` also holds the manifest."""
     if (model_dir is None) == (not files_only):
@@ -57,6 +57,7 @@ def pack(model_dir: pathlib.Path | None, out: pathlib.Path, extra: list[pathlib.
         files.append(entry)
     for old in out.glob("m[0-9]*"):
         shutil.rmtree(old)
+    chunk = chunk or CHUNK
     chunks = (len(blob) + chunk - 1) // chunk
     for i in range(chunks):
         d = out / f"m{i}"
@@ -111,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="pack these single files (e.g. a GGUF) instead of a model folder")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(".gpu"))
     p.add_argument("--extra", type=pathlib.Path, nargs="*", default=[])
-    p.add_argument("--chunk-mib", type=int, default=CHUNK >> 20,
-                   help="chunk size: the device call carries the working tree too (64 MiB in all)")
+    p.add_argument("--chunk-mib", type=int, default=None,
+                   help=f"chunk size (default {CHUNK >> 20}): a device call carries the working tree "
+                        "too, 64 MiB in all")
     u = sub.add_parser("unpack")
     u.add_argument("dest", type=pathlib.Path)
     u.add_argument("--stage", type=pathlib.Path, default=pathlib.Path("/tmp/mstage"))
     args = ap.parse_args(argv)
     if args.cmd == "pack":
-        print(f"{pack(args.model_dir, args.out, args.extra, args.files, args.chunk_mib << 20)} chunks in {args.out}/m*")
+        chunk = CHUNK if args.chunk_mib is None else args.chunk_mib << 20
+        print(f"{pack(args.model_dir, args.out, args.extra, args.files, chunk)} chunks in {args.out}/m*")
     else:
         print("unpacked:", ", ".join(unpack(args.stage, args.dest)))
     return 0

@@ -703,7 +703,7 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
 
 @cpu_only
 def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
-    """Default budgets (1000 + 6096 keys per query) on a 4K pure prefill: at best 3.5x more than
+    """Default budgets (1000 + 1000 keys per query) on a 4K pure prefill: at best 2.4x more than
     max_density allows, so the row goes to the dense kernel before anything is estimated."""
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged

@@ -5,9 +5,9 @@ vLLM gives the KV cache all it may use, so the decode state must be claimed in i
 (decode/memory.py) or vLLM's own warm-up runs out of memory. Each mode serves one long and one
 short request, and the server's log shows what the profiling run held and what the state took.
 
-The model is a Hugging Face folder named by ``VLLM_SPARSE_TEST_MODEL`` (skipped when unset);
-``VLLM_SPARSE_TEST_MAX_MODEL_LEN`` (default 131072, which needs a model that reaches it, e.g.
-Qwen2.5-Coder-1.5B-Instruct with YaRN x4) and ``VLLM_SPARSE_TEST_LONG_PROMPT`` (tokens, default
+The model is a Hugging Face folder named by ``SPARSE_PREFILL_TEST_MODEL`` (skipped when unset);
+``SPARSE_PREFILL_TEST_MAX_MODEL_LEN`` (default 131072, which needs a model that reaches it, e.g.
+Qwen2.5-Coder-1.5B-Instruct with YaRN x4) and ``SPARSE_PREFILL_TEST_LONG_PROMPT`` (tokens, default
 20000) size the run.
 """
 
@@ -21,15 +21,15 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.skipif(not os.environ.get("VLLM_SPARSE_TEST_MODEL"),
-                                 reason="set VLLM_SPARSE_TEST_MODEL to a model folder")]
+              pytest.mark.skipif(not os.environ.get("SPARSE_PREFILL_TEST_MODEL"),
+                                 reason="set SPARSE_PREFILL_TEST_MODEL to a model folder")]
 
 MAX_TOKENS = 32
 
 
 def _server_args() -> list[str]:
     """The issue's command, memory flags left at vLLM's defaults."""
-    max_len = os.environ.get("VLLM_SPARSE_TEST_MAX_MODEL_LEN", "131072")
+    max_len = os.environ.get("SPARSE_PREFILL_TEST_MAX_MODEL_LEN", "131072")
     return ["--attention-backend", "sparse-prefill", "--dtype", "bfloat16", "--max-model-len", max_len,
             "--max-num-batched-tokens", "16384", "--no-enable-prefix-caching", "--max-num-seqs", "8"]
 
@@ -57,8 +57,8 @@ def _complete(server, prompt: str) -> dict:
 def test_decode_mode_starts_and_serves_with_default_memory_settings(mode, tmp_path):
     from server_helpers import ready_server
 
-    model = os.environ["VLLM_SPARSE_TEST_MODEL"]
-    long_tokens = int(os.environ.get("VLLM_SPARSE_TEST_LONG_PROMPT", "20000"))
+    model = os.environ["SPARSE_PREFILL_TEST_MODEL"]
+    long_tokens = int(os.environ.get("SPARSE_PREFILL_TEST_LONG_PROMPT", "20000"))
     server = ready_server(model, _server_args(), {"VLLM_SPARSE_DECODE_MODE": mode}, tmp_path, timeout=1200)
     try:
         long_prompt = _filler(server, long_tokens)

@@ -11,7 +11,7 @@ repository's docs and source. The sparse engines lower ``min_sparse_query_len`` 
   rows, a prompt prefilled in three chunks (the later ones read their context from the paged
   cache), a prompt whose first 6,000 tokens hit the prefix cache, and decode batches replayed
   from CUDA graphs; the prompt log-probabilities agree to bf16 rounding;
-* the library's default pattern and budgets (vertical-slash 1000 / 6096, which skip part of the
+* the library's default pattern and budgets (vertical-slash 1000 / 1000, which skip part of the
   12K prompt's attention): prompt log-probabilities and first tokens within the tolerances
   below.
 
@@ -48,8 +48,9 @@ FORCED_ON = {"VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "1024", "VLLM_SPARSE_MAX_DENSIT
 DENSITY_ONE = {**FORCED_ON, "VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000"}
 
 # Two greedy runs may part where FLASH_ATTN's two best tokens are this close (bf16 rounding of
-# two exact kernels decides such a tie); the gap is printed.
-NEAR_TIE = 0.05
+# two exact kernels decides such a tie, and a prompt's rounding carries into its decode: a
+# 500-token request of the CUDA-graph engine parted at a gap of 0.125 on an H200); the gap is printed.
+NEAR_TIE = 0.25
 # Mean |difference| of the prompt tokens' log-probabilities (nats), FLASH_ATTN vs the sparse
 # engine, over every position of the long prompts. Density 1: two exact bf16 attentions. Default
 # budgets: attention partly skipped, on 12K tokens. A sparse path that outputs zeros, or reads
@@ -102,7 +103,9 @@ def engines(tmp_path_factory):
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_SPARSE_")}
         out = folder / f"{name}.json"
         if sparse_env is not None:
-            env.update(sparse_env, VLLM_SPARSE_STATS_FILE=str(folder / f"{name}-stats.json"))
+            # every forward written: the scenarios read the file right after their requests
+            env.update(sparse_env, VLLM_SPARSE_STATS_FILE=str(folder / f"{name}-stats.json"),
+                       VLLM_SPARSE_STATS_WRITE_INTERVAL_S="0")
         cmd = [sys.executable, str(CHILD), "--model", model, "--backend", backend, "--scenarios", *scenarios,
                "--out", str(out)]
         if graphs:

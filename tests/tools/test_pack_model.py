@@ -14,9 +14,8 @@ def _load():
     return pack_model
 
 
-def test_pack_unpack_round_trip(tmp_path, monkeypatch):
+def test_pack_unpack_round_trip(tmp_path):
     pm = _load()
-    monkeypatch.setattr(pm, "CHUNK", 1000)  # several chunks from a small folder
     model = tmp_path / "model"
     model.mkdir()
     words = bytes((i * 37) % 256 for i in range(5000))  # "bf16" words: low bytes vary, high bytes repeat
@@ -24,7 +23,7 @@ def test_pack_unpack_round_trip(tmp_path, monkeypatch):
     (model / "config.json").write_text('{"a": 1}')
     text = tmp_path / "haystack.txt"
     text.write_text("some text " * 50)
-    chunks = pm.pack(model, tmp_path / "gpu", [text])
+    chunks = pm.pack(model, tmp_path / "gpu", [text], chunk=1000)  # several chunks from a small folder
     assert chunks == len(list((tmp_path / "gpu").glob("m*"))) > 2
     stage = tmp_path / "stage"
     stage.mkdir()

@@ -72,10 +72,10 @@ def test_budget_density_by_hand():
     assert budget_density(heads, 1000, 2000, s) == pytest.approx(want)
     assert budget_density(Counter(heads), 1000, 2000, s) == pytest.approx(want)
     assert budget_density(heads, 100, 0, s) == pytest.approx(1.0)  # every budget covers a short row
-    # the defaults (1000 + 6096 keys per query) cannot make a 32K prompt sparser than 0.4, 64K they can
+    # the defaults (1000 + 1000 keys per query) cannot make an 8K prompt sparser than 0.4, 16K they can
     default = [resolve_head(None, SparseSettings())]
-    assert budget_density(default, 32768, 0, SparseSettings()) > 0.4 > budget_density(default, 65536, 0,
-                                                                                     SparseSettings())
+    assert budget_density(default, 8192, 0, SparseSettings()) > 0.4 > budget_density(default, 16384, 0,
+                                                                                    SparseSettings())
 
 
 def test_kv_group_share_needs_the_setting_and_uniform_groups():
@@ -112,7 +112,7 @@ def test_budgets_growing_with_the_row():
     head = [resolve_head(None, s)]
     visible = 114_688 + 16_385 / 2  # the last 16K chunk of a 128K prompt
     assert budget_density(head, 16_384, 114_688, s) == pytest.approx((2622 + 13108) / visible)
-    assert budget_density(head, 16_384, 114_688, SparseSettings()) == pytest.approx(7096 / visible)
+    assert budget_density(head, 16_384, 114_688, SparseSettings()) == pytest.approx(2000 / visible)
 
 
 def test_torch_estimator_with_shares_equals_explicit_budgets():
@@ -197,7 +197,7 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     keys = [torch.randn(n, 1, 64, generator=gen) for n in q_lens]
     rows = [SparseRow(0, 0, 600, 0), SparseRow(1, 600, 2000, 0)]
     output = torch.empty_like(query)
-    # row 0: 1000 + 6096 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
+    # row 0: 1000 + 1000 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
     settings = SparseSettings(vertical_size=30, slash_size=30)
     heads = [resolve_head(None, SparseSettings())] * 2
     sparse_run.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
