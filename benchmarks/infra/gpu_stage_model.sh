@@ -5,7 +5,9 @@
 # Here (git-ignored chunk folders; a GGUF travels in fewer chunks than the packed bf16 folder:
 # Qwen2.5-Coder-1.5B 19 instead of 42, 0.5B 9 instead of 15):
 #   python -m benchmarks.infra.pack_model pack --files qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
-#       --extra gguf-0.19.0-py3-none-any.whl austen.txt --out .gpu/m15b          # m0 .. m18
+#       --extra gguf-0.19.0-py3-none-any.whl austen.txt --out .gpu/m15b --chunk-mib 52   # m0 .. m21
+# (a device call carries the working tree too, about 10 MB now, within 64 MiB; vLLM's staged
+# wheels may ride in the same chunks as further --files: 28 chunks for both on 2026-11-26)
 # On the GPU machine, one device call per chunk K, back to back (carry [".gpu/m15b/mK"]):
 #   mkdir -p /tmp/mstage-m15b && cp -n .gpu/m15b/mK/* /tmp/mstage-m15b/
 # then once, from the repository root:
