@@ -22,6 +22,7 @@ from vllm_sparse_backend import metrics
 from vllm_sparse_backend.config import ConfigError, load_settings
 from vllm_sparse_backend.metrics import PrometheusMetrics, SampledTimer
 from vllm_sparse_backend.stats import SparseStats
+from fakes import ManualEvent
 
 
 def _stats_with_registry():
@@ -363,17 +364,6 @@ def test_server_metrics_at_vllm_metrics_after_a_long_request(tmp_path):
     assert own[("sparse_prefill_query_tokens_total", (("route", "sparse"),))] == 2 * 1500
 
 
-class _Event:
-    """A device event the test completes by hand (``query`` as CUDA's: done or not yet)."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.done = True
 
 
 def test_stats_file_without_waiting_catches_up(tmp_path):
@@ -383,7 +373,7 @@ def test_stats_file_without_waiting_catches_up(tmp_path):
 
     st, _ = _stats_with_registry()
     path = tmp_path / "s.json"
-    first, second = _Event(), _Event()
+    first, second = ManualEvent(), ManualEvent()
     for event, value in ((first, 100), (second, 40)):
         st._readouts.append((event, torch.tensor([value]), lambda v: st.record_measured_pairs(400, v[0])))
     st.record_sparse_row(64, causal=None, computed=None, head_patterns={"vertical_slash": 2})

@@ -11,6 +11,7 @@ import pytest
 from vllm_sparse_backend import metrics, stats as stats_module
 from vllm_sparse_backend.config import ConfigError, load_settings
 from vllm_sparse_backend.stats import SparseStats
+from fakes import ManualEvent
 
 
 class _Clock:
@@ -21,17 +22,6 @@ class _Clock:
         return self.now
 
 
-class _Event:
-    """A device event the test completes by hand."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.done = True
 
 
 @pytest.fixture
@@ -107,7 +97,7 @@ def test_counts_read_back_from_the_device_reach_the_file_at_the_bounded_rate(rig
     import torch
 
     st, clock, scheduled, writes, path = rig
-    event = _Event()
+    event = ManualEvent()
     st._readouts.append((event, torch.tensor([30]), lambda v: st.record_measured_pairs(200, v[0])))
     st.record_sparse_row(64, causal=None, computed=None, head_patterns={"vertical_slash": 2})
     st.dump(str(path), wait=False)  # a CUDA forward
