@@ -49,6 +49,7 @@ MIN_STARTUP_SECONDS = 600  # download + load + warm-up of a long-context model
 CRD_GROUPS = ("monitoring.coreos.com/",)
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 PLACEHOLDER_DIGEST = "@sha256:" + "0" * 64  # what the manifests ship: replaced before a release
+PLACEHOLDER_REVISION = "0" * 40  # likewise for the model's commit (MODEL_REVISION)
 COMMIT = re.compile(r"[0-9a-f]{40}")
 TELEMETRY_OFF = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
@@ -519,6 +520,9 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
         for c in dep["spec"]["template"]["spec"].get("containers", []):
             env = {e.get("name"): e.get("value") for e in c.get("env", [])}
             serving[(env.get("MODEL"), env.get("MODEL_REVISION"))] = f"Deployment/{_key(dep)[1]}"
+            if release and env.get("MODEL_REVISION") == PLACEHOLDER_REVISION:
+                errs.append(f"Deployment/{_key(dep)[1]} container {c.get('name')}: MODEL_REVISION is the "
+                            "placeholder commit; set the model repository's commit you tested")
     for job in by_kind.get("Job", []):
         w = f"Job/{_key(job)[1]}"
         pod = job.get("spec", {}).get("template", {}).get("spec", {})

@@ -391,9 +391,9 @@ BREAKAGES = {
     "telemetry on": ("base/deployment.yaml", '- name: VLLM_NO_USAGE_STATS\n              value: "1"',
                      '- name: VLLM_NO_USAGE_STATS\n              value: "0"',
                      "VLLM_NO_USAGE_STATS must be '1'"),
-    "model by branch": ("base/deployment.yaml", "value: 0e9e39f249a16976918f6564b8830bc894c89659",
+    "model by branch": ("base/deployment.yaml", "value: \"0000000000000000000000000000000000000000\"",
                         "value: main", "MODEL_REVISION='main' must be a 40-hex commit"),
-    "job downloads another model": ("base/model-download.yaml", "value: 0e9e39f249a16976918f6564b8830bc894c89659",
+    "job downloads another model": ("base/model-download.yaml", "value: \"0000000000000000000000000000000000000000\"",
                                     "value: " + "ab" * 20, "which no Deployment serves"),
 }
 
@@ -420,9 +420,10 @@ def test_release_check_refuses_the_placeholder_digest(check, tmp_path, capsys):
     assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 1
     out = capsys.readouterr().out
     assert out.count("has the placeholder digest") == 2, out  # the Deployment's image and the Job's
+    assert out.count("MODEL_REVISION is the placeholder commit") == 1, out
     for rel in ("base/deployment.yaml", "base/model-download.yaml", "overlays/h100/kustomization.yaml"):
         path = deploy / rel
-        path.write_text(path.read_text().replace("0" * 64, "ab12" * 16))
+        path.write_text(path.read_text().replace("0" * 64, "ab12" * 16).replace("0" * 40, "cd34" * 10))
     assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 0, \
         capsys.readouterr().out
 
