@@ -141,7 +141,8 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
                 to_dense.append(row)
                 stats.record_dense_reason("budgets denser than max_density", tokens=row.q_len)
                 continue
-            if settings.cost_model and history is not None:
+            # (not while a CUDA graph is captured: the history's event query is illegal then)
+            if settings.cost_model and history is not None and not _capturing(query):
                 predicted = history.predicted_density(budget)
                 if (predicted > settings.max_density or not row_cost.sparse_pays(
                         row.q_len, row.ctx_len, num_heads, head_size, predicted, settings.last_q)) \
