@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.ruler ...")
@@ -244,12 +244,11 @@ def lmeval_version(python: str) -> str:
     try:
         out = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('lm_eval'))"],
                              capture_output=True, text=True, timeout=300)
+        problem = None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["no output"])[-1]
     except OSError as e:
-        out = None
-        err = str(e)
-    if out is None or out.returncode != 0:
-        err = err if out is None else out.stderr.strip().splitlines()[-1:]
-        raise SystemExit(f"--lmeval-python {python}: no lm-eval there ({err}). Make one with\n"
+        problem = str(e)
+    if problem is not None:
+        raise SystemExit(f"--lmeval-python {python}: no lm-eval there ({problem}). Make one with\n"
                          "  python -m venv .venv-lmeval && .venv-lmeval/bin/pip install lm-eval==0.4.13 "
                          "wonderwords tenacity transformers")
     return out.stdout.strip()
@@ -275,26 +274,34 @@ def plan_lengths(lengths: Sequence[int], native: int, yarn: float | None) -> dic
 
 
 def run_lmeval_jobs(jobs: list[tuple[str, list[str], pathlib.Path]], parallel: int, env: dict[str, str],
-                    log) -> dict[str, tuple[int, float]]:
-    """Run the lm-eval commands ``(name, cmd, log file)``, ``parallel`` at a time; name -> (exit
-    status, seconds)."""
-    pending, running, done = list(jobs), {}, {}
-    while pending or running:
-        while pending and len(running) < parallel:
-            name, cmd, log_path = pending.pop(0)
-            with open(log_path, "wb") as f:
-                f.write(("$ " + shlex.join(cmd) + "\n").encode())
-                f.flush()
-                running[name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                                  cwd=log_path.parent, stdin=subprocess.DEVNULL,
-                                                  start_new_session=True), time.monotonic(), log_path)
-        for name, (proc, t0, log_path) in list(running.items()):
-            if proc.poll() is not None:
-                done[name] = (proc.returncode, time.monotonic() - t0)
-                del running[name]
-                log(f"  lm-eval {name}: exit {proc.returncode} in {done[name][1]:.0f} s ({log_path})")
-        time.sleep(0.5)
-    return done
+                    on_done: Callable[[str, int, float, pathlib.Path], None]) -> None:
+    """Run the lm-eval commands ``(name, cmd, log file)``, ``parallel`` at a time, calling
+    ``on_done(name, exit status, seconds, log file)`` as each ends (so that a run cut short keeps
+    the tasks that finished). Those still running when this is left early (an exception, SIGTERM)
+    are killed with their process group."""
+    pending, running = list(jobs), {}
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                name, cmd, log_path = pending.pop(0)
+                with open(log_path, "wb") as f:
+                    f.write(("$ " + shlex.join(cmd) + "\n").encode())
+                    f.flush()
+                    running[name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                                      cwd=log_path.parent, stdin=subprocess.DEVNULL,
+                                                      start_new_session=True), time.monotonic(), log_path)
+            for name, (proc, t0, log_path) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[name]
+                    on_done(name, proc.returncode, time.monotonic() - t0, log_path)
+            time.sleep(0.5)
+    finally:
+        for proc, _, _ in running.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
 
 
 def density_record(before: dict | None, after: dict | None, num_layers: int) -> dict[str, float | None]:
@@ -398,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         samples = [SampleScore(**s) for s in old["samples"]]
         lmeval_scores = {(c["variant"], c["task"], c["length"]): c["score"] for c in old["lm_eval_scores"]}
         meta["commands"] = old["meta"]["commands"] + meta["commands"]
-        meta["errors"] = old["meta"].get("errors", {})
+        for field in ("errors", "warnings", "density"):  # of the cells kept
+            if old["meta"].get(field):
+                meta[field] = old["meta"][field]
         # earlier variants stay in the table, first and in their order
         earlier = list(old["meta"]["variants"])
         labels = earlier + [label for label in labels if label not in earlier]
@@ -463,19 +472,15 @@ def main(argv: list[str] | None = None) -> int:
                         folder.mkdir(parents=True, exist_ok=True)
                         cmd = lmeval_command(args.lmeval_python, task=task, length=length,
                                              base_url=f"{server.handle.url}/v1/completions",
-                                             tokenizer=str(model_dirs[rope]), max_length=max_model_len,
+                                             tokenizer=str(model_dir), max_length=max_model_len,
                                              limit=args.limit, output_path=folder / "out",
                                              num_concurrent=args.num_concurrent, timeout=args.request_timeout,
                                              chat_template=args.apply_chat_template)
                         jobs.append((task, cmd, folder / "lm-eval.log"))
                     log(f"[{v.label}/{rope}] {length} tokens: lm-eval on {len(jobs)} task(s), {parallel} at a time")
                     before = None if v.dense else acc.settled_stats(server.stats_path)
-                    status = run_lmeval_jobs(jobs, parallel, env, log)
-                    if not v.dense:
-                        meta.setdefault("density", {})[f"{v.label}/{length}"] = density_record(
-                            before, acc.settled_stats(server.stats_path), cfg["num_hidden_layers"])
-                    for task, _, log_path in jobs:
-                        code, seconds = status[task]
+
+                    def collect(task: str, code: int, seconds: float, log_path: pathlib.Path) -> None:
                         key = f"{v.label}/{task}/{length}"
                         try:
                             if code != 0:
@@ -485,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                         except (RuntimeError, FileNotFoundError, KeyError, ValueError) as e:
                             meta.setdefault("errors", {})[key] = str(e)[:2000]
                             log(f"  {key} FAILED: {e}")
-                            continue
+                            return
                         meta.get("errors", {}).pop(key, None)
                         samples.extend(scores)
                         aggregate = read_results(results_path, length).get(task, {})
@@ -495,7 +500,13 @@ def main(argv: list[str] | None = None) -> int:
                             meta.setdefault("warnings", {})[key] = \
                                 f"lm-eval left-truncated prompts ({truncated} warnings)"
                         log(f"  {key}: {sum(s.score for s in scores) / max(1, len(scores)):.3f} over "
-                            f"{len(scores)} prompts in {seconds:.0f} s")
+                            f"{len(scores)} prompts in {seconds:.0f} s ({log_path})")
+                        save()
+
+                    run_lmeval_jobs(jobs, parallel, env, collect)
+                    if not v.dense:
+                        meta.setdefault("density", {})[f"{v.label}/{length}"] = density_record(
+                            before, acc.settled_stats(server.stats_path), cfg["num_hidden_layers"])
                     save()
                 if not server.handle.alive():
                     raise ServerError(f"server exited with status {server.handle.proc.returncode}")

@@ -243,3 +243,26 @@ def test_density_record_is_the_counters_growth_over_a_length(ruler):
     assert ruler.density_record(before, after, num_layers=30) == {"density": 0.5, "sparse_tokens_per_layer": 32.0}
     # no sparse row between the reads (the gating kept every row dense): no density
     assert ruler.density_record(after, after, num_layers=30) == {"density": None, "sparse_tokens_per_layer": 0.0}
+
+
+def test_lmeval_jobs_report_each_exit_as_it_ends(ruler, tmp_path):
+    import os
+    import sys
+
+    jobs = [(name, [sys.executable, "-c", f"import sys; print('{name}'); sys.exit({code})"], tmp_path / f"{name}.log")
+            for name, code in (("a", 0), ("b", 3), ("c", 0))]
+    ended = []
+    ruler.run_lmeval_jobs(jobs, 2, dict(os.environ), lambda name, code, seconds, log: ended.append((name, code, log)))
+    assert sorted(ended) == [("a", 0, tmp_path / "a.log"), ("b", 3, tmp_path / "b.log"), ("c", 0, tmp_path / "c.log")]
+    assert (tmp_path / "b.log").read_text().splitlines()[1] == "b"  # after the command line
+
+
+def test_an_interpreter_without_lmeval_is_refused_with_how_to_make_one(ruler, tmp_path):
+    import importlib.util
+    import sys
+
+    with pytest.raises(SystemExit, match="pip install lm-eval==0.4.13"):
+        ruler.lmeval_version(str(tmp_path / "no-such-python"))
+    if importlib.util.find_spec("lm_eval") is None:  # this interpreter: the plugin's, without lm-eval
+        with pytest.raises(SystemExit, match="PackageNotFoundError"):
+            ruler.lmeval_version(sys.executable)
