@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm_sparse_kernels.reference.attention import causal_pairs
 
 
 @dataclass(frozen=True)
@@ -36,20 +37,16 @@ class RowCost:
     row_overhead: float = 1.0e9  # per row and layer at head size 128 (about 0.9 ms on an H200)
     margin: float = 0.95  # sparse must win by this much: the model is approximate
 
-    @staticmethod
-    def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:
-        return num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
-
     def sparse_cost(self, q_len: int, ctx_len: int, num_heads: int, head_size: int, density: float,
                     last_q: int) -> float:
         estimate = self.estimate_key * min(last_q, q_len) * (ctx_len + q_len) * num_heads
         fixed = self.row_overhead * 128 / head_size
-        return estimate + fixed + self.sparse_pair * density * self.causal_pairs(q_len, ctx_len, num_heads)
+        return estimate + fixed + self.sparse_pair * density * causal_pairs(q_len, ctx_len, num_heads)
 
     def sparse_pays(self, q_len: int, ctx_len: int, num_heads: int, head_size: int, density: float,
                     last_q: int) -> bool:
         """Whether the sparse path is predicted faster than FlashAttention on this row."""
-        dense = self.causal_pairs(q_len, ctx_len, num_heads)
+        dense = causal_pairs(q_len, ctx_len, num_heads)
         return self.sparse_cost(q_len, ctx_len, num_heads, head_size, density, last_q) < self.margin * dense
 
 
