@@ -143,11 +143,8 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{r} {n}" for r, n in max_lens.items()), flush=True)
 
     date = datetime.date.today().isoformat()
-    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
-                       f"accuracy_{device}_{run.short_name}_{date}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # with_name, not with_suffix: a name such as accuracy_h200_qwen-coder-1.5b holds a dot
-    out_json, out_txt = out.with_name(out.name + ".json"), out.with_name(out.name + ".txt")
+    out_json, out_txt = inputs.result_paths(args.out, REPO / "benchmarks" / "results" /
+                                            f"accuracy_{device}_{run.short_name}_{date}")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-accuracy-"))
     model_dirs = {"native": model_dir}
     if args.yarn and any(r != "native" for r in rope_of.values()):
@@ -162,26 +159,26 @@ def main(argv: list[str] | None = None) -> int:
         # and per (task, length, seed) the same depth and token count.
         for field, now in (("model", model_name), ("text", text_name)):
             if old["meta"][field] != now:
-                p.error(f"{out}.json was run with {field} {old['meta'][field]}, not {now}")
+                p.error(f"{out_json} was run with {field} {old['meta'][field]}, not {now}")
         prompts = {(s.task, s.target_tokens, s.seed): (s.depth, s.n_tokens) for s in samples}
         kept = [acc.Result(**r) for r in old["results"]]
         if any(prompts.get((r.task, r.target_tokens, r.seed), (r.depth, r.n_tokens))
                != (r.depth, r.n_tokens) for r in kept):
-            p.error(f"{out}.json holds results of other prompts (other --samples or --seed?); "
+            p.error(f"{out_json} holds results of other prompts (other --samples or --seed?); "
                     "use another --out")
         for field, now in (("min_sparse_query_len", gating["min_sparse_query_len"]),
                            ("max_density", gating["max_density"]), ("yarn", args.yarn),
                            ("max_num_batched_tokens", args.max_num_batched_tokens),
                            ("kv_cache_dtype", args.kv_cache_dtype)):
             if old["meta"].get(field) != now:
-                p.error(f"{out}.json was run with {field} {old['meta'].get(field)}, not {now}")
+                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {now}")
         done = list(dict.fromkeys(r.variant for r in kept))
         results += kept
         # Earlier runs' variants stay in the table, first and in their order.
         earlier = [Variant(label, old["meta"]["variants"][label]) for label in done]
         variants = earlier + [v for v in variants if v.label not in done]
         labels = [v.label for v in variants]
-        print(f"resuming {out}.json: {len(kept)} results of {', '.join(done)}", flush=True)
+        print(f"resuming {out_json}: {len(kept)} results of {', '.join(done)}", flush=True)
     meta = {"model": model_name, "model_dir": str(model_dir), "text": text_name, "device": device,
             "host": platform.node(), "date": date, "tasks": args.tasks, "lengths": args.lengths,
             "samples": args.samples, "seed": args.seed,
@@ -269,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in started.values():
             server.handle.stop()
     save()  # also when every variant was already there (--resume re-renders the table)
-    print(f"wrote {out}.json and {out}.txt (server logs in {workdir})")
+    print(f"wrote {out_json} and {out_txt} (server logs in {workdir})")
     return 0
 
 

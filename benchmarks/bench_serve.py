@@ -45,7 +45,8 @@ if not __package__:
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation.inputs import MODELS, choose_variants, resolve_model, short_model_name  # noqa: E402
+from vllm_sparse_tools.evaluation.inputs import (MODELS, model_and_variants, result_paths,  # noqa: E402
+                                                 short_model_name)
 
 from . import load  # noqa: E402  (its servers: the same flags as the load test)
 
@@ -193,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the variants already in <out>.json (same lengths, prompts and server flags) and "
                         "run the others: one variant per command")
     args = p.parse_args(argv)
-    try:
-        model_dir, model_name = resolve_model(args.model)
-        variants = choose_variants(args.variants, model_dir, model_name, args.head_config_dir)
-    except ValueError as e:
-        p.error(str(e))
+    model_dir, model_name, variants = model_and_variants(p, args)
     labels = [v.label for v in variants]
     cuda = cuda_available()
     device = "cuda" if cuda else "cpu"
@@ -209,10 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"inputs up to {max(args.input_lens)} need max-model-len {max_model_len}; the model's context "
                 f"is {context}" + ("" if args.yarn else " (--yarn FACTOR serves more)"))
     date = datetime.date.today().isoformat()
-    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
-                       f"bench_serve_{device}_{short_model_name(args.model, model_name)}_{date}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out_json, out_txt = out.with_name(out.name + ".json"), out.with_name(out.name + ".txt")
+    out_json, out_txt = result_paths(args.out, REPO / "benchmarks" / "results" /
+                                     f"bench_serve_{device}_{short_model_name(args.model, model_name)}_{date}")
 
     greedy_flag = "--temperature" in client_options()
 

@@ -57,7 +57,8 @@ if not __package__:
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation.inputs import MODELS, choose_variants, resolve_model, short_model_name  # noqa: E402
+from vllm_sparse_tools.evaluation.inputs import (MODELS, model_and_variants, result_paths,  # noqa: E402
+                                                 short_model_name)
 from vllm_sparse_tools.evaluation.intervals import mean_interval, paired_difference  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -359,11 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the (variant, task, length) cells already in <out>.json and run the rest")
     args = p.parse_args(argv)
 
-    try:
-        model_dir, model_name = resolve_model(args.model)
-        variants = choose_variants(args.variants, model_dir, model_name, args.head_config_dir)
-    except ValueError as e:
-        p.error(str(e))
+    model_dir, model_name, variants = model_and_variants(p, args)
     labels = [v.label for v in variants]
     cfg = acc.model_config(model_dir)
     try:
@@ -376,10 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     parallel = args.parallel_tasks or (len(args.tasks) if cuda else 1)
     date = datetime.date.today().isoformat()
-    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
-                       f"ruler_{device}_{short_model_name(args.model, model_name)}_{date}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out_json, out_txt = out.with_name(out.name + ".json"), out.with_name(out.name + ".txt")
+    out_json, out_txt = result_paths(args.out, REPO / "benchmarks" / "results" /
+                                     f"ruler_{device}_{short_model_name(args.model, model_name)}_{date}")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-ruler-"))
 
     import torch  # noqa: PLC0415  (vLLM's dependency; the device's name for the record)

@@ -115,3 +115,23 @@ def from_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser.error(str(e))
     return RunInputs(model_dir, model_name, short_model_name(args.model, model_name), text,
                      text_name, variants)
+
+
+def result_paths(out: str | None, default: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """``<out>.json`` and ``<out>.txt`` (``default`` when no ``--out`` was given), their folder
+    made. ``with_name``, not ``with_suffix``: a name such as accuracy_h200_qwen-coder-1.5b holds
+    a dot."""
+    path = pathlib.Path(out or default)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.with_name(path.name + ".json"), path.with_name(path.name + ".txt")
+
+
+def model_and_variants(parser: argparse.ArgumentParser, args: argparse.Namespace
+                       ) -> tuple[pathlib.Path, str, list[Variant]]:
+    """``args.model`` resolved and ``args.variants`` parsed as given (no ``searched`` added);
+    a bad name ends the program with the parser's usage error."""
+    try:
+        model_dir, model_name = resolve_model(args.model)
+        return model_dir, model_name, choose_variants(args.variants, model_dir, model_name, args.head_config_dir)
+    except ValueError as e:
+        parser.error(str(e))
