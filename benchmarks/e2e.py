@@ -51,7 +51,9 @@ diagonals lie within ~9K of the main one and cover about half of a row's attenti
 same weights serve every variant. ``none`` keeps vLLM's dummy weights.
 
 Real weights (``--model-dir DIR``, with ``--structure none``): the model folder is loaded as it
-is (weights and config; prompts stay random token ids, no tokenizer), ``--yarn FACTOR`` serving
+is (weights and config; prompts are random token ids, or with ``--prompt-text FILE`` consecutive
+token ids of that text, tokenized once before any engine starts so that no timed request includes
+tokenization), ``--yarn FACTOR`` serving
 it through a YaRN copy of its config (``vllm_sparse_tools.evaluation.accuracy.yarn_model_dir``) for contexts
 past its trained length.
 
@@ -76,6 +78,7 @@ multicast objects.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -205,9 +208,24 @@ def kernel_breakdown(trace_paths: list[Path], top: int = 24) -> dict:
             "host_waits": {k: {"calls": v[0], "s": round(v[1], 4)} for k, v in syncs.items()}}
 
 
-def prompt_ids(n: int, seed: int) -> list[int]:
+def prompt_ids_of(n: int, seed: int, text_ids: list[int] | None = None) -> list[int]:
+    """n token ids: random ones, or (``--prompt-text``) n consecutive ids of the tokenized text
+    from an offset the seed picks, wrapping around, so that each length reads other text."""
+    if text_ids:
+        start = (seed * 7919) % len(text_ids)
+        return [text_ids[(start + i) % len(text_ids)] for i in range(n)]
     rng = random.Random(seed)
     return [rng.randrange(10, 100000) for _ in range(n)]
+
+
+def tokenize_text(model_dir: str, text_path: str, out_dir: str) -> str:
+    """The text's token ids under the model's tokenizer, as a JSON file for the workers (which run
+    without a tokenizer, so no timed request includes tokenization)."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(Path(text_path).read_text(), add_special_tokens=False)
+    out = Path(out_dir) / "prompt-text-ids.json"
+    out.write_text(json.dumps(ids))
+    return str(out)
 
 
 def emit(kind: str, **rec) -> None:
@@ -236,6 +254,8 @@ def worker(args) -> None:
     if args.structure == "band":
         emit("structure", workers=llm.collective_rpc("plant_band"))
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
+    text_ids = json.loads(Path(args.prompt_ids_file).read_text()) if args.prompt_ids_file else None
+    prompt_ids = functools.partial(prompt_ids_of, text_ids=text_ids)
 
     salts = itertools.count()
 
@@ -377,7 +397,7 @@ def server_worker(args, env) -> list[dict]:
         for n in args.lengths:
             best = first = tokens = None
             for _ in range(args.repeats):
-                body = {"model": args.model, "prompt": prompt_ids(n, n), "max_tokens": 4, "temperature": 0,
+                body = {"model": args.model, "prompt": prompt_ids_of(n, n), "max_tokens": 4, "temperature": 0,
                         "stream": True, "ignore_eos": True, "return_token_ids": True}
                 got: list[int] = []
                 t = time.perf_counter()
@@ -451,6 +471,9 @@ def main() -> None:
     ap.add_argument("--model-dir", default=None,
                     help="a real model folder instead of the dummy Llama-3-8B shape (needs --structure none)")
     ap.add_argument("--yarn", type=float, default=None, help="with --model-dir: serve a YaRN copy (rope factor)")
+    ap.add_argument("--prompt-text", default=None,
+                    help="with --model-dir: prompts are token ids of this text (tokenized once, before any "
+                         "engine starts) instead of random ids")
     ap.add_argument("--mixed", action="store_true")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="prefix caching on, with a prompt whose first half is cached (see the module doc)")
@@ -473,6 +496,7 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--real-weights", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids-file", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -488,6 +512,10 @@ def main() -> None:
         if args.yarn:
             from vllm_sparse_tools.evaluation.accuracy import yarn_model_dir
             args.model = str(yarn_model_dir(args.model_dir, args.yarn, tempfile.mkdtemp(prefix="e2e-yarn-")))
+        if args.prompt_text:
+            args.prompt_ids_file = tokenize_text(args.model_dir, args.prompt_text, tempfile.mkdtemp(prefix="e2e-text-"))
+    elif args.prompt_text:
+        raise SystemExit("--prompt-text needs --model-dir (a tokenizer for the text)")
     else:
         args.model = str(write_model(Path(tempfile.mkdtemp(prefix="e2e-model-")), args.layers, args.max_len))
     variants = [parse_variant(v) for v in args.variants]
@@ -519,7 +547,8 @@ def main() -> None:
                if args.profile_variants is None or label in args.profile_variants else []) + \
               (["--mixed"] if args.mixed else []) + (["--cudagraphs"] if args.cudagraphs else []) + \
               (["--prefix-cache"] if args.prefix_cache else []) + \
-              (["--decode-cached"] if args.decode_cached else []) + (["--real-weights"] if args.model_dir else [])
+              (["--decode-cached"] if args.decode_cached else []) + (["--real-weights"] if args.model_dir else []) + \
+              (["--prompt-ids-file", args.prompt_ids_file] if args.prompt_ids_file else [])
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         log = Path(args.log_dir) / f"e2e-{label}.stderr.log"
         log.write_text(proc.stderr)
@@ -545,7 +574,8 @@ def main() -> None:
           f"bf16, KV cache {args.kv_cache_dtype}, tensor parallel "
           f"{args.tensor_parallel_size}, "
           f"{'CUDA graphs' if args.cudagraphs else 'eager'}, chunk {args.chunk}, "
-          f"prefix caching {'on' if args.prefix_cache or args.decode_cached else 'off'}, structure {args.structure}; "
+          f"prefix caching {'on' if args.prefix_cache or args.decode_cached else 'off'}, structure {args.structure}, "
+          f"prompts {'token ids of ' + Path(args.prompt_text).name if args.prompt_text else 'random token ids'}; "
           f"variants: {args.variants}")
     labels = [v[0] for v in variants]
     base = labels[0]
