@@ -53,10 +53,12 @@ DENSITY_ONE = {**FORCED_ON, "VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_
 NEAR_TIE = 0.25
 # Mean |difference| of the prompt tokens' log-probabilities (nats), FLASH_ATTN vs the sparse
 # engine, over every position of the long prompts. Density 1: two exact bf16 attentions. Default
-# budgets: attention partly skipped, on 12K tokens. A sparse path that outputs zeros, or reads
+# budgets: attention partly skipped, on 12K tokens (the 1000 / 1000 defaults compute about 0.6 of
+# the chunked prompt's pairs, and its positions then move by about 0.15 nats on average; see
+# docs/accuracy.md for what that costs in answers). A sparse path that outputs zeros, or reads
 # the keys one position off, moves them by whole nats.
 DENSITY_ONE_PROMPT_LOGPROB_TOL = 0.05
-DEFAULT_PROMPT_LOGPROB_TOL = 0.15
+DEFAULT_PROMPT_LOGPROB_TOL = 0.3
 # Default budgets: the sparse engine's first token is FLASH_ATTN's, or one FLASH_ATTN ranks
 # within this many nats of its own.
 DEFAULT_FIRST_TOKEN_TOL = 0.5
