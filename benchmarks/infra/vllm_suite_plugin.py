@@ -23,8 +23,9 @@ that module only:
 
 At the end the terminal summary says what was changed and what the sparse path did in this
 process (the backend's statistics: rows computed sparse, rows sent back to FlashAttention and
-why). ``--sparse-backend-require-sparse`` fails the session when no row ran sparse or the sparse
-path raised (its error boundary sends such rows to FlashAttention, which would hide the failure):
+why). ``--sparse-backend-require-sparse`` fails the session when no row ran the sparse path
+(rows that skipped keys, or rows at density 1, which the statistics count as dense under
+:data:`EVERY_KEY_REASON`) or the sparse path raised (its error boundary sends such rows to FlashAttention, which would hide the failure):
 the density-1 run's check that the suite exercised the sparse kernels at all.
 """
 
@@ -37,6 +38,9 @@ import pytest
 
 DEFAULT_LISTS = "BACKENDS_TO_TEST"
 SPARSE_PATH_ERROR = "sparse path error"  # vllm_sparse_backend.backends.common.SPARSE_PATH_ERROR
+# vllm_sparse_backend.prefill.run.EVERY_KEY_REASON: a row whose budgets cover every key ran the
+# sparse path (estimation and kernel, with max_density 1) but is counted as a dense row
+EVERY_KEY_REASON = "sparse selection covers every key"
 _CHANGES = pytest.StashKey[dict]()  # test module's node id -> what adapt_module changed
 _VERDICT = pytest.StashKey[str]()  # why --sparse-backend-require-sparse failed the session
 
@@ -117,8 +121,8 @@ def sparse_path_verdict(sparse_rows: int, dense_reasons: dict) -> str | None:
     """Why a run that should have exercised the sparse path did not, or None."""
     if dense_reasons.get(SPARSE_PATH_ERROR):
         return f"the sparse path raised on {dense_reasons[SPARSE_PATH_ERROR]} (row, layer) pairs"
-    if sparse_rows == 0:
-        return "no row ran sparse"
+    if sparse_rows == 0 and not dense_reasons.get(EVERY_KEY_REASON):
+        return "no row ran the sparse path"
     return None
 
 

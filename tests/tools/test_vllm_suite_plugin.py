@@ -104,7 +104,9 @@ def test_sparse_path_verdict():
     verdict = _plugin().sparse_path_verdict
     assert verdict(12, {}) is None
     assert verdict(12, {"too dense": 3}) is None  # the density fallback is the backend working
-    assert verdict(0, {}) == "no row ran sparse"
+    assert verdict(0, {}) == "no row ran the sparse path"
+    assert verdict(0, {"too dense": 3}) == "no row ran the sparse path"
+    assert verdict(0, {_plugin().EVERY_KEY_REASON: 135}) is None  # density 1: the kernel computed every key
     assert "raised on 2" in verdict(12, {_plugin().SPARSE_PATH_ERROR: 2})
 
 
@@ -112,6 +114,12 @@ def test_error_reason_matches_the_backend():
     from vllm_sparse_backend.backends.common import SPARSE_PATH_ERROR
 
     assert _plugin().SPARSE_PATH_ERROR == SPARSE_PATH_ERROR
+
+
+def test_every_key_reason_matches_the_backend():
+    from vllm_sparse_backend.prefill.run import EVERY_KEY_REASON
+
+    assert _plugin().EVERY_KEY_REASON == EVERY_KEY_REASON
 
 
 FAKE_SUITE = '''
