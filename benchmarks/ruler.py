@@ -11,10 +11,12 @@ by lm-eval with the model's own tokenizer (``tokenizer_backend=huggingface``), s
 
     python -m venv .venv-lmeval && .venv-lmeval/bin/pip install lm-eval==0.4.13 wonderwords tenacity transformers
 
-One lm-eval process per task and length (``--limit`` prompts each; lm-eval builds all 500 of a
-length whatever the limit, which takes minutes at 128K), ``--parallel-tasks`` of them at once
-against the same server. Then per task and length: each variant's score (RULER's string match,
-the mean over the prompts, with its 95% t interval) and its paired difference to the first
+One lm-eval process per task and length (``--limit`` prompts each), ``--parallel-tasks`` of them
+at once against the same server. lm-eval's RULER tasks generate 500 prompts per length whatever
+the limit (minutes of one core per task at 128K), so lm-eval runs under
+``benchmarks/infra/lmeval_launcher.py``, which has them generate only the ``--limit`` first
+(``--all-samples``: lm-eval as it is). Then per task and length: each variant's score (RULER's
+string match, the mean over the prompts, with its 95% t interval) and its paired difference to the first
 variant on the same prompts (mean and 95% t interval over the per-prompt differences, read from
 lm-eval's ``--log_samples`` files; prompts are matched by lm-eval's ``doc_id`` and must have the
 same ``prompt_hash``). Writes ``<out>.json`` (meta, every prompt's score and answer, the table
@@ -69,6 +71,12 @@ OFFLINE_TASKS = ["niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_v
 # tokens to the length, without the answer prefix (gen_prefix) and the chat template.
 LENGTH_MARGIN = 256
 SERVED_NAME = "eval-model"  # accuracy.server_args' default served name
+# Run by path with the lm-eval interpreter (which need not see this repository).
+LMEVAL_LAUNCHER = REPO / "benchmarks" / "infra" / "lmeval_launcher.py"
+# meta["generated_prompts"]: which prompts lm-eval generated (the scored ones are the first
+# --limit either way: the generators build them one after another from one random state).
+GENERATED_LIMIT = "lm-eval generating only those (benchmarks/infra/lmeval_launcher.py)"
+GENERATED_ALL = "lm-eval generating RULER's 500 (--all-samples)"
 
 
 @dataclass
@@ -90,13 +98,16 @@ class SampleScore:
 
 def lmeval_command(python: str, *, task: str, length: int, base_url: str, tokenizer: str, max_length: int,
                    limit: int, output_path: pathlib.Path, num_concurrent: int = 1, timeout: float = 3600,
-                   chat_template: bool = False) -> list[str]:
-    """``lm_eval run`` for one RULER task at one length against a completions endpoint."""
+                   chat_template: bool = False, all_samples: bool = False) -> list[str]:
+    """``lm_eval run`` for one RULER task at one length against a completions endpoint, through
+    :data:`LMEVAL_LAUNCHER` generating ``limit`` prompts (``all_samples``: ``python -m lm_eval``,
+    generating RULER's 500)."""
     model_args = ",".join(f"{k}={v}" for k, v in (
         ("model", SERVED_NAME), ("tokenizer", tokenizer), ("base_url", base_url),
         ("tokenizer_backend", "huggingface"), ("max_length", max_length),
         ("num_concurrent", num_concurrent), ("timeout", int(timeout))))
-    cmd = [python, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args,
+    entry = ["-m", "lm_eval"] if all_samples else [str(LMEVAL_LAUNCHER), "--samples", str(limit)]
+    cmd = [python, *entry, "run", "--model", "local-completions", "--model_args", model_args,
            "--tasks", task, "--metadata", json.dumps({"max_seq_lengths": [length]}),
            "--limit", str(limit), "--output_path", str(output_path), "--log_samples", "--seed", "0"]
     return cmd + (["--apply_chat_template"] if chat_template else [])
@@ -342,7 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="interpreter with lm-eval (default $LMEVAL_PYTHON, else .venv-lmeval/bin/python)")
     p.add_argument("--parallel-tasks", type=int, default=None,
                    help="lm-eval processes at once against a server (default: every task on CUDA, where "
-                        "building 500 prompts per task at 128K takes minutes of one core; 1 on CPU)")
+                        "building a task's prompts at 128K keeps one core busy; 1 on CPU)")
+    p.add_argument("--all-samples", action="store_true",
+                   help="run lm-eval as it is (python -m lm_eval), generating RULER's 500 prompts per task "
+                        "and length, not through benchmarks/infra/lmeval_launcher.py generating --limit")
     p.add_argument("--num-concurrent", type=int, default=1, help="lm-eval's requests in flight per process")
     p.add_argument("--apply-chat-template", action="store_true",
                    help="lm-eval renders each prompt with the model's chat template (the answer prefix "
@@ -385,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
         "host": platform.node(), "date": date, "vllm": vllm.__version__, "torch": torch.__version__,
         "lm_eval": version, "tasks": args.tasks, "lengths": sorted(set(args.lengths)), "limit": args.limit,
+        "generated_prompts": GENERATED_ALL if args.all_samples else GENERATED_LIMIT,
         "yarn": args.yarn, "apply_chat_template": args.apply_chat_template,
         "max_model_len": {rope: m for rope, (_, m) in groups.items()},
         "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
@@ -394,7 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     lmeval_scores: dict[tuple[str, str, int], float | None] = {}
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
-        for field in ("model", "limit", "yarn", "apply_chat_template", "kv_cache_dtype", "max_num_batched_tokens"):
+        old["meta"].setdefault("generated_prompts", GENERATED_ALL)  # files from before the launcher
+        for field in ("model", "limit", "yarn", "apply_chat_template", "kv_cache_dtype", "max_num_batched_tokens",
+                      "generated_prompts"):
             if old["meta"].get(field) != meta[field]:
                 p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
         samples = [SampleScore(**s) for s in old["samples"]]
@@ -421,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                                for (v, t, n), s in lmeval_scores.items()],
             "samples": [asdict(s) for s in samples]}, indent=1) + "\n")
         text = [f"# lm-eval {version} RULER on {model_name}, {device} ({meta['device_name']}), vLLM "
-                f"{meta['vllm']}, torch {meta['torch']}, {date}: up to {args.limit} prompts per task and length"
+                f"{meta['vllm']}, torch {meta['torch']}, {date}: up to {args.limit} prompts per task and length, "
+                f"{meta['generated_prompts']}"
                 + (f", YaRN x{args.yarn:g} past the trained context" if args.yarn else "")
                 + (", chat template" if args.apply_chat_template else ""),
                 "# score = mean of RULER's per-prompt string match [95% t interval, cut to 0..1]; X - "
@@ -470,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                                              tokenizer=str(model_dir), max_length=max_model_len,
                                              limit=args.limit, output_path=folder / "out",
                                              num_concurrent=args.num_concurrent, timeout=args.request_timeout,
-                                             chat_template=args.apply_chat_template)
+                                             chat_template=args.apply_chat_template,
+                                             all_samples=args.all_samples)
                         jobs.append((task, cmd, folder / "lm-eval.log"))
                     log(f"[{v.label}/{rope}] {length} tokens: lm-eval on {len(jobs)} task(s), {parallel} at a time")
                     before = None if v.dense else acc.settled_stats(server.stats_path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -146,14 +147,141 @@ def test_lengths_go_to_the_native_model_or_the_yarn_copy(ruler):
 def test_lmeval_command_names_the_server_tokenizer_and_length(ruler, tmp_path):
     cmd = ruler.lmeval_command("/venv/bin/python", task="ruler_vt", length=65536, base_url="http://h:1/v1/completions",
                                tokenizer="/m", max_length=130304, limit=10, output_path=tmp_path, chat_template=True)
-    assert cmd[:4] == ["/venv/bin/python", "-m", "lm_eval", "run"]
-    args = dict(zip(cmd[4::2], cmd[5::2]))
+    # through the launcher, run by path (the lm-eval interpreter need not see this repository),
+    # generating as many prompts as lm-eval scores
+    launcher = cmd[1]
+    assert launcher == str(ruler.REPO / "benchmarks" / "infra" / "lmeval_launcher.py")
+    assert pathlib.Path(launcher).is_file()
+    assert cmd[:1] + cmd[2:5] == ["/venv/bin/python", "--samples", "10", "run"]
+    args = dict(zip(cmd[5::2], cmd[6::2]))
     assert args["--model"] == "local-completions" and args["--tasks"] == "ruler_vt" and args["--limit"] == "10"
     assert json.loads(args["--metadata"]) == {"max_seq_lengths": [65536]}
     model_args = dict(kv.split("=", 1) for kv in args["--model_args"].split(","))
     assert model_args["tokenizer"] == "/m" and model_args["tokenizer_backend"] == "huggingface"
     assert model_args["max_length"] == "130304" and model_args["base_url"] == "http://h:1/v1/completions"
     assert "--log_samples" in cmd and cmd[-1] == "--apply_chat_template"
+    # --all-samples: lm-eval's own entry point, with the same arguments after it
+    plain = ruler.lmeval_command("/venv/bin/python", task="ruler_vt", length=65536,
+                                 base_url="http://h:1/v1/completions", tokenizer="/m", max_length=130304, limit=10,
+                                 output_path=tmp_path, chat_template=True, all_samples=True)
+    assert plain[:4] == ["/venv/bin/python", "-m", "lm_eval", "run"] and plain[4:] == cmd[5:]
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/infra/lmeval_launcher.py: RULER's generators asked for --limit samples
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def launcher():
+    from benchmarks.infra import lmeval_launcher as module  # standard library only at import
+
+    return module
+
+
+def test_capped_generator_takes_the_smaller_count_passed_or_defaulted(launcher):
+    def generate(tokenizer, *, max_seq_length, num_samples=500, seed=0):
+        return [(tokenizer, max_seq_length, seed, i) for i in range(num_samples)]
+
+    three = launcher.capped(generate, 3)
+    assert three("tok", max_seq_length=64) == generate("tok", max_seq_length=64, num_samples=3)  # default 500
+    assert len(three("tok", max_seq_length=64, num_samples=500)) == 3  # a literal, as niah_utils passes
+    assert len(three("tok", max_seq_length=64, num_samples=1)) == 1  # vt_utils' one in-context example
+    assert three("tok", max_seq_length=8, seed=5) == [("tok", 8, 5, i) for i in range(3)]
+
+    def positional(num_samples, max_seq_length):
+        return list(range(num_samples))
+
+    assert launcher.capped(positional, 2)(500, 64) == [0, 1]  # cwe_utils' parameter order
+    with pytest.raises(SystemExit, match="takes no num_samples"):
+        launcher.capped(lambda tokenizer, n: [], 3)
+
+
+def test_launcher_refuses_another_lmeval_version(launcher):
+    launcher.check_version("0.4.13")
+    with pytest.raises(SystemExit, match="lm-eval 0.4.14 found.*--all-samples"):
+        launcher.check_version("0.4.14")
+
+
+def _lmeval_python() -> str | None:
+    """An interpreter with lm-eval: this one, else ruler.py's default ($LMEVAL_PYTHON, else
+    .venv-lmeval/bin/python)."""
+    import importlib.util
+    import os
+    import sys
+
+    if importlib.util.find_spec("lm_eval") is not None:
+        return sys.executable
+    from benchmarks.ruler import REPO
+
+    python = os.environ.get("LMEVAL_PYTHON", str(REPO / ".venv-lmeval" / "bin" / "python"))
+    return python if pathlib.Path(python).exists() else None
+
+
+# Run in the lm-eval interpreter, once as it is and once with the launcher's wrapping (samples > 0),
+# each in a fresh process as lm-eval runs (cwe_utils keeps a random.Random of its own from import):
+# each task's dataset function as lm-eval's YAML loader resolves it, called as lm-eval calls it
+# (the task's metadata: lengths and tokenizer) from the same random state. Prints the prompts.
+_LMEVAL_CHECK = """
+import json, random, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import lmeval_launcher
+from lm_eval.tasks._yaml_loader import load_yaml
+
+samples, tokenizer, tasks = int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+checked = []
+if samples:
+    lmeval_launcher.cap_generators(samples)
+    checked = lmeval_launcher.verify(samples)
+yaml_of = {load_yaml(p, resolve_func=False).get("task"): p for p in lmeval_launcher.ruler_dir().glob("*.yaml")
+           if p.name != "ruler.yaml"}  # the group file
+prompts = {}
+for task in tasks:
+    random.seed(0)
+    np.random.seed(0)
+    dataset = load_yaml(yaml_of[task], resolve_func=True)["custom_dataset"](
+        max_seq_lengths=[1024], tokenizer=tokenizer)["test"]
+    prompts[task] = [row["input"] for row in dataset]
+print("RESULT " + json.dumps({"checked": checked, "prompts": prompts}))
+"""
+
+
+@pytest.mark.slow
+def test_launcher_caps_lmeval_ruler_datasets_to_the_first_samples(launcher, tmp_path):
+    """Against lm-eval itself (skipped where no interpreter has it): every RULER task YAML resolves
+    to a capped generator, and the offline tasks give ``samples`` prompts, the first ``samples``
+    of the 500 that lm-eval as it is builds from the same random state."""
+    import os
+    import subprocess
+
+    from vllm_sparse_tools import assets
+
+    python = _lmeval_python()
+    if python is None:
+        pytest.skip("no lm-eval here nor at $LMEVAL_PYTHON / .venv-lmeval (pip install lm-eval==0.4.13 wonderwords)")
+    tokenizer = assets.cache_root() / assets.SMOLLM2_DIR
+    if not (tokenizer / "tokenizer.json").exists():
+        pytest.skip("SmolLM2's tokenizer not in the cache (python -m vllm_sparse_tools.assets)")
+    tasks = ["niah_single_1", "niah_multikey_2", "ruler_vt", "ruler_cwe", "ruler_fwe"]
+    script = tmp_path / "check.py"
+    script.write_text(_LMEVAL_CHECK)
+
+    def run(samples: int) -> dict:
+        out = subprocess.run([python, str(script), str(pathlib.Path(launcher.__file__).parent), str(samples),
+                              str(tokenizer), *tasks], capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        assert out.returncode == 0 and lines, out.stderr[-3000:]
+        return json.loads(lines[-1][len("RESULT "):])
+
+    as_is, capped = run(0), run(3)
+    assert set(capped["checked"]) >= {"niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_2",
+                                      "niah_multikey_3", "niah_multiquery", "niah_multivalue", "ruler_vt",
+                                      "ruler_cwe", "ruler_fwe", "ruler_qa_squad", "ruler_qa_hotpot"}
+    assert {task: len(p) for task, p in as_is["prompts"].items()} == {task: 500 for task in tasks}
+    assert {task: len(p) for task, p in capped["prompts"].items()} == {task: 3 for task in tasks}
+    for task in tasks:
+        assert capped["prompts"][task] == as_is["prompts"][task][:3], task
 
 
 # ---------------------------------------------------------------------------------------------
