@@ -53,7 +53,8 @@ same weights serve every variant. ``none`` keeps vLLM's dummy weights.
 Real weights (``--model-dir DIR``, with ``--structure none``): the model folder is loaded as it
 is (weights and config; prompts are random token ids, or with ``--prompt-text FILE`` consecutive
 token ids of that text, tokenized once before any engine starts so that no timed request includes
-tokenization), ``--yarn FACTOR`` serving
+tokenization; with ``--server`` too, whose server then loads the weights and gets the same token
+ids), ``--yarn FACTOR`` serving
 it through a YaRN copy of its config (``vllm_sparse_tools.evaluation.accuracy.yarn_model_dir``) for contexts
 past its trained length.
 
@@ -355,18 +356,26 @@ def worker(args) -> None:
         emit("stats", **json.loads(Path(stats_file).read_text()))
 
 
+def server_command(args, port: int) -> list[str]:
+    """``vllm serve`` for one variant: token-id prompts only (no tokenizer, so no request's time
+    includes tokenization), the model's weights with ``--model-dir``, else dummy ones."""
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model,
+            "--load-format", "auto" if args.model_dir else "dummy",
+            "--skip-tokenizer-init", "--dtype", "bfloat16", "--attention-backend", args.backend,
+            "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.chunk),
+            "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port),
+            "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype] + \
+        ([] if args.cudagraphs else ["--enforce-eager"])
+
+
 def server_worker(args, env) -> list[dict]:
     """Start the HTTP server for one variant, plant the band if asked, stream each prompt: time to
     the first token, and the greedy tokens of the length's first request."""
     import urllib.request
 
     port = 8000 + random.randrange(1000)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
-           "--skip-tokenizer-init", "--dtype", "bfloat16", "--attention-backend", args.backend,
-           "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.chunk),
-           "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.85", "--port", str(port),
-           "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-cache-dtype", args.kv_cache_dtype] + \
-          ([] if args.cudagraphs else ["--enforce-eager"])
+    cmd = server_command(args, port)
+    text_ids = json.loads(Path(args.prompt_ids_file).read_text()) if args.prompt_ids_file else None
     if args.structure == "band":
         cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # serves /collective_rpc
@@ -397,7 +406,7 @@ def server_worker(args, env) -> list[dict]:
         for n in args.lengths:
             best = first = tokens = None
             for _ in range(args.repeats):
-                body = {"model": args.model, "prompt": prompt_ids_of(n, n), "max_tokens": 4, "temperature": 0,
+                body = {"model": args.model, "prompt": prompt_ids_of(n, n, text_ids), "max_tokens": 4, "temperature": 0,
                         "stream": True, "ignore_eos": True, "return_token_ids": True}
                 got: list[int] = []
                 t = time.perf_counter()
@@ -506,8 +515,8 @@ def main() -> None:
     specs = decode_specs(args)  # checks the two lists fit together
     args.max_len = max(args.max_model_len, max([max(args.lengths)] + [n for _, n in specs]) + 128)
     if args.model_dir:
-        if args.structure != "none" or args.server:
-            raise SystemExit("--model-dir takes --structure none (its weights are the model's) and the offline engine")
+        if args.structure != "none":
+            raise SystemExit("--model-dir takes --structure none (its weights are the model's)")
         args.model = args.model_dir
         if args.yarn:
             from vllm_sparse_tools.evaluation.accuracy import yarn_model_dir

@@ -1,13 +1,15 @@
-"""benchmarks.e2e's prompts: random ids, or consecutive token ids of a text (--prompt-text)."""
+"""benchmarks.e2e's prompts (random ids, or consecutive token ids of a text: --prompt-text) and its
+server command (real weights with --model-dir, dummy ones otherwise; token ids, no tokenizer)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks.e2e import prompt_ids_of, tokenize_text
+from benchmarks.e2e import prompt_ids_of, server_command, tokenize_text
 
 
 def test_text_prompts_are_consecutive_ids_from_a_seeded_offset_wrapping_around():
@@ -36,3 +38,19 @@ def test_tokenize_text_matches_the_models_tokenizer(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     assert ids == tok.encode(text.read_text(), add_special_tokens=False)
     assert tok.decode(prompt_ids_of(len(ids), 0, ids)) == text.read_text()  # offset 0: the text itself
+
+
+def _server_args(**kw):
+    base = dict(model="/m", model_dir=None, backend="FLASH_ATTN", max_len=4096, chunk=2048, tensor_parallel_size=1,
+                kv_cache_dtype="auto", cudagraphs=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_server_loads_the_model_weights_only_with_model_dir():
+    def load_format(cmd):
+        return cmd[cmd.index("--load-format") + 1]
+
+    assert load_format(server_command(_server_args(), 8000)) == "dummy"
+    real = server_command(_server_args(model_dir="/m", model="/tmp/yarn/m"), 8000)
+    assert load_format(real) == "auto" and "/tmp/yarn/m" in real
+    assert "--skip-tokenizer-init" in real and "--enforce-eager" in real  # token ids in, no tokenization timed
