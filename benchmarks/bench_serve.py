@@ -45,8 +45,8 @@ if not __package__:
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation.inputs import (MODELS, model_and_variants, result_paths,  # noqa: E402
-                                                 short_model_name)
+from vllm_sparse_tools.evaluation.inputs import (add_model_and_variants_arguments, model_and_variants,  # noqa: E402
+                                                 result_paths, short_model_name)
 
 from . import load  # noqa: E402  (its servers: the same flags as the load test)
 
@@ -164,11 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the running server is stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"{', '.join(MODELS)}, or a model folder")
-    p.add_argument("--variants", nargs="+", default=["dense", "default"],
-                   help="dense, presets or LABEL=FIELD=VALUE[,...] (benchmarks/accuracy.py's); the first is "
-                        "the reference of the speedups")
-    p.add_argument("--head-config-dir", default=str(REPO / "head_configs"))
+    add_model_and_variants_arguments(
+        p, "dense, presets or LABEL=FIELD=VALUE[,...] (benchmarks/accuracy.py's); the first is the reference of "
+           "the speedups", REPO / "head_configs")
     p.add_argument("--input-lens", nargs="+", type=int, default=[1024], help="--random-input-len values")
     p.add_argument("--output-len", type=int, default=16, help="--random-output-len")
     p.add_argument("--num-prompts", nargs="+", type=int, default=[1, 4], help="one run per value")

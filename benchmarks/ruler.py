@@ -59,8 +59,8 @@ if not __package__:
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation.inputs import (MODELS, model_and_variants, result_paths,  # noqa: E402
-                                                 short_model_name)
+from vllm_sparse_tools.evaluation.inputs import (add_model_and_variants_arguments, model_and_variants,  # noqa: E402
+                                                 result_paths, short_model_name)
 from vllm_sparse_tools.evaluation.intervals import mean_interval, paired_difference  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -338,12 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the running server is stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help=f"{', '.join(MODELS)}, or a model folder")
-    p.add_argument("--variants", nargs="+", default=["dense", "default"],
-                   help="presets or LABEL=FIELD=VALUE[,FIELD=VALUE...] as in benchmarks/accuracy.py; the "
-                        "first is the reference of the paired differences. Sparse servers keep the library's "
-                        "gating unless a variant sets min_sparse_query_len / max_density")
-    p.add_argument("--head-config-dir", default=str(REPO / "head_configs"))
+    add_model_and_variants_arguments(
+        p, "presets or LABEL=FIELD=VALUE[,FIELD=VALUE...] as in benchmarks/accuracy.py; the first is the reference "
+           "of the paired differences. Sparse servers keep the library's gating unless a variant sets "
+           "min_sparse_query_len / max_density", REPO / "head_configs")
     p.add_argument("--tasks", nargs="+", default=OFFLINE_TASKS, help="lm-eval task names")
     p.add_argument("--lengths", nargs="+", type=int, default=[4096],
                    help="RULER lengths in tokens (lm-eval's max_seq_lengths), one lm-eval run each")

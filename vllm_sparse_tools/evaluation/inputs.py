@@ -126,6 +126,15 @@ def result_paths(out: str | None, default: str | pathlib.Path) -> tuple[pathlib.
     return path.with_name(path.name + ".json"), path.with_name(path.name + ".txt")
 
 
+def add_model_and_variants_arguments(parser: argparse.ArgumentParser, variants_help: str,
+                                     head_config_dir: str | pathlib.Path) -> None:
+    """--model, --variants (default: dense and the library defaults) and --head-config-dir, read
+    back by :func:`model_and_variants`: the servers' benchmarks (ruler, bench_serve)."""
+    parser.add_argument("--model", default="smollm2", help=f"{', '.join(MODELS)}, or a model folder")
+    parser.add_argument("--variants", nargs="+", default=["dense", "default"], help=variants_help)
+    parser.add_argument("--head-config-dir", default=str(head_config_dir))
+
+
 def model_and_variants(parser: argparse.ArgumentParser, args: argparse.Namespace
                        ) -> tuple[pathlib.Path, str, list[Variant]]:
     """``args.model`` resolved and ``args.variants`` parsed as given (no ``searched`` added);
