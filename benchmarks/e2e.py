@@ -229,6 +229,11 @@ def tokenize_text(model_dir: str, text_path: str, out_dir: str) -> str:
     return str(out)
 
 
+def prompt_text_ids(args) -> list[int] | None:
+    """The ``--prompt-text`` token ids :func:`tokenize_text` wrote, or None (random prompts)."""
+    return json.loads(Path(args.prompt_ids_file).read_text()) if args.prompt_ids_file else None
+
+
 def emit(kind: str, **rec) -> None:
     print("RESULT " + json.dumps({"kind": kind, **rec}), flush=True)
 
@@ -255,7 +260,7 @@ def worker(args) -> None:
     if args.structure == "band":
         emit("structure", workers=llm.collective_rpc("plant_band"))
     greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)  # noqa: E731
-    text_ids = json.loads(Path(args.prompt_ids_file).read_text()) if args.prompt_ids_file else None
+    text_ids = prompt_text_ids(args)
     prompt_ids = functools.partial(prompt_ids_of, text_ids=text_ids)
 
     salts = itertools.count()
@@ -375,7 +380,7 @@ def server_worker(args, env) -> list[dict]:
 
     port = 8000 + random.randrange(1000)
     cmd = server_command(args, port)
-    text_ids = json.loads(Path(args.prompt_ids_file).read_text()) if args.prompt_ids_file else None
+    text_ids = prompt_text_ids(args)
     if args.structure == "band":
         cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # serves /collective_rpc
