@@ -115,6 +115,18 @@ def density_of_run(before: dict | None, after: dict | None) -> float | None:
     return acc.stats_delta(after, before, "computed_pairs") / causal if causal else None
 
 
+def missing_cells(runs: Sequence[dict], label: str, input_lens: Sequence[int],
+                  num_prompts: Sequence[int]) -> list[tuple[int, int]]:
+    """The (input length, prompts) cells of the grid that ``runs`` holds no run of for ``label``."""
+    done = {(r["input_len"], r["num_prompts"]) for r in runs if r["variant"] == label}
+    return [(i, n) for i in input_lens for n in num_prompts if (i, n) not in done]
+
+
+def cell_index(input_lens: Sequence[int], num_prompts: Sequence[int], input_len: int, n: int) -> int:
+    """The cell's place in the grid, lengths outer, prompt counts inner (the order runs go in)."""
+    return list(input_lens).index(input_len) * len(num_prompts) + list(num_prompts).index(n)
+
+
 def format_table(runs: Sequence[dict], labels: Sequence[str]) -> str:
     """Per (input length, prompts): each variant's TTFT p50 / p99 (ms), requests/s and total
     tokens/s, and after the first its p50 speedup (first's p50 / its p50)."""
@@ -189,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
                                  "bench_serve_<device>_<model>_<date>)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the variants already in <out>.json (same lengths, prompts and server flags) and "
-                        "run the others: one variant per command")
+                   help="keep the runs already in <out>.json (same lengths, prompts and server flags) and "
+                        "run the missing (variant, input, prompts) cells, so a command stopped part-way goes on "
+                        "where it stopped")
     args = p.parse_args(argv)
     model_dir, model_name, variants = model_and_variants(p, args)
     labels = [v.label for v in variants]
@@ -230,12 +243,14 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
         runs = old["runs"]
         earlier = list(dict.fromkeys(r["variant"] for r in runs))
-        variants = [v for v in variants if v.label not in earlier]
-        labels = earlier + [v.label for v in variants]
+        variants = [v for v in variants if missing_cells(runs, v.label, args.input_lens, args.num_prompts)]
+        labels = list(dict.fromkeys(earlier + [v.label for v in variants]))
         meta["variants"] = {**{k: old["meta"]["variants"][k] for k in earlier},
                             **{v.label: v.overrides for v in variants}}
         meta["command"] = old["meta"]["command"] + "\n$ " + meta["command"]
-        print(f"resuming {out_json}: {', '.join(earlier)} kept", flush=True)
+        print(f"resuming {out_json}: {len(runs)} runs kept; to run: "
+              + (", ".join(f"{v.label} ({len(missing_cells(runs, v.label, args.input_lens, args.num_prompts))} runs)"
+                           for v in variants) or "nothing"), flush=True)
 
     def save() -> None:
         table = format_table(runs, labels)
@@ -264,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ready = wait_ready(target.handle, args.start_timeout)
             print(f"[{v.label}] ready in {ready:.0f} s ({target.log_path})", flush=True)
-            seed = args.seed
+            to_run = missing_cells(runs, v.label, args.input_lens, args.num_prompts)
             for input_len in args.input_lens:
+                if not any(cell[0] == input_len for cell in to_run):
+                    continue
                 common = dict(url=target.url, model=load.SERVED_MODEL_NAME, tokenizer=str(served_dir),
                               input_len=input_len, output_len=args.output_len, result_dir=folder,
                               max_concurrency=args.max_concurrency, request_rate=args.request_rate,
@@ -275,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                                      result_name="warmup.json", **common)
                 run_client(warm, folder / "warmup.json", folder / f"warmup-{input_len}.log", args.run_timeout)
                 for n in args.num_prompts:
+                    if (input_len, n) not in to_run:
+                        continue
+                    # the seed of a cell is its place in the grid: a resumed run sends the same prompts
+                    seed = args.seed + cell_index(args.input_lens, args.num_prompts, input_len, n)
                     name = f"run-{input_len}-{n}"
                     before = None
                     if target.stats_path:
@@ -290,7 +311,6 @@ def main(argv: list[str] | None = None) -> int:
                                  "density": density, **numbers})
                     print(f"[{v.label}] input {input_len}, {n} prompts: ttft p50 {numbers['p50_ttft_ms']} ms, "
                           f"p99 {numbers['p99_ttft_ms']} ms, {numbers['request_throughput']} req/s", flush=True)
-                    seed += 1
                     save()
         except (ServerError, OSError, subprocess.TimeoutExpired) as e:
             first = target.handle.first_error(context=12)

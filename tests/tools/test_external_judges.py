@@ -351,6 +351,18 @@ def test_density_of_a_run_is_the_counters_growth(bench):
     assert bench.density_of_run(None, None) is None
 
 
+def test_resume_runs_only_the_missing_cells_with_their_own_seeds(bench):
+    # a command stopped after default's 32K runs: dense is complete, default misses its 130K cells
+    runs = [{"variant": "dense", "input_len": i, "num_prompts": n} for i in (32000, 130000) for n in (1, 4)]
+    runs += [{"variant": "default", "input_len": 32000, "num_prompts": n} for n in (1, 4)]
+    assert bench.missing_cells(runs, "dense", [32000, 130000], [1, 4]) == []
+    assert bench.missing_cells(runs, "default", [32000, 130000], [1, 4]) == [(130000, 1), (130000, 4)]
+    assert bench.missing_cells(runs, "other", [32000], [1]) == [(32000, 1)]
+    # seeds follow the grid, so a resumed cell sends the prompts a whole run would have sent
+    seeds = [bench.cell_index([32000, 130000], [1, 4], i, n) for i in (32000, 130000) for n in (1, 4)]
+    assert seeds == [0, 1, 2, 3]
+
+
 def test_bench_command_is_greedy_fixed_length_and_saves(bench, tmp_path):
     cmd = bench.bench_command(url="http://h:1", model="m", tokenizer="/t", input_len=32000, output_len=16,
                               num_prompts=4, seed=3, result_dir=tmp_path, result_name="r.json", max_concurrency=2)
