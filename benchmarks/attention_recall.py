@@ -107,8 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-densities", nargs="*", type=float, default=[],
                    help="also the per-row block oracle at these densities: each sampled row keeps its own "
                         "blocks of most true mass (an upper bound for any key-block selection)")
+    p.add_argument("--oracle-groups", nargs="*", type=int, default=[],
+                   help="also the block oracle at --oracle-densities with one key-block list per group of "
+                        "this many consecutive positions x the query heads of a KV head (64: the kernel's "
+                        "tiles; fewer: tiles that pack a KV group's heads at fewer positions); rows are "
+                        "then sampled in aligned runs of the largest group (--tail-rows unused)")
     p.add_argument("--out", help="output path without extension")
     args = p.parse_args(argv)
+    if args.oracle_groups and not args.oracle_densities:
+        p.error("--oracle-groups needs --oracle-densities")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -149,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"pass --yarn (e.g. 4) for the rope scaling it is served with", flush=True)
         checker = ac.LayerChecker(variants, rows=args.rows, seed=args.seed, base_settings=base,
                                   tile=args.tile, chunk=args.chunk, gating=args.gating,
-                                  tail=args.tail_rows, oracle_densities=args.oracle_densities)
+                                  tail=args.tail_rows, oracle_densities=args.oracle_densities,
+                                  oracle_groups=args.oracle_groups)
         t0 = time.monotonic()
 
         def on_layer(layer, q, k, v, scale, o):

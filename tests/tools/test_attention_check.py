@@ -436,3 +436,43 @@ def test_capture_model_is_the_stock_model_and_gets_no_mask(tmp_path, monkeypatch
     assert len(calls) == 2
     for a, b in zip(ref, got):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_sample_runs_are_whole_aligned_runs():
+    rows = ac.sample_runs(1000, 64, 16, seed=3)
+    assert rows.numel() == 64 and torch.equal(rows, rows.sort().values)
+    starts = rows.view(4, 16)[:, 0]
+    assert (starts % 16 == 0).all()
+    assert torch.equal(rows.view(4, 16) - starts[:, None], torch.arange(16).expand(4, 16))
+
+
+def test_group_oracle_shares_one_list_per_kv_head_and_run():
+    """The grouped oracle against float64 brute force: each (KV head, run of g positions) keeps the
+    ceil(d x causal blocks of the run's last row) key blocks of most mass summed over the run's rows
+    and the KV head's query heads; one position per group and one query head per KV head is the
+    per-row oracle; a group cannot keep more than the per-row oracle."""
+    q, k, v = _qkv(7)
+    b, d, g = 32, 0.3, 8
+    checker = ac.LayerChecker([parse_variant("bs=default_pattern=block_sparse,topk_blocks=3")], rows=64,
+                              base_settings=dict(block_size=b), oracle_densities=[d], oracle_block_size=b,
+                              oracle_groups=[1, g], tile=32)
+    _, row_oracle, per_position, grouped = checker(0, q, k, v, SCALE)
+    assert (per_position.variant, grouped.variant) == (ac.group_oracle_label(d, 1), ac.group_oracle_label(d, g))
+    rows = ac.sample_runs(N, 64, g, seed=0)
+    kvh = torch.arange(H) // (H // HKV)
+    sc = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * SCALE
+    p = torch.softmax(sc.masked_fill(~causal_mask(H, N, 0), float("-inf")), -1)
+    nkb = -(-N // b)
+    mass = torch.stack([p[:, :, j * b:(j + 1) * b].sum(-1) for j in range(nkb)], -1)  # [H, N, NKB]
+    recall = []
+    for run in rows.view(-1, g).tolist():
+        n_keep = -(-int(d * 1e6) * (run[-1] // b + 1) // int(1e6))
+        for j in range(HKV):
+            heads = (kvh == j).nonzero().flatten()
+            shared = mass[heads][:, run].sum((0, 1))  # [NKB]
+            keep = shared.argsort(descending=True)[:n_keep]
+            recall.append(mass[heads][:, run][..., keep].sum(-1).flatten())
+    assert grouped.recall == pytest.approx(float(torch.cat(recall).mean()), abs=1e-5)
+    assert row_oracle.recall >= per_position.recall - 1e-9 >= grouped.recall - 1e-9
+    with pytest.raises(ValueError, match="must divide"):
+        ac.LayerChecker([], oracle_densities=[d], oracle_groups=[3, 8], tile=32)

@@ -71,6 +71,16 @@ def score_rows(n: int, count: int, seed: int = 0, tail: int = 0) -> torch.Tensor
     return torch.cat([head, torch.arange(n - tail, n)]).unique()
 
 
+def sample_runs(n: int, count: int, run: int, seed: int = 0) -> torch.Tensor:
+    """About ``count`` query positions out of ``n`` in whole runs of ``run`` consecutive positions,
+    each run starting at a multiple of ``run`` (the aligned runs stratified as in
+    :func:`sample_rows`), so that every group of a grouped oracle is measured whole. Sorted,
+    int64, CPU; all positions of the whole runs when they are fewer than asked."""
+    runs = n // run
+    starts = sample_rows(runs, max(1, count // run), seed) * run
+    return (starts[:, None] + torch.arange(run)[None, :]).flatten()
+
+
 def allowed_keys(index: SparseIndex, rows: torch.Tensor, kv_len: int, ctx_len: int = 0,
                  causal: bool = True) -> torch.Tensor:
     """bool [H, len(rows), kv_len]: the keys the index lets each given query row use (rows are
@@ -146,17 +156,47 @@ def oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, density: fl
     return keep.repeat_interleave(b, dim=-1)[..., :n]
 
 
+def group_oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, density: float, block_size: int,
+                            group_rows: int, kv_heads: torch.Tensor) -> torch.Tensor:
+    """:func:`oracle_block_mask` with one key-block list per group: the query heads of one KV
+    head (``kv_heads`` [H], each head's KV head) at the positions ``rows // group_rows`` has in
+    common. The group keeps the ``ceil(density x causal blocks of its last row)`` blocks of most
+    true mass summed over its rows and heads, the best a kernel whose tiles share one list over
+    such a group could select (64-position tiles of a KV group: what the backend runs)."""
+    h, t, n = p.shape
+    b = block_size
+    nkb = num_blocks(n, b)
+    mass = torch.nn.functional.pad(p, (0, nkb * b - n)).view(h, t, nkb, b).sum(-1, dtype=torch.float64)
+    kv_heads = kv_heads.to(p.device)
+    hkv = int(kv_heads.max()) + 1
+    group_of_row = torch.unique_consecutive(rows // group_rows, return_inverse=True)[1]  # [T]
+    groups = int(group_of_row.max()) + 1
+    group_mass = torch.zeros(hkv, groups, nkb, dtype=torch.float64, device=p.device)
+    group_mass.index_put_((kv_heads[:, None].expand(h, t), group_of_row[None, :].expand(h, t)), mass,
+                          accumulate=True)
+    last_row = torch.zeros(groups, dtype=torch.long, device=p.device).scatter_reduce_(
+        0, group_of_row, rows.to(p.device), reduce="amax")
+    keep_n = torch.ceil(density * ((last_row + ctx) // b + 1).double() - 1e-9).long().clamp(min=1)
+    order = group_mass.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(nkb, device=p.device).expand_as(order))
+    keep = ranks < keep_n[None, :, None]  # [Hkv, groups, NKB]
+    return keep[kv_heads][:, group_of_row].repeat_interleave(b, dim=-1)[..., :n]
+
+
 def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     indices: Sequence[SparseIndex], rows: torch.Tensor, tile: int = 64,
                     reference_out: torch.Tensor | None = None, oracle_densities: Sequence[float] = (),
-                    block_size: int = 64) -> tuple[list[SelectionStats], float]:
+                    block_size: int = 64, group_oracles: Sequence[tuple[float, int]] = ()
+                    ) -> tuple[list[SelectionStats], float]:
     """Recall and output error of several indices of one row of one layer: q [q_len, H, D] (the
     row's queries, at positions ``kv_len - q_len ..``), k/v [kv_len, Hkv, D] (a pure prefill
     when kv_len == q_len). ``rows``: positions within the row's queries.
 
     Scores are float32, a tile of ``tile`` rows against all keys at a time, sums float64; the
     results (per-head tensors) are on q's device. Returns one :class:`SelectionStats` per index,
-    then one per ``oracle_densities`` entry (:func:`oracle_block_mask` at ``block_size``), and,
+    then one per ``oracle_densities`` entry (:func:`oracle_block_mask` at ``block_size``), then
+    one per ``group_oracles`` (density, rows per group) pair (:func:`group_oracle_block_mask`;
+    a group's rows must fall in one tile of ``tile`` rows), and,
     when ``reference_out`` ([q_len, H, Dv], e.g. the model's own attention output) is given,
     the largest relative difference between it and the dense output computed here on the sampled
     rows (a check of the capture itself).
@@ -175,7 +215,7 @@ def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         return torch.zeros(h, dtype=torch.float64, device=device)
 
     stats = [SelectionStats(zeros(), zeros(), zeros(), int(rows.numel()))
-             for _ in range(len(indices) + len(oracle_densities))]
+             for _ in range(len(indices) + len(oracle_densities) + len(group_oracles))]
     ref_diff = torch.zeros((), dtype=torch.float64, device=device)
     for t0 in range(0, rows.numel(), tile):
         rr = rows[t0:t0 + tile]
@@ -190,6 +230,8 @@ def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             ref_diff = torch.maximum(ref_diff, (ref - dense).norm() / dense.norm().clamp_min(1e-30))
         masks = [lambda index=index: allowed_keys(index, rr, n, ctx, causal=False) for index in indices]
         masks += [lambda d=d: oracle_block_mask(p, rr, ctx, d, block_size) for d in oracle_densities]
+        masks += [lambda d=d, g=g: group_oracle_block_mask(p, rr, ctx, d, block_size, g, kvh)
+                  for d, g in group_oracles]
         for st, mask in zip(stats, masks):
             pm = p * mask()  # p is 0 past each query already
             kept = pm.sum(-1, dtype=torch.float64)  # [H, T]
@@ -251,6 +293,11 @@ class LayerResult:
     dense_chunks: dict[str, int] = field(default_factory=dict)  # chunks run dense, per reason (gating)
 
 
+def group_oracle_label(density: float, group_rows: int) -> str:
+    """Result label of the grouped block oracle (:func:`group_oracle_block_mask`)."""
+    return f"group-oracle@{density:g}/{group_rows}q"
+
+
 def oracle_label(density: float) -> str:
     """Result label of the per-row block oracle at ``density`` (:func:`oracle_block_mask`)."""
     return f"row-oracle@{density:g}"
@@ -275,7 +322,7 @@ class LayerChecker:
                  base_settings: dict[str, Any] | None = None, tile: int = 64, *, chunk: int = 0,
                  gating: bool = False, tail: int = 0,
                  head_files: dict[str, HeadConfigFile] | None = None, oracle_densities: Sequence[float] = (),
-                 oracle_block_size: int = 64):
+                 oracle_block_size: int = 64, oracle_groups: Sequence[int] = ()):
         self.variants = [v for v in variants if not v.dense]
         self.settings = {v.label: v.settings(**(base_settings or {})) for v in self.variants}
         self.head_files = {label: load_head_config(s.head_config)
@@ -284,6 +331,12 @@ class LayerChecker:
         self.rows, self.seed, self.tile, self.tail = rows, seed, tile, tail
         self.chunk, self.gating = chunk, gating
         self.oracle_densities, self.oracle_block_size = tuple(oracle_densities), oracle_block_size
+        # grouped oracles: rows sampled in runs of the largest group, each run one tile
+        self.group_oracles = tuple((d, g) for g in oracle_groups for d in oracle_densities)
+        self.run = max(oracle_groups, default=1)
+        if self.run > 1 and (tile % self.run or any(self.run % g for g in oracle_groups)):
+            raise ValueError(f"oracle groups {list(oracle_groups)} must divide the largest, which must divide "
+                             f"the tile ({tile} rows)")
         self.results: list[LayerResult] = []
         self.capture_diff = 0.0  # largest relative difference, our dense vs the model's output
 
@@ -307,10 +360,14 @@ class LayerChecker:
         n, h, _ = q.shape
         step = self.chunk if self.chunk and self.chunk < n else n
         bounds = [(c0, min(n, c0 + step)) for c0 in range(0, n, step)]
-        rows = score_rows(n, self.rows, self.seed + layer, self.tail).to(q.device)
+        if self.run > 1:  # whole runs, aligned with the chunks when the chunk is a multiple of the run
+            rows = sample_runs(n, self.rows, self.run, self.seed + layer).to(q.device)
+        else:
+            rows = score_rows(n, self.rows, self.seed + layer, self.tail).to(q.device)
         heads = {var.label: layer_heads(self.head_files.get(var.label), self.settings[var.label], layer, h)
                  for var in self.variants}
-        total: list[SelectionStats | None] = [None] * (len(self.variants) + len(self.oracle_densities))
+        total: list[SelectionStats | None] = [None] * (len(self.variants) + len(self.oracle_densities)
+                                                       + len(self.group_oracles))
         pairs = [0] * len(self.variants)
         tiles = [0] * len(self.variants)
         causal_t = [0] * len(self.variants)
@@ -331,7 +388,7 @@ class LayerChecker:
             rr = rows[(rows >= c0) & (rows < c1)] - c0
             out_c = None if model_out is None else model_out[c0:c1]
             stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c, self.oracle_densities,
-                                          self.oracle_block_size)
+                                          self.oracle_block_size, self.group_oracles)
             self.capture_diff = max(self.capture_diff, diff)
             for i, st in enumerate(stats):  # the variants' indices, then the oracles
                 if total[i] is None:
@@ -348,9 +405,12 @@ class LayerChecker:
                                    st.error, float(st.error_per_head.max()), patterns[i],
                                    tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
                                    len(bounds), reasons[i]))
-        for d, st in zip(self.oracle_densities, total[len(self.variants):]):
-            # density: the nominal share (each row keeps ceil(d x its causal blocks) blocks)
-            out.append(LayerResult(layer, oracle_label(d), d, float(st.recall_per_head.mean()),
+        labels = [oracle_label(d) for d in self.oracle_densities]
+        labels += [group_oracle_label(d, g) for d, g in self.group_oracles]
+        for (label, d), st in zip(zip(labels, self.oracle_densities + tuple(d for d, _ in self.group_oracles)),
+                                  total[len(self.variants):]):
+            # density: the nominal share (each row or group keeps ceil(d x its causal blocks) blocks)
+            out.append(LayerResult(layer, label, d, float(st.recall_per_head.mean()),
                                    float(st.recall_per_head.min()), st.error, float(st.error_per_head.max()),
                                    {}, d, 1, len(bounds)))
         self.results.extend(out)
