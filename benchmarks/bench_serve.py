@@ -243,14 +243,14 @@ def main(argv: list[str] | None = None) -> int:
                 p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
         runs = old["runs"]
         earlier = list(dict.fromkeys(r["variant"] for r in runs))
-        variants = [v for v in variants if missing_cells(runs, v.label, args.input_lens, args.num_prompts)]
+        todo = {v.label: missing_cells(runs, v.label, args.input_lens, args.num_prompts) for v in variants}
+        variants = [v for v in variants if todo[v.label]]
         labels = list(dict.fromkeys(earlier + [v.label for v in variants]))
         meta["variants"] = {**{k: old["meta"]["variants"][k] for k in earlier},
                             **{v.label: v.overrides for v in variants}}
         meta["command"] = old["meta"]["command"] + "\n$ " + meta["command"]
         print(f"resuming {out_json}: {len(runs)} runs kept; to run: "
-              + (", ".join(f"{v.label} ({len(missing_cells(runs, v.label, args.input_lens, args.num_prompts))} runs)"
-                           for v in variants) or "nothing"), flush=True)
+              + (", ".join(f"{v.label} ({len(todo[v.label])} runs)" for v in variants) or "nothing"), flush=True)
 
     def save() -> None:
         table = format_table(runs, labels)

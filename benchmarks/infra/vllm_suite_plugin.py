@@ -25,8 +25,9 @@ At the end the terminal summary says what was changed and what the sparse path d
 process (the backend's statistics: rows computed sparse, rows sent back to FlashAttention and
 why). ``--sparse-backend-require-sparse`` fails the session when no row ran the sparse path
 (rows that skipped keys, or rows at density 1, which the statistics count as dense under
-:data:`EVERY_KEY_REASON`) or the sparse path raised (its error boundary sends such rows to FlashAttention, which would hide the failure):
-the density-1 run's check that the suite exercised the sparse kernels at all.
+:data:`EVERY_KEY_REASON`) or the sparse path raised (its error boundary sends such rows to
+FlashAttention, which would hide the failure): the density-1 run's check that the suite
+exercised the sparse kernels at all.
 """
 
 from __future__ import annotations

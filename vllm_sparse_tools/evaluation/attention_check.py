@@ -137,23 +137,37 @@ class SelectionStats:
         self.rows += other.rows
 
 
+def _block_mass(p: torch.Tensor, block_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[..., n] softmax mass summed per key block of ``block_size``: [..., NKB] (``dtype``: the sum's)."""
+    n = p.shape[-1]
+    nkb = num_blocks(n, block_size)
+    return torch.nn.functional.pad(p, (0, nkb * block_size - n)).unflatten(-1, (nkb, block_size)).sum(-1, dtype=dtype)
+
+
+def _blocks_to_keep(density: float, last_rows: torch.Tensor, ctx: int, block_size: int) -> torch.Tensor:
+    """``ceil(density x causal key blocks)`` of each row or group ending at ``last_rows``, at least 1."""
+    causal_blocks = (last_rows + ctx) // block_size + 1
+    # (a hair under: 0.3 x 10 is 3.0000000000000004 in floating point, which must keep 3)
+    return torch.ceil(density * causal_blocks.double() - 1e-9).long().clamp(min=1)
+
+
+def _top_blocks(mass: torch.Tensor, keep_n: torch.Tensor) -> torch.Tensor:
+    """bool like ``mass`` [A, B, NKB]: each (a, b)'s ``keep_n[b]`` blocks of most mass (ties: the
+    earlier block)."""
+    nkb = mass.shape[-1]
+    order = mass.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(nkb, device=mass.device).expand_as(order))
+    return ranks < keep_n[None, :, None]
+
+
 def oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, density: float, block_size: int) -> torch.Tensor:
     """The best any key-block selection could keep at ``density``: bool [H, T, n], for each
     sampled row (positions ``rows`` within the chunk, keys before ``ctx`` are context) and head
     its own ``ceil(density x its causal key blocks)`` blocks of most true softmax mass ``p``
     [H, T, n]. A per-row choice: an upper bound for the kernel's selections, which give each
     query block (64 rows) one list."""
-    h, t, n = p.shape
-    b = block_size
-    nkb = num_blocks(n, b)
-    mass = torch.nn.functional.pad(p, (0, nkb * b - n)).view(h, t, nkb, b).sum(-1)  # [H, T, NKB]
-    causal_blocks = (rows + ctx) // b + 1  # [T]
-    # (a hair under: 0.3 x 10 is 3.0000000000000004 in floating point, which must keep 3)
-    keep_n = torch.ceil(density * causal_blocks.double() - 1e-9).long().clamp(min=1)
-    order = mass.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(nkb, device=p.device).expand_as(order))
-    keep = ranks < keep_n[None, :, None]
-    return keep.repeat_interleave(b, dim=-1)[..., :n]
+    keep = _top_blocks(_block_mass(p, block_size), _blocks_to_keep(density, rows, ctx, block_size))
+    return keep.repeat_interleave(block_size, dim=-1)[..., :p.shape[-1]]
 
 
 def group_oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, density: float, block_size: int,
@@ -164,23 +178,17 @@ def group_oracle_block_mask(p: torch.Tensor, rows: torch.Tensor, ctx: int, densi
     true mass summed over its rows and heads, the best a kernel whose tiles share one list over
     such a group could select (64-position tiles of a KV group: what the backend runs)."""
     h, t, n = p.shape
-    b = block_size
-    nkb = num_blocks(n, b)
-    mass = torch.nn.functional.pad(p, (0, nkb * b - n)).view(h, t, nkb, b).sum(-1, dtype=torch.float64)
+    mass = _block_mass(p, block_size, torch.float64)  # [H, T, NKB]
     kv_heads = kv_heads.to(p.device)
-    hkv = int(kv_heads.max()) + 1
     group_of_row = torch.unique_consecutive(rows // group_rows, return_inverse=True)[1]  # [T]
     groups = int(group_of_row.max()) + 1
-    group_mass = torch.zeros(hkv, groups, nkb, dtype=torch.float64, device=p.device)
+    group_mass = mass.new_zeros(int(kv_heads.max()) + 1, groups, mass.shape[-1])
     group_mass.index_put_((kv_heads[:, None].expand(h, t), group_of_row[None, :].expand(h, t)), mass,
                           accumulate=True)
     last_row = torch.zeros(groups, dtype=torch.long, device=p.device).scatter_reduce_(
         0, group_of_row, rows.to(p.device), reduce="amax")
-    keep_n = torch.ceil(density * ((last_row + ctx) // b + 1).double() - 1e-9).long().clamp(min=1)
-    order = group_mass.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(nkb, device=p.device).expand_as(order))
-    keep = ranks < keep_n[None, :, None]  # [Hkv, groups, NKB]
-    return keep[kv_heads][:, group_of_row].repeat_interleave(b, dim=-1)[..., :n]
+    keep = _top_blocks(group_mass, _blocks_to_keep(density, last_row, ctx, block_size))  # [Hkv, groups, NKB]
+    return keep[kv_heads][:, group_of_row].repeat_interleave(block_size, dim=-1)[..., :n]
 
 
 def selection_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -405,10 +413,9 @@ class LayerChecker:
                                    st.error, float(st.error_per_head.max()), patterns[i],
                                    tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
                                    len(bounds), reasons[i]))
-        labels = [oracle_label(d) for d in self.oracle_densities]
-        labels += [group_oracle_label(d, g) for d, g in self.group_oracles]
-        for (label, d), st in zip(zip(labels, self.oracle_densities + tuple(d for d, _ in self.group_oracles)),
-                                  total[len(self.variants):]):
+        oracles = [(oracle_label(d), d) for d in self.oracle_densities]
+        oracles += [(group_oracle_label(d, g), d) for d, g in self.group_oracles]
+        for (label, d), st in zip(oracles, total[len(self.variants):]):
             # density: the nominal share (each row or group keeps ceil(d x its causal blocks) blocks)
             out.append(LayerResult(layer, label, d, float(st.recall_per_head.mean()),
                                    float(st.recall_per_head.min()), st.error, float(st.error_per_head.max()),
