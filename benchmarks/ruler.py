@@ -364,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prefill chunk (default: the whole prompt on CPU, 16384 on CUDA)")
     p.add_argument("--kv-cache-dtype", default=None, help="vLLM's --kv-cache-dtype for every server")
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="CUDA: each server takes a fixed KV cache for two sequences instead of a share of the GPU's "
+                        "memory, so that two runs (e.g. one per variant) can share one GPU")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--request-timeout", type=float, default=3600, help="lm-eval's timeout per request")
     p.add_argument("--out", help="output path without extension (default: benchmarks/results/"
@@ -471,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.monotonic()
             server = acc.launch(model_dirs[rope], v, workdir=workdir, max_model_len=max_model_len,
                                 min_sparse_query_len=None, max_density=None, cuda=cuda, rope=rope,
-                                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype)
+                                max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_dtype=args.kv_cache_dtype,
+                                shared_gpu=args.shared_gpu)
             try:
                 ready = wait_ready(server.handle, args.start_timeout)
                 log(f"[{v.label}/{rope}] server ready in {ready:.0f} s ({server.handle.log_path}); "
