@@ -21,6 +21,9 @@ os.environ.update({
     "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "256",
     "VLLM_SPARSE_VERTICAL_SIZE": "16", "VLLM_SPARSE_SLASH_SIZE": "16",  # budgets well under max_density
     "VLLM_SPARSE_KEEP_FIRST_COLUMNS": "4", "VLLM_SPARSE_KEEP_LAST_DIAGONALS": "4",
+    # rows of a few hundred tokens: the cost model would keep them all in FlashAttention's runs
+    # (tests/unit/test_plan.py); this step is about how sparse and dense rows are split
+    "VLLM_SPARSE_COST_MODEL": "0",
 })
 for key in ("VLLM_SPARSE_CONFIG", "VLLM_SPARSE_HEAD_CONFIG", "VLLM_SPARSE_DECODE_MODE", "VLLM_SPARSE_ENABLED",
             "VLLM_SPARSE_MAX_DENSITY", "VLLM_SPARSE_STATS_FILE", "VLLM_SPARSE_METRICS_PORT"):

@@ -142,7 +142,8 @@ class SparseSettings(BaseModel):
     cost_model: bool = Field(True, description=(
         "CUDA: before estimating a row, predict its sparse cost (estimation, a fixed cost per row and layer, and "
         "the pairs its budgets are measured to compute in that layer) against FlashAttention's and run it dense "
-        "where sparse would not win; false = only max_density decides."))
+        "where sparse would not win (rows on which even an empty selection would lose stay on FlashAttention for "
+        "the whole step); false = only max_density decides."))
     estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field("auto", description=(
         "CUDA: where rows whose estimated index is denser than max_density run. flash = read the flags on the "
         "host (one sync per layer) and run them on FlashAttention; kernel = the Triton kernel's dense mode, no "

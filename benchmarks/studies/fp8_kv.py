@@ -1,7 +1,9 @@
 """fp8 (e4m3) KV cache vs bf16 KV cache in the sparse path's kernels, one layer, and the fp8 error.
 
-Llama-3-8B attention shape (32 query heads, 8 KV heads, head dim 128), paged cache with 16-token
-pages in random order, one row of n tokens (no context), n = 32K and 128K. K/V are standard
+One attention shape per run (``--shape``: Llama-3-8B, 32 query / 8 KV heads, by default; the
+Qwen2.5-1.5B layout, 12 / 2, stacks two heads per program where Llama's stacks four), head dim 128,
+paged cache with pages of ``--page`` tokens (16 by default; 64 is what serving asks for on Hopper,
+read with TMA there) in random order, one row of n tokens (no context), n = 32K and 128K. K/V are standard
 normal bf16; the fp8 cache holds them as vLLM's fp8 cache does: stored = value / scale in
 float8_e4m3fn, one scale for K and one for V (here amax / 448, passed as fp32 device tensors).
 
@@ -44,12 +46,10 @@ import torch  # noqa: E402
 
 import triton  # noqa: E402
 
-from benchmarks.kernels import bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
+from benchmarks.kernels import SHAPES, bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_kernels.prefill import vs_index as vsi  # noqa: E402
 
-H, HKV, D = 32, 8, 128  # Llama-3-8B
-PAGE = 16
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -89,26 +89,30 @@ def timer(dev):
     return once
 
 
-def random_qkv(n: int, dev, gen, dtype):
-    return tuple(torch.randn(n, heads, D, device=dev, generator=gen).to(dtype) for heads in (H, HKV, HKV))
+def random_qkv(n: int, shape, dev, gen, dtype):
+    h, hkv, d = shape
+    return tuple(torch.randn(n, heads, d, device=dev, generator=gen).to(dtype) for heads in (h, hkv, hkv))
 
 
-def speed(n: int, dev, gen, nv: int, ns: int, dtype) -> dict:
+def speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
+    H, HKV, D = shape
     timed = timer(dev)
     scale = 1.0 / math.sqrt(D)
-    q, k, v = random_qkv(n, dev, gen, dtype)
+    q, k, v = random_qkv(n, shape, dev, gen, dtype)
     rec = {"n": n}
     if dev.type == "cuda":
         rec["cudnn"] = sdpa_times(q, k, v, H // HKV).get("cudnn", float("nan"))
-    key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+    key_cache, value_cache, table = paged_cache(k, v, page, dev)
     del k, v
     k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
     caches = {"bf16": (key_cache, value_cache, {}), "fp8": (k8, v8, {"k_scale": ks, "v_scale": vs})}
     out = torch.empty_like(q)
     rows = [(0, 0, n, 0)]
-    # one list per KV head, the group's 4 heads stacked per program (as the launcher packs it)
-    index = sa.pack_rows(rows, [planted_index(HKV, n, nv, ns, dev, gen)], device=dev,
-                         heads_per_list=sa.shared_stack(D, H // HKV))
+    # one list per KV head, shared_stack() of the group's heads stacked per program (as the launcher packs it)
+    # (a group the stack does not fill, 6 = 3 x 2, repeats its list for each stack)
+    stack = sa.shared_stack(D, H // HKV)
+    index = sa.pack_rows(rows, [planted_index(HKV, n, nv, ns, dev, gen).repeat_heads(H // HKV // stack)], device=dev,
+                         heads_per_list=stack)
     dense = sa.pack_rows(rows, None, device=dev)
     for name, (kc, vc, sc) in caches.items():
         rec[f"sparse_{name}"] = timed(lambda: sa.sparse_prefill_attention(q, kc, vc, table, rows, index, scale, out,
@@ -130,10 +134,11 @@ def masked_f64(q, k, v, allowed, scale):
     return (torch.softmax(s, -1).nan_to_num(0.0) @ vd).transpose(0, 1)
 
 
-def accuracy(n: int, dev, gen, nv: int, ns: int, dtype) -> dict:
+def accuracy(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
+    H, HKV, D = shape
     scale = 1.0 / math.sqrt(D)
-    q, k, v = random_qkv(n, dev, gen, dtype)
-    key_cache, value_cache, table = paged_cache(k, v, PAGE, dev)
+    q, k, v = random_qkv(n, shape, dev, gen, dtype)
+    key_cache, value_cache, table = paged_cache(k, v, page, dev)
     k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
     ix = planted_index(HKV, n, nv, ns, dev, gen)
     allowed = index_to_dense_mask(ix.repeat_heads(H // HKV), n, 0)
@@ -156,8 +161,13 @@ def accuracy(n: int, dev, gen, nv: int, ns: int, dtype) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="32,128", help="n in K tokens (default 32,128)")
+    ap.add_argument("--shape", default="llama3-8b", choices=[k for k, v in SHAPES.items() if v[2] == 128],
+                    help="attention shape (benchmarks.kernels.SHAPES)")
+    ap.add_argument("--page", type=int, default=16, help="tokens per cache page (64: TMA loads on Hopper)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), untimed")
     args = ap.parse_args()
+    shape, page = SHAPES[args.shape], args.page
+    H, HKV, D = shape
     if args.smoke:  # fp16: the interpreter's bf16 tl.dot is wrong (tests/kernels/test_triton_kernels.py)
         dev, sizes, budgets, acc, dtype = torch.device("cpu"), [256], (40, 100), (256, 40, 100), torch.float16
     else:
@@ -168,15 +178,15 @@ def main() -> None:
     hi = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")  # bf16 / fp16
     gen = torch.Generator(device=dev).manual_seed(0)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU (Triton interpreter, untimed smoke run)"
-    print(f"fp8 (e4m3) vs {hi} KV cache, one layer, Llama-3-8B shape ({H} / {HKV} heads, d {D}), page {PAGE}, "
-          f"{hi} queries")
+    print(f"fp8 (e4m3) vs {hi} KV cache, one layer, {args.shape} shape ({H} / {HKV} heads, d {D}, "
+          f"{sa.shared_stack(D, H // HKV)} heads stacked per program), page {page}, {hi} queries")
     print(f"device {device}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}; "
           f"kernels from {Path(sa.__file__).parent}")
     print(f"vertical-slash {budgets[0]} / {budgets[1]} planted, one list per KV head; ms, fp8 / {hi} in brackets\n")
     print(f"| n | cuDNN dense ({hi}) | sparse kernel {hi} / fp8 | dense mode {hi} / fp8 | last-q estimation {hi} / fp8 |")
     print("|---|---|---|---|---|")
     for n in sizes:
-        r = speed(n, dev, gen, *budgets, dtype)
+        r = speed(n, shape, page, dev, gen, *budgets, dtype)
         cells = [f"{r[f'{p}_bf16']:.3f} / {r[f'{p}_fp8']:.3f} ({r[f'{p}_fp8'] / r[f'{p}_bf16']:.2f}x)"
                  for p in ("sparse", "dense", "lastq")]
         size = f"{n // 1024}K" if n >= 1024 else str(n)
@@ -184,7 +194,7 @@ def main() -> None:
         del r
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    a = accuracy(acc[0], dev, gen, acc[1], acc[2], dtype)
+    a = accuracy(acc[0], shape, page, dev, gen, acc[1], acc[2], dtype)
     print(f"\nmax abs error at n={a['n']}, planted {acc[1]} / {acc[2]} (outputs up to {a['out_absmax']:.2f}): "
           f"{hi} cache vs float64 on the {hi} K/V {a['bf16']:.2e}; fp8 cache vs float64 on the dequantised K/V "
           f"{a['fp8']:.2e}; fp8 cache vs float64 on the {hi} K/V (with fp8 storage) {a['fp8_vs_bf16_ref']:.2e}")

@@ -34,9 +34,11 @@ Timed (median of CUDA events after a warm-up, ``benchmarks.kernels.bench``), per
   there) and ``tile_mn=(128, 64)``, and vLLM's public entry ``flash_attn_varlen_func(fa_version=4,
   block_sparse_tensors=...)`` (the varlen form of the same tensors), all on contiguous K/V: in
   this copy the SM90 block-sparse producer loads K/V tiles by logical block index with the TMA
-  copy and never consults ``page_table`` (no cp.async path for pages other than the n-tile). Once
-  per run the paged calls are tried too (128 x 128 tiles on 64-key pages; 128 x 64 tiles on the
-  64-key pages, TMA): expect an error or a large difference from ours, the pages being shuffled.
+  copy and never consults ``page_table`` (no cp.async path for pages other than the n-tile). With
+  ``--fa4 paged`` (in a run of its own: a load that ignores the page table may read out of
+  bounds and end the process's CUDA context) the paged calls are tried once (128 x 128 tiles on
+  64-key pages; 128 x 64 tiles on the 64-key pages, TMA): expect an error or a large difference
+  from ours, the pages being shuffled.
   The diagonal blocks go in FA4's "mask" list, the others in its "full" list; one list per query
   head (the lists' head dimension must be the query heads or 1, so GQA packing is off);
 * dense causal FlashAttention for scale: vLLM's FA3 ``flash_attn_varlen_func`` on the 64-key
@@ -54,7 +56,7 @@ lazily):
 
     python -m benchmarks.studies.library_tiles [--sizes 32,128] [--densities 0.05,0.1,0.2]
         [--shapes qwen2.5-1.5b,llama3-8b] [--pages 64,16] [--skip flashinfer,fa4,dense]
-        [--fa4 contiguous,tile64,varlen,paged] [--out FILE]
+        [--fa4 contiguous,tile64,varlen[,paged]] [--out FILE]
 
 About two minutes on an H200 once everything is compiled; first calls add Triton compiles
 (seconds), FA4's CuTe DSL compiles (one per shape and variant, in memory unless
@@ -748,9 +750,10 @@ def main() -> None:
     ap.add_argument("--variable-max", type=int, default=32,
                     help="FlashInfer VariableBlockSparse up to this n in K tokens (token-level indices)")
     ap.add_argument("--skip", default="", help="comma list of: dense, flashinfer, fa4")
-    ap.add_argument("--fa4", default="contiguous,tile64,varlen,paged",
+    ap.add_argument("--fa4", default="contiguous,tile64,varlen",
                     help="FA4 variants: contiguous (128x128 tiles), tile64 (128x64), varlen (vLLM's entry), paged "
-                         "(page_table, once per run)")
+                         "(page_table, once per run; in a process of its own: a block-sparse load that ignores the "
+                         "page table may read out of bounds, which ends the process's CUDA context)")
     ap.add_argument("--budget-ms", type=float, default=300.0, help="timing budget per measurement")
     ap.add_argument("--reps", type=int, default=10, help="most timed repetitions per measurement")
     ap.add_argument("--seed", type=int, default=0)

@@ -213,3 +213,49 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     assert registry.get_sample_value("sparse_prefill_dense_fallbacks_total",
                                      {"reason": "sparse_selection_covers_every_key"}) == 1
     assert registry.get_sample_value("sparse_prefill_density_count") == 1
+
+
+def test_rows_sparse_cannot_pay_on_stay_in_dense_runs():
+    """With the model's heads given, a row on which even an empty selection costs more than
+    FlashAttention (the cost model's fixed per-row cost of 1e9 pairs and the estimation, against
+    its causal pairs) stays in the dense runs; a long enough row is planned sparse as before."""
+    from vllm_sparse_backend.prefill.plan import CANNOT_PAY_REASON
+
+    s = SparseSettings()  # the defaults: cost model on, max_density 0.4, min_sparse_query_len 4096
+    heads = (12, 128)  # Qwen2.5-1.5B's query heads, head size 128
+    # causal pairs x 12 heads: 4K -> 1.0e8, 16K -> 1.6e9, 8K after 24K of context -> 2.8e9;
+    # sparse at density 0 costs 1e9 + 7 x 64 x (ctx + q) x 12: pays (below 0.95 of dense) on the last two
+    q = [4096, 16384, 8192, 1]
+    ctx = [0, 0, 24576, 9000]
+    plan = plan_step(_qsl(q), [a + b for a, b in zip(q, ctx)], s, row_heads=heads)
+    assert [r.row for r in plan.sparse_rows] == [1, 2]
+    assert plan.dense_runs == [(0, 1), (3, 4)]
+    assert plan.dense_reasons == {CANNOT_PAY_REASON: 1}
+    # without the heads, with the cost model off, or with max_density 1 (no fallback), the 4K row is sparse
+    for settings, row_heads in ((s, None), (s.model_copy(update={"cost_model": False}), heads),
+                                (s.model_copy(update={"max_density": 1.0}), heads)):
+        plan = plan_step(_qsl(q), [a + b for a, b in zip(q, ctx)], settings, row_heads=row_heads)
+        assert [r.row for r in plan.sparse_rows] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("q_len,ctx,heads,pays", [
+    (13000, 0, 12, False),  # 12 x 13000^2 / 2 = 1.01e9 pairs: below the fixed cost / 0.95 with the estimation
+    (15000, 0, 12, True),  # 1.35e9 x 0.95 = 1.28e9 > 1e9 + 7 x 64 x 15000 x 12 = 1.08e9
+    (4096, 0, 32, False),  # 2.7e8 pairs
+    (2048, 126976, 32, True),  # a chunk after 124K of context: 8.4e9 pairs
+])
+def test_cannot_pay_boundary_by_hand(q_len, ctx, heads, pays):
+    s = SparseSettings()
+    plan = plan_step(_qsl([q_len]), [q_len + ctx], s.model_copy(update={"min_sparse_query_len": 1}),
+                     row_heads=(heads, 128))
+    assert plan.has_sparse is pays
+
+
+def test_cost_model_heads_takes_the_most_heads_of_a_group():
+    from vllm_sparse_backend.backends.common import cost_model_heads
+    from vllm_sparse_backend.prefill.plan import rank_heads
+
+    s = SparseSettings()
+    group = {"a": rank_heads(None, s, 0, 12, 2), "b": rank_heads(None, s, 1, 16, 2)}
+    assert cost_model_heads(group, 128) == (16, 128)
+    assert cost_model_heads({}, 128) is None

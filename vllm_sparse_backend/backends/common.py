@@ -137,13 +137,23 @@ def distinct_head_sets(layer_heads: dict[str, RankHeads]) -> list[Counter]:
     return out
 
 
+def cost_model_heads(group_heads: dict[str, RankHeads], head_size: int) -> tuple[int, int] | None:
+    """(the most query heads of a group's layers on this rank, head size): what the step's cost
+    gate (:func:`plan_step`'s ``row_heads``) needs; None for a group without layers."""
+    if not group_heads:
+        return None
+    return max(len(h.heads) for h in group_heads.values()), head_size
+
+
 def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
-                     head_sets: list[Counter] | None = None) -> tuple[StepPlan, list[int], list[int]] | None:
+                     head_sets: list[Counter] | None = None,
+                     row_heads: tuple[int, int] | None = None) -> tuple[StepPlan, list[int], list[int]] | None:
     """Plan one step from vLLM's CommonAttentionMetadata ``cm``: None when no row can run
     sparse (the caller then builds the wrapped backend's metadata), else the plan with the
     step's host-side query start locations and sequence lengths. ``head_sets``: the group's
     (:func:`distinct_head_sets`) where rows whose budgets no layer could make sparser than
-    ``max_density`` should stay dense without estimation."""
+    ``max_density`` should stay dense without estimation; ``row_heads`` (:func:`cost_model_heads`):
+    where rows the cost model says sparse cannot pay on should stay dense too (:func:`plan_step`)."""
     cfg = runtime.settings
     if cm.max_query_len < cfg.min_sparse_query_len or cm.causal is not True \
             or step_has_multimodal_prefix_ranges(cm):
@@ -151,7 +161,7 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     n = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
     seq_lens = seq_lens_host(cm)
-    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets)
+    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets, row_heads=row_heads)
     for reason, count in plan.dense_reasons.items():
         runtime.log_once("long rows with %s run dense", reason, info=True)  # routing, counted in the metrics
         runtime.stats.record_dense_reason(reason, count)

@@ -60,7 +60,7 @@ from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
-                     count_dense_tokens,
+                     cost_model_heads, count_dense_tokens,
                      distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
                      unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
@@ -113,6 +113,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         # runs (short long rows, mostly): no estimation, no per-row fallback.
         self._head_sets = distinct_head_sets(group_heads) \
             if self.sparse_enabled and cfg.max_density < 1.0 else None
+        # Rows on which even an empty selection would lose to FlashAttention (short prompts) stay
+        # in FlashAttention's runs for every layer: no per-layer routing, no per-row metadata.
+        self._row_heads = cost_model_heads(group_heads, kv_cache_spec.head_size) \
+            if self.sparse_enabled and cfg.cost_model else None
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
 
     @classmethod
@@ -122,8 +126,8 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         try:
-            planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets) \
-                if self.sparse_enabled else None
+            planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
+                                       row_heads=self._row_heads) if self.sparse_enabled else None
         except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
             sparse_path_failed(self.runtime, e, [])
             planned = None
