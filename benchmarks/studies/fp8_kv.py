@@ -124,6 +124,48 @@ def speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
     return rec
 
 
+def stacked_index(rows, lists: int, group: int, stack: int, n: int, nv: int, ns: int, dev, gen):
+    """The planted index (one list per KV head) packed for ``stack`` heads per program: each
+    list repeated for the ceil(group / stack) programs of its KV head (a stack that does not
+    divide the group leaves padding rows in the last program, masked by the kernel)."""
+    ix = planted_index(lists, n, nv, ns, dev, gen)
+    return sa.pack_rows(rows, [ix.repeat_heads(-(-group // stack))], device=dev, heads_per_list=stack)
+
+
+def stack_speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype, stacks: list[int]) -> list[dict]:
+    """Sparse kernel and dense mode, bf16 and fp8 cache, at each number of query heads stacked per
+    program (the launch table picks one; the others for comparison), with each output's largest
+    difference from the first stack's (the same attention, so bf16 rounding only)."""
+    H, HKV, D = shape
+    timed = timer(dev)
+    scale = 1.0 / math.sqrt(D)
+    q, k, v = random_qkv(n, shape, dev, gen, dtype)
+    key_cache, value_cache, table = paged_cache(k, v, page, dev)
+    del k, v
+    k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
+    caches = {"bf16": (key_cache, value_cache, {}), "fp8": (k8, v8, {"k_scale": ks, "v_scale": vs})}
+    rows = [(0, 0, n, 0)]
+    dense = sa.pack_rows(rows, None, device=dev)
+    first: dict[str, torch.Tensor] = {}
+    recs = []
+    for stack in stacks:
+        index = stacked_index(rows, HKV, H // HKV, stack, n, nv, ns, dev,
+                              torch.Generator(device=dev).manual_seed(1))  # the same lists at every stack
+        rec = {"n": n, "stack": stack}
+        for name, (kc, vc, sc) in caches.items():
+            for mode, ix, extra in (("sparse", index, {}), ("dense", dense, {"heads_per_program": stack})):
+                out = torch.empty_like(q)
+                run = (lambda ix=ix, extra=extra, out=out, kc=kc, vc=vc, sc=sc:
+                       sa.sparse_prefill_attention(q, kc, vc, table, rows, ix, scale, out, **sc, **extra))
+                rec[f"{mode}_{name}"] = timed(run)
+                key = f"{mode}_{name}"
+                if key not in first:
+                    first[key] = out
+                rec[f"{key}_diff"] = (out.float() - first[key].float()).abs().max().item()
+        recs.append(rec)
+    return recs
+
+
 def masked_f64(q, k, v, allowed, scale):
     """float64 softmax(q k^T * scale) v over the allowed (query, key) pairs; K/V heads repeated."""
     rep = q.shape[1] // k.shape[1]
@@ -164,6 +206,11 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=[k for k, v in SHAPES.items() if v[2] == 128],
                     help="attention shape (benchmarks.kernels.SHAPES)")
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page (64: TMA loads on Hopper)")
+    ap.add_argument("--budgets", type=int, nargs=2, default=(1000, 1000), metavar=("VERTICAL", "SLASH"),
+                    help="planted vertical / slash budget (default: the backend's default 1000 / 1000; the "
+                         "2026-11-24 results used 1000 / 6096)")
+    ap.add_argument("--stacks", default="", help="also time these query heads per program, e.g. 1,2,4 (sparse "
+                                                  "kernel and dense mode, bf16 and fp8)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (Triton interpreter), untimed")
     args = ap.parse_args()
     shape, page = SHAPES[args.shape], args.page
@@ -173,7 +220,7 @@ def main() -> None:
     else:
         if not torch.cuda.is_available():
             sys.exit("needs a CUDA GPU (or --smoke)")
-        dev, budgets, acc, dtype = torch.device("cuda"), (1000, 6096), (2048, 200, 600), torch.bfloat16
+        dev, budgets, acc, dtype = torch.device("cuda"), tuple(args.budgets), (2048, 200, 600), torch.bfloat16
         sizes = [int(s) * 1024 for s in args.sizes.split(",")]
     hi = str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")  # bf16 / fp16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -194,6 +241,23 @@ def main() -> None:
         del r
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    stacks = [int(x) for x in args.stacks.split(",") if x]
+    if stacks:
+        print(f"\nquery heads stacked per program (the launch table's: {sa.shared_stack(D, H // HKV)} for shared "
+              f"lists; padding rows where a stack does not divide the group of {H // HKV}); ms, fp8 / {hi}; "
+              "max |difference| from the first stack's output")
+        print(f"| n | heads per program | sparse kernel {hi} / fp8 | dense mode {hi} / fp8 | max diff sparse / dense |")
+        print("|---|---|---|---|---|")
+        for n in sizes:
+            for r in stack_speed(n, shape, page, dev, gen, *budgets, dtype, stacks):
+                cells = [f"{r[f'{p}_bf16']:.3f} / {r[f'{p}_fp8']:.3f} ({r[f'{p}_fp8'] / r[f'{p}_bf16']:.2f}x)"
+                         for p in ("sparse", "dense")]
+                diff = f"{max(r['sparse_bf16_diff'], r['sparse_fp8_diff']):.1e} / " \
+                       f"{max(r['dense_bf16_diff'], r['dense_fp8_diff']):.1e}"
+                size = f"{n // 1024}K" if n >= 1024 else str(n)
+                print(f"| {size} | {r['stack']} | " + " | ".join(cells) + f" | {diff} |", flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     a = accuracy(acc[0], shape, page, dev, gen, acc[1], acc[2], dtype)
     print(f"\nmax abs error at n={a['n']}, planted {acc[1]} / {acc[2]} (outputs up to {a['out_absmax']:.2f}): "
           f"{hi} cache vs float64 on the {hi} K/V {a['bf16']:.2e}; fp8 cache vs float64 on the dequantised K/V "
