@@ -9,9 +9,11 @@ float8_e4m3fn, one scale for K and one for V (here amax / 448, passed as fp32 de
 
 Timed (median of CUDA events, ``kernels.bench``), bf16 cache and fp8 cache side by side:
 
-* sparse kernel alone on a planted vertical-slash 1000 / 6096 index (``kernels.plant_vs``: sink
-  columns and random columns, the nearest diagonals and log-spaced bands of diagonals), one list
-  per KV head (the backend's default ``kv_group_shared``: the group's 4 heads stacked per program);
+* sparse kernel alone on a planted vertical-slash index (``--budgets``: the serving default
+  1000 / 1000; ``kernels.plant_vs``: sink columns and random columns, the nearest diagonals and
+  log-spaced bands of diagonals), one list per KV head (the backend's default
+  ``kv_group_shared``: ``shared_stack`` of the group's heads stacked per program, 4 on Llama's
+  group of 4, 2 on the 1.5B's group of 6); ``--stacks`` times other stackings beside it;
 * the kernel's dense mode (every causal key; what the density fallback runs);
 * last-q estimation (``vs_index.last_q_scores``, the chunk's last 64 queries against all keys,
   summed per KV group): the estimation pass that reads the whole K cache;
@@ -242,6 +244,8 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     stacks = [int(x) for x in args.stacks.split(",") if x]
+    if any(st < 1 or st & (st - 1) or st > 4 for st in stacks):
+        ap.error(f"--stacks {args.stacks}: heads per program must be 1, 2 or 4")
     if stacks:
         print(f"\nquery heads stacked per program (the launch table's: {sa.shared_stack(D, H // HKV)} for shared "
               f"lists; padding rows where a stack does not divide the group of {H // HKV}); ms, fp8 / {hi}; "

@@ -213,3 +213,27 @@ def test_ours_on_the_refined_mask_matches_float64(heads, kv_heads, d, page):
     sa.sparse_prefill_attention(q, key_cache, value_cache, table, [(0, 0, n, 0)], bix, scale, out)
     err = (out.double().cpu() - ref).abs().max().item()
     assert err < 1e-2, f"max abs err {err:.3e}"
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
+def test_sampled_rows_reference_is_the_masked_attention_of_those_rows(heads, kv_heads):
+    """The study's float64 check of sampled rows equals the package's float64 masked attention
+    over the block mask's token pairs on those rows, and its error measure flags a method that
+    drops one listed block from a late row."""
+    gen = torch.Generator().manual_seed(heads)
+    mask = lt.random_block_mask(kv_heads, N, 128, 0.5, gen)
+    q, k, v = (torch.randn(N, x, 32, generator=gen) for x in (heads, kv_heads, kv_heads))
+    rows = lt.sampled_rows(N, 16)
+    assert rows[0] == 0 and rows[-1] == N - 1 and len(rows) == 16
+    full = masked_attention_f64(q, k, v, token_pairs(mask, lt.FA4_BLOCK, N).repeat_interleave(heads // kv_heads, 0),
+                                0.2)
+    got = lt.f64_rows_reference(q, k, v, mask, lt.FA4_BLOCK, rows, 0.2, chunk=5)
+    assert torch.allclose(got, full[rows], atol=1e-12)
+    assert lt.rows_rel_error(full.float(), got, rows) < 1e-6
+    # the last row without its first listed key block other than the diagonal one
+    dropped = mask.clone()
+    kb = int(dropped[0, -1, :-1].nonzero()[0])
+    dropped[0, -1, kb] = False
+    wrong = masked_attention_f64(q, k, v,
+                                 token_pairs(dropped, lt.FA4_BLOCK, N).repeat_interleave(heads // kv_heads, 0), 0.2)
+    assert lt.rows_rel_error(wrong, got, rows) > lt.MISMATCH

@@ -85,7 +85,7 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
-    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for one sequence
+    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for two sequences
     instead of a share of the GPU's memory, so that several servers can start side by side.
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
     sparse alike; None leaves vLLM's default (the model's dtype)."""
