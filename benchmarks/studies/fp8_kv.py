@@ -49,6 +49,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from benchmarks.kernels import SHAPES, bench, paged_cache, plant_vs, sa, sdpa_times  # noqa: E402
+from vllm_sparse_kernels.reference.dense import masked_attention_f64  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_kernels.prefill import vs_index as vsi  # noqa: E402
 
@@ -96,6 +97,14 @@ def random_qkv(n: int, shape, dev, gen, dtype):
     return tuple(torch.randn(n, heads, d, device=dev, generator=gen).to(dtype) for heads in (h, hkv, hkv))
 
 
+def paged_caches(k: torch.Tensor, v: torch.Tensor, page: int, dev):
+    """(caches, block table): the paged K/V as a cache of their dtype and as an fp8 one, each as
+    (key cache, value cache, the launcher's scale arguments)."""
+    key_cache, value_cache, table = paged_cache(k, v, page, dev)
+    k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
+    return {"bf16": (key_cache, value_cache, {}), "fp8": (k8, v8, {"k_scale": ks, "v_scale": vs})}, table
+
+
 def speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
     H, HKV, D = shape
     timed = timer(dev)
@@ -104,17 +113,12 @@ def speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
     rec = {"n": n}
     if dev.type == "cuda":
         rec["cudnn"] = sdpa_times(q, k, v, H // HKV).get("cudnn", float("nan"))
-    key_cache, value_cache, table = paged_cache(k, v, page, dev)
+    caches, table = paged_caches(k, v, page, dev)
     del k, v
-    k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
-    caches = {"bf16": (key_cache, value_cache, {}), "fp8": (k8, v8, {"k_scale": ks, "v_scale": vs})}
     out = torch.empty_like(q)
     rows = [(0, 0, n, 0)]
     # one list per KV head, shared_stack() of the group's heads stacked per program (as the launcher packs it)
-    # (a group the stack does not fill, 6 = 3 x 2, repeats its list for each stack)
-    stack = sa.shared_stack(D, H // HKV)
-    index = sa.pack_rows(rows, [planted_index(HKV, n, nv, ns, dev, gen).repeat_heads(H // HKV // stack)], device=dev,
-                         heads_per_list=stack)
+    index = stacked_index(rows, HKV, H // HKV, sa.shared_stack(D, H // HKV), n, nv, ns, dev, gen)
     dense = sa.pack_rows(rows, None, device=dev)
     for name, (kc, vc, sc) in caches.items():
         rec[f"sparse_{name}"] = timed(lambda: sa.sparse_prefill_attention(q, kc, vc, table, rows, index, scale, out,
@@ -142,10 +146,8 @@ def stack_speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype, sta
     timed = timer(dev)
     scale = 1.0 / math.sqrt(D)
     q, k, v = random_qkv(n, shape, dev, gen, dtype)
-    key_cache, value_cache, table = paged_cache(k, v, page, dev)
+    caches, table = paged_caches(k, v, page, dev)
     del k, v
-    k8, v8, ks, vs = fp8_copy(key_cache, value_cache)
-    caches = {"bf16": (key_cache, value_cache, {}), "fp8": (k8, v8, {"k_scale": ks, "v_scale": vs})}
     rows = [(0, 0, n, 0)]
     dense = sa.pack_rows(rows, None, device=dev)
     first: dict[str, torch.Tensor] = {}
@@ -168,16 +170,6 @@ def stack_speed(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype, sta
     return recs
 
 
-def masked_f64(q, k, v, allowed, scale):
-    """float64 softmax(q k^T * scale) v over the allowed (query, key) pairs; K/V heads repeated."""
-    rep = q.shape[1] // k.shape[1]
-    qd = q.double().transpose(0, 1)
-    kd = k.double().repeat_interleave(rep, 1).transpose(0, 1)
-    vd = v.double().repeat_interleave(rep, 1).transpose(0, 1)
-    s = (qd @ kd.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
-    return (torch.softmax(s, -1).nan_to_num(0.0) @ vd).transpose(0, 1)
-
-
 def accuracy(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dict:
     H, HKV, D = shape
     scale = 1.0 / math.sqrt(D)
@@ -190,12 +182,12 @@ def accuracy(n: int, shape, page: int, dev, gen, nv: int, ns: int, dtype) -> dic
     out16, out8 = torch.empty_like(q), torch.empty_like(q)
     sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, [ix], scale, out16)
     sa.sparse_prefill_attention(q, k8, v8, table, rows, [ix], scale, out8, k_scale=ks, v_scale=vs)
-    ref16 = masked_f64(q, k, v, allowed, scale)
+    ref16 = masked_attention_f64(q, k, v, allowed, scale)
     # the dequantised K/V in the rows' order (the paged copy is the same values, pages permuted)
     pages = table[0].long()  # (indexed as bytes: not every torch build indexes fp8 tensors)
     kd = k8.view(torch.uint8)[pages].view(FP8).reshape(-1, HKV, D)[:n].double() * ks.double()
     vd = v8.view(torch.uint8)[pages].view(FP8).reshape(-1, HKV, D)[:n].double() * vs.double()
-    ref8 = masked_f64(q, kd, vd, allowed, scale)
+    ref8 = masked_attention_f64(q, kd, vd, allowed, scale)
     return {"n": n, "bf16": (out16.double() - ref16).abs().max().item(),
             "fp8": (out8.double() - ref8).abs().max().item(),
             "fp8_vs_bf16_ref": (out8.double() - ref16).abs().max().item(),

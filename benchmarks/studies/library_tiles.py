@@ -87,6 +87,7 @@ import torch  # noqa: E402
 
 from vllm_sparse_backend.prefill.index import build_index, compact  # noqa: E402 - torch only
 from vllm_sparse_kernels.prefill.launch_config import shared_stack  # noqa: E402 - plain Python
+from vllm_sparse_kernels.reference.dense import masked_attention_f64  # noqa: E402 - torch only
 
 OUR_BLOCK = (64, 64)  # vllm_sparse_kernels.constants.BLOCK (that module imports triton)
 FA4_BLOCK = (128, 128)  # FA4's SM90 m x n tile for head dim 128 (interface._tile_size_fwd_sm90)
@@ -353,26 +354,17 @@ def sampled_rows(n: int, count: int = SAMPLED_ROWS) -> torch.Tensor:
     return torch.unique(torch.cat([first, late]))
 
 
-def f64_rows_reference(q, k, v, mask: torch.Tensor, block: tuple[int, int], rows: torch.Tensor, scale: float,
-                       chunk: int = 8) -> torch.Tensor:
+def f64_rows_reference(q, k, v, mask: torch.Tensor, block: tuple[int, int], rows: torch.Tensor,
+                       scale: float) -> torch.Tensor:
     """float64 attention of the query positions ``rows`` over the keys the block ``mask``
     ([Hkv, n / block_q, n / block_k], one per KV head) and causality allow: [len(rows), H, D].
-    Independent of every method timed here (plain torch on the dense token mask)."""
-    h, hkv = q.shape[1], k.shape[1]
-    group = h // hkv
-    n = k.shape[0]
-    keys = torch.arange(n, device=q.device)
-    kd = k.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, n, D]
-    vd = v.double().repeat_interleave(group, 1).transpose(0, 1)
-    out = torch.empty(len(rows), h, q.shape[2], dtype=torch.float64, device=q.device)
-    for i in range(0, len(rows), chunk):
-        r = rows[i:i + chunk].to(q.device)
-        allowed = mask[:, r // block[0]][:, :, keys // block[1]] & (keys[None, None, :] <= r[None, :, None])
-        allowed = allowed.repeat_interleave(group, 0)  # [H, rows, n]
-        s = torch.einsum("rhd,hnd->hrn", q[r].double(), kd) * scale
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1)
-        out[i:i + chunk] = torch.einsum("hrn,hnd->rhd", p, vd)
-    return out
+    Independent of every method timed here (the package's float64 reference on the token mask;
+    at 128K on the 8B shape its float64 K / V copies take about 9 GB)."""
+    group = q.shape[1] // k.shape[1]
+    keys = torch.arange(k.shape[0], device=q.device)
+    r = rows.to(q.device)
+    allowed = mask[:, r // block[0]][:, :, keys // block[1]] & (keys[None, None, :] <= r[None, :, None])
+    return masked_attention_f64(q[r], k, v, allowed.repeat_interleave(group, 0), scale)
 
 
 def rows_rel_error(got: torch.Tensor, ref_rows: torch.Tensor, rows: torch.Tensor) -> float:

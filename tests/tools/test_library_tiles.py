@@ -227,7 +227,7 @@ def test_sampled_rows_reference_is_the_masked_attention_of_those_rows(heads, kv_
     assert rows[0] == 0 and rows[-1] == N - 1 and len(rows) == 16
     full = masked_attention_f64(q, k, v, token_pairs(mask, lt.FA4_BLOCK, N).repeat_interleave(heads // kv_heads, 0),
                                 0.2)
-    got = lt.f64_rows_reference(q, k, v, mask, lt.FA4_BLOCK, rows, 0.2, chunk=5)
+    got = lt.f64_rows_reference(q, k, v, mask, lt.FA4_BLOCK, rows, 0.2)
     assert torch.allclose(got, full[rows], atol=1e-12)
     assert lt.rows_rel_error(full.float(), got, rows) < 1e-6
     # the last row without its first listed key block other than the diagonal one

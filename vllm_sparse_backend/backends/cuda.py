@@ -115,9 +115,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
             if self.sparse_enabled and cfg.max_density < 1.0 else None
         # Rows on which even an empty selection would lose to FlashAttention (short prompts) stay
         # in FlashAttention's runs for every layer: no per-layer routing, no per-row metadata.
-        # (The cost model is the Triton path's; the torch reference runs every planned row.)
+        # (The cost model is the Triton path's; the torch reference runs every planned row.
+        # plan_step applies it where cost_model and max_density say so.)
         self._row_heads = cost_model_heads(group_heads, kv_cache_spec.head_size) \
-            if self.sparse_enabled and cfg.cost_model and cfg.kernel != "torch" else None
+            if self.sparse_enabled and cfg.kernel != "torch" else None
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
 
     @classmethod
