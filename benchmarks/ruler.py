@@ -33,7 +33,8 @@ rows) and ``<out>.txt`` (the table, the device, the versions and the command).
 A length whose prompt and answer fit the model's trained context runs on the model as it is;
 longer ones, with ``--yarn``, on a YaRN copy (as in ``benchmarks/accuracy.py``). ``--resume``
 keeps the (variant, task, length) cells already in ``<out>.json`` and runs the rest, so that a
-long run can be split into several commands. Asserts nothing.
+long run can be split into several commands; ``--merge A.json B.json ... --out X`` writes one
+table from runs made side by side (one per variant and length, ``--shared-gpu``). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -334,6 +335,93 @@ def truncation_warnings(log_path: pathlib.Path) -> int:
         return 0
 
 
+def write_result(out_json: pathlib.Path, out_txt: pathlib.Path, meta: dict[str, Any],
+                 samples: Sequence[SampleScore], labels: Sequence[str],
+                 lmeval_scores: dict[tuple[str, str, int], float | None]) -> None:
+    """``<out>.json`` (meta, the table's rows, lm-eval's own aggregates, every prompt) and
+    ``<out>.txt`` (the table with the device, versions and commands), printed too."""
+    rows = summarize(samples, labels, lmeval_scores)
+    out_json.write_text(json.dumps({
+        "meta": meta, "rows": rows,
+        "lm_eval_scores": [{"variant": v, "task": t, "length": n, "score": s}
+                           for (v, t, n), s in lmeval_scores.items()],
+        "samples": [asdict(s) for s in samples]}, indent=1) + "\n")
+    text = [f"# lm-eval {meta['lm_eval']} RULER on {meta['model']}, {meta['device']} ({meta['device_name']}), vLLM "
+            f"{meta['vllm']}, torch {meta['torch']}, {meta['date']}: up to {meta['limit']} prompts per task and "
+            f"length, {meta['generated_prompts']}"
+            + (f", YaRN x{meta['yarn']:g} past the trained context" if meta.get("yarn") else "")
+            + (", chat template" if meta.get("apply_chat_template") else ""),
+            "# score = mean of RULER's per-prompt string match [95% t interval, cut to 0..1]; X - "
+            f"{labels[0]} = paired difference on the same prompts [95% t interval] (prompts whose "
+            "score changed)",
+            format_table(rows, labels), "",
+            "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
+                                     for k, v in meta["variants"].items()),
+            *([("sparse rows' computed density (query tokens per layer that ran sparse) per variant and "
+                "length, all tasks: " + "; ".join(
+                    f"{k} {_opt(d['density'], '.3f')} ({d['sparse_tokens_per_layer']:.0f})"
+                    for k, d in meta["density"].items()))] if meta.get("density") else []),
+            *([f"note: {meta['merged']}"] if meta.get("merged") else []),
+            *(f"$ {c}" for c in meta["commands"])]
+    if meta.get("errors"):
+        text.append("errors (see meta.errors in the JSON): " + ", ".join(meta["errors"]))
+    out_txt.write_text("\n".join(text) + "\n")
+    print("\n".join(text), flush=True)
+
+
+# What must agree between result files for their prompts to be compared in one table.
+MERGE_SAME = ("model", "limit", "yarn", "apply_chat_template", "kv_cache_dtype", "max_num_batched_tokens",
+              "generated_prompts", "lm_eval", "vllm", "torch", "device_name")
+
+
+def merge_results(paths: Sequence[pathlib.Path]) -> tuple[dict[str, Any], list[SampleScore], list[str],
+                                                              dict[tuple[str, str, int], float | None]]:
+    """One result out of several runs' files (e.g. one run per variant and length, side by side on
+    one GPU with ``--shared-gpu``): their prompts, lm-eval aggregates, densities, errors and commands
+    together. The files must agree on :data:`MERGE_SAME`, and no (variant, task, length) cell may
+    come from two files. The variants keep the order in which the files name them, so the first
+    file's first variant is the reference of the paired differences; ``max_model_len`` lists, per
+    model copy, every server's limit."""
+    meta: dict[str, Any] | None = None
+    samples: list[SampleScore] = []
+    lmeval_scores: dict[tuple[str, str, int], float | None] = {}
+    owner: dict[tuple[str, str, int], pathlib.Path] = {}
+    for path in paths:
+        data = json.loads(pathlib.Path(path).read_text())
+        m = data["meta"]
+        m.setdefault("generated_prompts", GENERATED_ALL)  # files from before the launcher
+        file_samples = [SampleScore(**s) for s in data["samples"]]
+        for cell in {(s.variant, s.task, s.length) for s in file_samples}:
+            if cell in owner:
+                raise ValueError(f"{path}: {'/'.join(map(str, cell))} is in {owner[cell]} too")
+            owner[cell] = path
+        samples += file_samples
+        lmeval_scores.update({(c["variant"], c["task"], c["length"]): c["score"] for c in data["lm_eval_scores"]})
+        if meta is None:
+            meta = {**m, "commands": list(m["commands"]), "merged_from": [pathlib.Path(path).name],
+                    "max_model_len": {rope: [limit] for rope, limit in m["max_model_len"].items()}}
+            continue
+        for field in MERGE_SAME:
+            if m.get(field) != meta.get(field):
+                raise ValueError(f"{path} was run with {field} {m.get(field)!r}, {meta['merged_from'][0]} "
+                                 f"with {meta.get(field)!r}")
+        meta["merged_from"].append(pathlib.Path(path).name)
+        meta["commands"] += m["commands"]
+        meta["variants"] = {**meta["variants"], **m["variants"]}
+        meta["tasks"] = list(dict.fromkeys(meta["tasks"] + m["tasks"]))
+        meta["lengths"] = sorted(set(meta["lengths"]) | set(m["lengths"]))
+        for rope, limit in m["max_model_len"].items():  # one server per run: every limit it had
+            meta["max_model_len"][rope] = sorted(set(meta["max_model_len"].get(rope, [])) | {limit})
+        meta["date"] = max(meta["date"], m["date"])
+        for field in ("errors", "warnings", "density"):
+            if m.get(field):
+                meta[field] = {**meta.get(field, {}), **m[field]}
+    if meta is None:
+        raise ValueError("no files to merge")
+    meta["merged"] = f"merged from {', '.join(meta['merged_from'])} (python -m benchmarks.ruler --merge)"
+    return meta, samples, list(meta["variants"]), lmeval_scores
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the running server is stopped
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
@@ -373,7 +461,19 @@ def main(argv: list[str] | None = None) -> int:
                                  "ruler_<device>_<model>_<date>)")
     p.add_argument("--resume", action="store_true",
                    help="keep the (variant, task, length) cells already in <out>.json and run the rest")
+    p.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="start nothing: write <out> from these result files (runs made side by side, e.g. one "
+                        "per variant and length); the first file's first variant is the reference")
     args = p.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            p.error("--merge needs --out")
+        try:
+            meta, samples, labels, lmeval_scores = merge_results([pathlib.Path(f) for f in args.merge])
+        except (OSError, ValueError, KeyError) as e:
+            p.error(f"--merge: {e}")
+        write_result(*result_paths(args.out, args.out), meta, samples, labels, lmeval_scores)
+        return 0
 
     model_dir, model_name, variants = model_and_variants(p, args)
     labels = [v.label for v in variants]
@@ -432,32 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     done = {(s.variant, s.task, s.length) for s in samples}
 
     def save() -> None:
-        rows = summarize(samples, labels, lmeval_scores)
-        out_json.write_text(json.dumps({
-            "meta": meta, "rows": rows,
-            "lm_eval_scores": [{"variant": v, "task": t, "length": n, "score": s}
-                               for (v, t, n), s in lmeval_scores.items()],
-            "samples": [asdict(s) for s in samples]}, indent=1) + "\n")
-        text = [f"# lm-eval {version} RULER on {model_name}, {device} ({meta['device_name']}), vLLM "
-                f"{meta['vllm']}, torch {meta['torch']}, {date}: up to {args.limit} prompts per task and length, "
-                f"{meta['generated_prompts']}"
-                + (f", YaRN x{args.yarn:g} past the trained context" if args.yarn else "")
-                + (", chat template" if args.apply_chat_template else ""),
-                "# score = mean of RULER's per-prompt string match [95% t interval, cut to 0..1]; X - "
-                f"{labels[0]} = paired difference on the same prompts [95% t interval] (prompts whose "
-                "score changed)",
-                format_table(rows, labels), "",
-                "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
-                                         for k, v in meta["variants"].items()),
-                *([("sparse rows' computed density (query tokens per layer that ran sparse) per variant and "
-                    "length, all tasks: " + "; ".join(
-                        f"{k} {_opt(d['density'], '.3f')} ({d['sparse_tokens_per_layer']:.0f})"
-                        for k, d in meta["density"].items()))] if meta.get("density") else []),
-                *(f"$ {c}" for c in meta["commands"])]
-        if meta.get("errors"):
-            text.append("errors (see meta.errors in the JSON): " + ", ".join(meta["errors"]))
-        out_txt.write_text("\n".join(text) + "\n")
-        print("\n".join(text), flush=True)
+        write_result(out_json, out_txt, meta, samples, labels, lmeval_scores)
 
     def log(m: str) -> None:
         print(m, flush=True)

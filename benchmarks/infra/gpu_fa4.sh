@@ -2,10 +2,11 @@
 # FlashAttention-4's CuTe DSL kernels, as vLLM 0.33 ships them (vllm/vllm_flash_attn/cute), for
 # benchmarks/studies/library_tiles.py on a GPU machine of the device tool: vLLM 0.33 requires
 # nvidia-cutlass-dsl[cu13] 4.8.0 and quack-kernels 0.6.5, which gpu_user_stack.sh's lean tier does
-# not carry (the engine itself does not import them on Hopper). Six wheels, 96 MiB, two chunks.
+# not carry (the engine itself does not import them on Hopper). Six wheels, 96 MiB, three chunks of at
+# most 40 MiB (a device call carries 64 MiB with the working tree: a 59 MiB chunk did not fit).
 #
 #   here, from the repository root:  bash benchmarks/infra/gpu_fa4.sh prepare
-#       downloads the wheels and packs them into .gpu/fa4/m0, m1 (pack_model --files)
+#       downloads the wheels and packs them into .gpu/fa4/m0, m1, m2 (pack_model --files)
 #   there, one call per chunk K (carry [".gpu/fa4/mK"]):  bash benchmarks/infra/gpu_fa4.sh stage K
 #   there, after gpu_user_stack.sh install:              bash benchmarks/infra/gpu_fa4.sh install
 #       installs them beside vLLM (/tmp/site-user-vllm) and imports FA4's interface
@@ -28,7 +29,7 @@ case "${1:-}" in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform any -d "$tmp" "${WHEELS[@]}"
     rm -rf .gpu/fa4
-    python3 -m benchmarks.infra.pack_model pack --files "$tmp"/*.whl --out .gpu/fa4
+    python3 -m benchmarks.infra.pack_model pack --files "$tmp"/*.whl --out .gpu/fa4 --chunk-mib 40
     rm -rf "$tmp"
     ;;
   stage)

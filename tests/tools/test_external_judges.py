@@ -136,6 +136,56 @@ def test_summary_pairs_prompts_by_doc_and_hash(ruler):
     assert "-0.400 [-1.000, +0.280] (2, 1 other prompts)" in table
 
 
+def _ruler_meta(ruler, variants, lengths, **over):
+    meta = {"model": "m", "device": "cuda", "device_name": "GPU", "date": "2026-11-27", "vllm": "0.33.0",
+            "torch": "2.14", "lm_eval": "0.4.13", "tasks": ["t"], "lengths": lengths, "limit": 4,
+            "generated_prompts": ruler.GENERATED_LIMIT, "yarn": 4.0, "apply_chat_template": True,
+            "max_model_len": {"yarn4": 131072}, "max_num_batched_tokens": None, "kv_cache_dtype": None,
+            "variants": variants, "commands": [f"run {','.join(variants)} {lengths}"]}
+    return {**meta, **over}
+
+
+def _write_ruler_file(ruler, path, meta, samples):
+    ruler.write_result(path.with_suffix(".json"), path.with_suffix(".txt"), meta, samples,
+                       list(meta["variants"]), {})
+    return path.with_suffix(".json")
+
+
+def test_merge_pairs_runs_made_side_by_side(ruler, tmp_path):
+    """Two runs, one per variant, merge into the table a single run would have written; a cell in
+    two files, or files that disagree on what was run, are refused."""
+    S = ruler.SampleScore
+    dense = [S("dense", "t", 4096, i, f"h{i}", s, "", "") for i, s in enumerate([1, 1, 0, 1])]
+    sparse = [S("sparse", "t", 4096, i, f"h{i}", s, "", "") for i, s in enumerate([1, 0, 0, 1])]
+    a = _write_ruler_file(ruler, tmp_path / "a", _ruler_meta(ruler, {"dense": None}, [4096]), dense)
+    b = _write_ruler_file(ruler, tmp_path / "b", _ruler_meta(
+        ruler, {"sparse": {}}, [4096], density={"sparse/4096": {"density": 0.2, "sparse_tokens_per_layer": 9.0}}),
+        sparse)
+    meta, samples, labels, _ = ruler.merge_results([a, b])
+    assert labels == ["dense", "sparse"] and meta["merged_from"] == ["a.json", "b.json"]
+    assert meta["density"] == {"sparse/4096": {"density": 0.2, "sparse_tokens_per_layer": 9.0}}
+    assert meta["commands"] == ["run dense [4096]", "run sparse [4096]"]
+    assert meta["max_model_len"] == {"yarn4": [131072]}
+    longer = _write_ruler_file(ruler, tmp_path / "e", _ruler_meta(ruler, {"sparse": {}}, [8192],
+                                                                  max_model_len={"yarn4": 8448}),
+                               [S("sparse", "t", 8192, 0, "h", 1.0, "", "")])
+    assert ruler.merge_results([a, longer])[0]["max_model_len"] == {"yarn4": [8448, 131072]}
+    (row,) = ruler.summarize(samples, labels, {})
+    assert row["variants"]["sparse"]["diff"]["mean"] == pytest.approx(-0.25)
+    assert row == ruler.summarize(dense + sparse, ["dense", "sparse"], {})[0]
+    # the reference is the first file's first variant
+    assert ruler.merge_results([b, a])[2] == ["sparse", "dense"]
+    # written through the command line
+    assert ruler.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    assert "-0.250" in (tmp_path / "m.txt").read_text()
+    with pytest.raises(ValueError, match=r"c\.json: dense/t/4096 is in .*a\.json too"):
+        ruler.merge_results([a, b, _write_ruler_file(ruler, tmp_path / "c", _ruler_meta(ruler, {"dense": None},
+                                                                                      [4096]), dense)])
+    other = _write_ruler_file(ruler, tmp_path / "d", _ruler_meta(ruler, {"sparse": {}}, [4096], limit=10), sparse)
+    with pytest.raises(ValueError, match="limit 10"):
+        ruler.merge_results([a, other])
+
+
 def test_lengths_go_to_the_native_model_or_the_yarn_copy(ruler):
     assert ruler.plan_lengths([4096], 8192, None) == {"native": ([4096], 4352)}
     assert ruler.plan_lengths([130000, 32000, 65536], 32768, 4) == {

@@ -44,11 +44,30 @@ def test_default_config_matches_the_frozen_table_for_every_input():
 
 def test_every_row_of_the_table_is_reachable():
     used = set()
-    for head_dim, dense, group, merged, shared, tma in itertools.product(HEAD_DIMS, FLAGS, GROUPS, MERGED_HEADS,
-                                                                         FLAGS, FLAGS):
-        conditions = dict(tma=tma, dense=dense, wide=head_dim >= 128, stacked=merged > 1, shared=shared)
+    for head_dim, dense, group, merged, shared, tma, quantized in itertools.product(
+            HEAD_DIMS, FLAGS, GROUPS, MERGED_HEADS, FLAGS, FLAGS, FLAGS):
+        conditions = dict(tma=tma, dense=dense, wide=head_dim >= 128, stacked=merged > 1, shared=shared,
+                          quantized=quantized)
         used.add(next(i for i, r in enumerate(LAUNCH_TABLE) if r.matches(**conditions)))
     assert used == set(range(len(LAUNCH_TABLE)))
+
+
+def test_an_fp8_cache_stacks_a_group_divisor_in_tma_dense_mode_only():
+    """fp8 K/V tiles are widened once per program: dense mode on TMA loads stacks the largest of
+    4 / 2 / 1 dividing the group (two heads for the 1.5B's group of 6, where bf16 keeps one); every
+    other input gets the bf16 cache's configuration."""
+    assert default_config(128, True, 6, tma=True, quantized=True)["heads_per_program"] == 2
+    assert default_config(128, True, 6, tma=True)["heads_per_program"] == 1
+    assert default_config(128, True, 2, tma=True, quantized=True)["num_warps"] == 8
+    changed = []
+    for head_dim, dense, group, merged, shared, tma in itertools.product(HEAD_DIMS, FLAGS, GROUPS, MERGED_HEADS,
+                                                                         FLAGS, FLAGS):
+        plain = default_config(head_dim, dense, group, merged, shared=shared, tma=tma)
+        fp8 = default_config(head_dim, dense, group, merged, shared=shared, tma=tma, quantized=True)
+        if fp8 != plain:
+            changed.append((head_dim, dense, group, tma))
+            assert (head_dim >= 128, dense, tma) == (True, True, True)
+    assert {g for _, _, g, _ in changed} == {2, 6}
 
 
 def test_shared_stack():

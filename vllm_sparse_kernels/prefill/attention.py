@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ..constants import BLOCK, MAX_START
 from ..index_format import SparseIndex
-from ..kv_quant import check_kv_dtypes, scale_operand
+from ..kv_quant import check_kv_dtypes, is_fp8, scale_operand
 from .launch_config import default_config, shared_stack
 from .packing import (META_WIDTH, BatchedSparseIndex, RowTable, merge_group_heads, pack_rows, plan_rows,
                       row_fields)
@@ -366,8 +366,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     if tma and tma_why:
         raise ValueError(f"tma=True: {tma_why}")
     use_tma = (key_cache.is_cuda and not tma_why) if tma is None else tma
+    quantized = is_fp8(key_cache.dtype)  # tiles widened on load: the table stacks more heads on them
     if bix.dense:
-        gh = heads_per_program or default_config(d, True, group, tma=use_tma)["heads_per_program"]
+        gh = heads_per_program or default_config(d, True, group, tma=use_tma,
+                                                 quantized=quantized)["heads_per_program"]
     else:
         gh = bix.heads_per_list
         if heads_per_program not in (None, gh):
@@ -376,7 +378,8 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         raise ValueError(f"{gh} stacked heads: must be a power of two (dividing the group of {group} when merged)")
     lists = hkv * ((group + gh - 1) // gh)
     _check_index(bix, lists, q.device)
-    cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1, tma=use_tma)
+    cfg = default_config(d, bix.dense, group, gh, shared=not bix.dense and not bix.merged and gh > 1, tma=use_tma,
+                         quantized=quantized)
     warps = num_warps or cfg["num_warps"]
     bn = block_n or cfg["block_n"]
     # the default stage count is for the default tile; with wider key tiles and stacked heads,
