@@ -1,10 +1,15 @@
-"""CUDA timing shared by the GPU benchmarks (kernels, decode_topk, decode_spans, the studies)."""
+"""CUDA timing and model shapes shared by the GPU benchmarks (kernels, decode_topk, decode_spans,
+the studies); torch only, so a study can read it before choosing whether triton interprets."""
 
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+# Attention shapes of the benchmarked models: (query heads, KV heads, head dim).
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
+          "qwen2.5-1.5b": (12, 2, 128)}
 
 
 def capture_graph(fn) -> torch.cuda.CUDAGraph:

@@ -70,7 +70,7 @@ import time
 
 import torch
 
-from benchmarks.common import capture_graph, event_median
+from benchmarks.common import SHAPES as MODEL_SHAPES, capture_graph, event_median
 
 try:
     import triton
@@ -82,7 +82,7 @@ except ImportError as _e:  # checked in main(); lets the file be imported / lint
 else:
     _IMPORT_ERROR = None
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64)}
+SHAPES = {name: MODEL_SHAPES[name] for name in ("llama3-8b", "qwen2.5")}
 PAGE = 16
 DTYPE = torch.bfloat16
 SINK_PAGES = 1

@@ -30,13 +30,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import capture_graph, event_median
+from benchmarks.common import SHAPES, capture_graph, event_median
 
 from vllm_sparse_kernels.prefill import attention as sa  # noqa: E402 - the checkout's (ROOT is on sys.path)
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, diagonal_block_mask, num_blocks  # noqa: E402
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5": (14, 2, 64), "llama3.2-1b": (32, 8, 64),
-          "qwen2.5-1.5b": (12, 2, 128)}
 PAGE = 16
 
 

@@ -198,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="32,128", help="n in K tokens (default 32,128)")
     ap.add_argument("--shape", default="llama3-8b", choices=[k for k, v in SHAPES.items() if v[2] == 128],
-                    help="attention shape (benchmarks.kernels.SHAPES)")
+                    help="attention shape (benchmarks.common.SHAPES)")
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page (64: TMA loads on Hopper)")
     ap.add_argument("--budgets", type=int, nargs=2, default=(1000, 1000), metavar=("VERTICAL", "SLASH"),
                     help="planted vertical / slash budget (default: the backend's default 1000 / 1000; the "

@@ -85,6 +85,7 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 
+from benchmarks.common import SHAPES as MODEL_SHAPES  # noqa: E402 - torch only
 from vllm_sparse_backend.prefill.index import build_index, compact  # noqa: E402 - torch only
 from vllm_sparse_kernels.prefill.launch_config import shared_stack  # noqa: E402 - plain Python
 from vllm_sparse_kernels.reference.dense import masked_attention_f64  # noqa: E402 - torch only
@@ -95,7 +96,7 @@ FA4_BLOCK = (128, 128)  # FA4's SM90 m x n tile for head dim 128 (interface._til
 # CTA (hopper/prefill_sm90.cuh, BatchPrefillWithPagedKVCacheDispatched; the plan tiles each query
 # block of R rows by 128, so R = 64 leaves half of each tile empty)
 FI_TILE = "CTA 128x96 per q head"
-SHAPES = {"qwen2.5-1.5b": (12, 2, 128), "llama3-8b": (32, 8, 128)}  # as benchmarks.kernels.SHAPES
+SHAPES = {name: MODEL_SHAPES[name] for name in ("qwen2.5-1.5b", "llama3-8b")}  # head dim 128: the tiles above
 SMOKE_SHAPES = {"tiny-gqa": (4, 2, 64)}
 NAN = float("nan")
 # Largest error a method may have on the sampled rows, relative to each row's largest output
