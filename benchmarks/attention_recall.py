@@ -50,14 +50,15 @@ DEFAULT_VARIANTS = ["vs", "flex0.9", "flex0.95", "ashape", "block"]
 
 def format_summary(summary: dict[int, dict[str, dict]]) -> str:
     head = (f"{'tokens':>6} {'variant':<28} {'density':>7} {'tiles':>6} {'recall':>7} {'min lay':>7} "
-            f"{'min head':>8} {'out err':>7} {'max lay':>7} {'shared':>6} {'dense':>5}")
+            f"{'min head':>8} {'out err':>7} {'max lay':>7} {'shared':>6} {'dense':>5} {'q recall':>8} {'q min lay':>9}")
     lines = [head, "-" * len(head)]
     for n, per_variant in summary.items():
         for label, m in per_variant.items():
             lines.append(f"{n:>6} {label:<28} {m['density']:>7.3f} {m.get('tile_density', float('nan')):>6.3f} "
                          f"{m['recall']:>7.4f} {m['recall_min_layer']:>7.4f} {m['recall_min_head']:>8.4f} "
                          f"{m['error']:>7.4f} {m['error_max_layer']:>7.4f} {m.get('shared_layers', 0):>6} "
-                         f"{m.get('dense_chunks', 0):>5}")
+                         f"{m.get('dense_chunks', 0):>5} {m.get('tail_recall', float('nan')):>8.4f} "
+                         f"{m.get('tail_recall_min_layer', float('nan')):>9.4f}")
     return "\n".join(lines)
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gating", action="store_true", help="route chunks dense where the CUDA backend "
                    "would (min_sparse_query_len, max_density on the budgets and on the estimated index)")
     p.add_argument("--tail-rows", type=int, default=0, help="the prompt's last rows always among the "
-                   "sampled rows (default 0: stratified only)")
+                   "sampled rows, and scored alone too (q recall: a task's question; default 0: stratified only)")
     p.add_argument("--tile", type=int, default=64, help="query rows scored per step")
     p.add_argument("--oracle-densities", nargs="*", type=float, default=[],
                    help="also the per-row block oracle at these densities: each sampled row keeps its own "

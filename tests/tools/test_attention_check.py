@@ -241,6 +241,10 @@ def test_chunked_checker_matches_brute_force(chunk):
         assert res.chunks == -(-N // chunk)
         assert res.density == pytest.approx(mask.sum().item() / causal_pairs(N, 0, H))
         assert res.recall == pytest.approx(float(recall.mean()), abs=1e-5)
+        # the question's rows (the last 20) scored alone: their own mean and worst head
+        tail_recall = (p * mask).sum(-1)[:, N - 20:].double().mean(-1)
+        assert res.tail_recall == pytest.approx(float(tail_recall.mean()), abs=1e-5)
+        assert res.tail_recall_min_head == pytest.approx(float(tail_recall.min()), abs=1e-5)
         assert res.error == pytest.approx(float((sparse - dense).norm() / dense.norm()), rel=1e-4, abs=1e-6)
         assert 0 < res.tile_density <= 1 and res.density < 1
 

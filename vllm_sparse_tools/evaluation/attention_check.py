@@ -299,6 +299,10 @@ class LayerResult:
     kv_share: int = 1  # query heads per selection (the GQA group when shared, as the backend runs it)
     chunks: int = 1  # chunks the prompt was estimated in
     dense_chunks: dict[str, int] = field(default_factory=dict)  # chunks run dense, per reason (gating)
+    # the prompt's last ``tail`` rows alone (a task's question: what it can still read of the
+    # needles), NaN without a tail
+    tail_recall: float = float("nan")
+    tail_recall_min_head: float = float("nan")
 
 
 def group_oracle_label(density: float, group_rows: int) -> str:
@@ -381,6 +385,7 @@ class LayerChecker:
         causal_t = [0] * len(self.variants)
         patterns: list[dict[str, int]] = [{} for _ in self.variants]
         reasons: list[dict[str, int]] = [{} for _ in self.variants]
+        tail_stats: list[SelectionStats] = []
         for c0, c1 in bounds:
             qc, kc, vc = q[c0:c1], k[:c1], v[:c1]
             indices = []
@@ -398,6 +403,9 @@ class LayerChecker:
             stats, diff = selection_stats(qc, kc, vc, scale, indices, rr, self.tile, out_c, self.oracle_densities,
                                           self.oracle_block_size, self.group_oracles)
             self.capture_diff = max(self.capture_diff, diff)
+            if self.tail and c1 == n:  # the question's rows, scored apart from the rest
+                tail_rows = torch.arange(max(c0, n - self.tail), n, device=q.device) - c0
+                tail_stats = selection_stats(qc, kc, vc, scale, indices, tail_rows, self.tile)[0]
             for i, st in enumerate(stats):  # the variants' indices, then the oracles
                 if total[i] is None:
                     total[i] = st
@@ -412,7 +420,9 @@ class LayerChecker:
                                    float(st.recall_per_head.mean()), float(st.recall_per_head.min()),
                                    st.error, float(st.error_per_head.max()), patterns[i],
                                    tiles[i] / max(1, causal_t[i]), kv_group_share(heads[var.label], k.shape[1], s),
-                                   len(bounds), reasons[i]))
+                                   len(bounds), reasons[i],
+                                   *((float(tail_stats[i].recall_per_head.mean()),
+                                      float(tail_stats[i].recall_per_head.min())) if tail_stats else ())))
         oracles = [(oracle_label(d), d) for d in self.oracle_densities]
         oracles += [(group_oracle_label(d, g), d) for d, g in self.group_oracles]
         for (label, d), st in zip(oracles, total[len(self.variants):]):
@@ -438,7 +448,9 @@ def summarize(results: Sequence[LayerResult]) -> dict[str, dict[str, float]]:
                       "error": statistics.fmean(r.error for r in rs),
                       "error_max_layer": max(r.error for r in rs),
                       "shared_layers": sum(r.kv_share > 1 for r in rs),
-                      "dense_chunks": sum(sum(r.dense_chunks.values()) for r in rs)}
+                      "dense_chunks": sum(sum(r.dense_chunks.values()) for r in rs),
+                      "tail_recall": statistics.fmean(r.tail_recall for r in rs),
+                      "tail_recall_min_layer": min(r.tail_recall for r in rs)}
     return out
 
 
