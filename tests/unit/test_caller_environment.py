@@ -9,6 +9,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+
+from conftest import LOCATION_ENV
 from repo_files import REPO_ROOT as ROOT
 from vllm_sparse_backend.config import SparseSettings, load_settings
 from vllm_sparse_tools.demo import DEMO_SPARSE_ENV
@@ -20,8 +23,6 @@ ONCE_BROKEN = [
     "tests/unit/test_metrics.py::test_metric_names_have_no_vllm_prefix_and_route_series_start_at_zero",
     "tests/unit/test_plan.py::test_rows_whose_selection_is_every_key_are_counted_dense",
 ]
-# Where downloads live, the only VLLM_SPARSE_* variables a test session keeps.
-LOCATIONS = ("VLLM_SPARSE_CACHE", "VLLM_SPARSE_VLLM_TREES")
 ASSIGNMENT = re.compile(r"\b(VLLM_SPARSE_[A-Z0-9_]+|PROMETHEUS_MULTIPROC_DIR)=(\$\(mktemp -d\)|[^\s\\]+)")
 
 
@@ -34,12 +35,13 @@ def readme_exports(tmp_dir) -> dict[str, str]:
 
 def test_session_environment_holds_no_settings():
     """Run inside the session that the next test starts under the README's exports, and here."""
-    leaked = [k for k in os.environ if (k.startswith("VLLM_SPARSE_") and k not in LOCATIONS)
+    leaked = [k for k in os.environ if (k.startswith("VLLM_SPARSE_") and k not in LOCATION_ENV)
               or k == "PROMETHEUS_MULTIPROC_DIR"]
     assert not leaked, leaked
     assert load_settings() == SparseSettings()
 
 
+@pytest.mark.slow  # a child pytest session
 def test_suite_passes_in_a_shell_that_ran_the_readme_exports(tmp_path):
     exports = readme_exports(tmp_path)
     assert DEMO_SPARSE_ENV.items() <= exports.items() and "PROMETHEUS_MULTIPROC_DIR" in exports, exports
