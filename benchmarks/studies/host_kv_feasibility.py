@@ -36,7 +36,7 @@ their sparse selection reads. Three parts, each optional (``--parts``):
    context's pages is the fetch. Chunks the plugin would run dense (shorter than
    ``min_sparse_query_len``, or a budget density above ``max_density``) are flagged: they need it all.
 
-Run on a GPU machine (about 3 minutes at 32K for the 1.5B), from the repository root::
+Run on a GPU machine (a few minutes at most at 32K for the 1.5B), from the repository root::
 
     python -m benchmarks.studies.host_kv_feasibility --model /tmp/models/qwen2.5-coder-1.5b-instruct \\
         --text /tmp/austen.txt --tokens 32768 --out $OUT/host_kv_32k
