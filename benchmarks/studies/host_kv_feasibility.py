@@ -25,7 +25,10 @@ their sparse selection reads. Three parts, each optional (``--parts``):
    per layer of ``C = m x budget x KV heads`` page slices (m = ``--cache-multiples``) is fed the
    steps in order (:func:`hot_cache_stats`): whole pages (all KV heads of a block travel together,
    as vLLM's block layout stores them: ``m x budget`` pages) and per-KV-head slices (``m x budget``
-   per head). Hit rate = hits / requested over steps 2..T (the first step starts cold).
+   per head). Hit rate = hits / requested over steps 2..T (the first step starts cold). A step's
+   pages are touched in ascending order (the references list them so, not by score): a step that
+   asks for more than C keeps its later pages. At 1x the whole-page cache is smaller than one
+   step's union of KV heads (the same memory as the per-head slices), so it cannot hit fully.
 3. ``prefill`` (same run): the prefill's post-RoPE queries and keys of each layer are cut into the
    chunks of a chunked prefill (``--chunk``, vLLM's default 8192; the causal model's Q and K do not
    depend on how the prompt is chunked) and each chunk after the first is estimated by the
@@ -95,6 +98,19 @@ def hot_cache_stats(steps: Sequence[Sequence[int]], capacity: int) -> dict:
             "fetched_mean": sum(later) / len(later) if later else float("nan"),
             "fetched_max": max(later) if later else 0,
             "cold": misses[0] if misses else 0,
+            "misses": misses}
+
+
+def slice_cache_stats(steps: Sequence[Sequence[Sequence[int]]], capacity: int) -> dict:
+    """``steps[t][h]``: the pages KV head h requests at step t, each head with its own LRU of
+    ``capacity`` slices (:func:`hot_cache_stats`). ``hit_rate``: pooled over the heads and steps
+    2..; ``misses``: per step, summed over the heads; ``fetched_mean``: their mean over steps 2..."""
+    per_head = [hot_cache_stats([s[h] for s in steps], capacity) for h in range(len(steps[0]))]
+    misses = [sum(col) for col in zip(*(st["misses"] for st in per_head))]
+    asked = sum(len(pages) for s in steps[1:] for pages in s)
+    later = misses[1:]
+    return {"hit_rate": 1 - sum(later) / asked if asked else float("nan"),
+            "fetched_mean": sum(later) / len(later) if later else float("nan"),
             "misses": misses}
 
 
@@ -487,16 +503,12 @@ def analyse_decode(cap: Capture, multiples: Sequence[int], kv_heads: int, head_d
             per_head_pages += [len(h) for s in steps for h in s]
             for m in multiples:
                 whole = hot_cache_stats(union, m * budget)
-                heads = [hot_cache_stats([s[h] for s in steps], m * budget) for h in range(kv_heads)]
-                asked = sum(len(s[h]) for s in steps[1:] for h in range(kv_heads))
-                hit_heads = (sum(st["hit_rate"] * sum(len(s[h]) for s in steps[1:]) for h, st in enumerate(heads)
-                                 if sum(len(s[h]) for s in steps[1:])) / asked) if asked else float("nan")
-                slices = [sum(col) for col in zip(*[st["misses"] for st in heads])]
+                sliced = slice_cache_stats(steps, m * budget)
                 stats[f"hit_page_{m}x"].append(whole["hit_rate"])
                 stats[f"fetch_page_{m}x"].append(whole["fetched_mean"])
                 stats[f"fetch_page_max_{m}x"].append(whole["fetched_max"])
-                stats[f"hit_slice_{m}x"].append(hit_heads)
-                stats[f"fetch_slice_{m}x"].append(sum(slices[1:]) / max(1, len(slices) - 1))
+                stats[f"hit_slice_{m}x"].append(sliced["hit_rate"])
+                stats[f"fetch_slice_{m}x"].append(sliced["fetched_mean"])
                 stats[f"cold_page_{m}x"].append(whole["cold"])
                 series.setdefault(f"fetch_page_{m}x", []).append(whole["misses"])
         row["pages_per_head"] = sum(per_head_pages) / len(per_head_pages)

@@ -42,6 +42,16 @@ def test_hot_cache_weights_steps_by_their_pages():
     assert st["misses"] == [1, 0, 3]
 
 
+def test_slice_caches_by_hand():
+    # head 0 asks [1], [1], [2]: capacity 1 -> hit, miss; head 1 asks [5, 6], [6, 7], [5]:
+    # capacity 1 keeps only the last page of a step -> hit (6), then miss (5)
+    steps = [[[1], [5, 6]], [[1], [6, 7]], [[2], [5]]]
+    st = hk.slice_cache_stats(steps, 1)
+    assert st["misses"] == [3, 1, 2]
+    assert st["hit_rate"] == pytest.approx(2 / 5)  # steps 2..3 asked for 5 slices, 2 were cached
+    assert st["fetched_mean"] == pytest.approx(3 / 2)
+
+
 def test_union_steps():
     assert hk.union_steps([[[1, 3], [3, 2]], [[], [5]]]) == [[1, 2, 3], [5]]
 
@@ -84,12 +94,13 @@ def test_earlier_key_cover_matches_the_dense_mask_of_an_estimate():
     """A real vertical-slash estimate (one selection per KV group) of a chunk after a context:
     the earlier keys any of a group's queries may attend to, from the index's dense mask."""
     gen = torch.Generator().manual_seed(0)
-    ctx, q_len, heads, kv_heads, d = 200, 96, 4, 2, 16
+    ctx, q_len, heads, kv_heads, d = 1024, 64, 4, 2, 16
     q = torch.randn(q_len, heads, d, generator=gen)
     k = torch.randn(ctx + q_len, kv_heads, d, generator=gen)
     k[37] *= 4  # a few strong columns, so the selection is not only the band
     k[150] *= 4
-    settings = SparseSettings(block_size=16, vertical_size=12, slash_size=20, last_q=16, keep_first_columns=3,
+    # few diagonals over a long context: many earlier keys are reached by a column alone
+    settings = SparseSettings(block_size=16, vertical_size=16, slash_size=4, last_q=16, keep_first_columns=3,
                               keep_last_diagonals=4, min_sparse_query_len=1)
     est = estimate_index(q, k, ctx, [resolve_head(None, settings)] * heads, settings, d ** -0.5)
     mask = index_to_dense_mask(est.index, q_len, ctx)[:, :, :ctx].any(1)  # [H, ctx]
