@@ -47,7 +47,7 @@ def run_entry(tmp_path):
     out = tmp_path / "argv"
     base = {k: v for k, v in os.environ.items()
             if k not in ("MODEL", "MODEL_REVISION", "PORT", "HOST", "VLLM_EXTRA_ARGS", "VLLM_PLUGINS",
-                         "PROMETHEUS_MULTIPROC_DIR")}
+                         "PROMETHEUS_MULTIPROC_DIR", "VLLM_API_KEY")}
     base.update(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable, FAKE_VLLM_OUT=str(out))
 
     def run(*args, **env):
@@ -103,6 +103,17 @@ def test_entrypoint_never_logs_an_api_key(run_entry):
                     "--api-key", "sekrit-one", "--api-key=sekrit-two"]  # vLLM gets them
     assert "sekrit" not in err
     assert "--api-key *** --enforce-eager --api-key *** --api-key=***" in err  # the command is still logged
+
+
+def test_entrypoint_closes_the_port_with_the_middleware_when_a_key_is_set(run_entry):
+    """tests/server/test_serving_auth.py starts vLLM with these same flags and checks every route."""
+    rc, argv, _, err = run_entry(MODEL="m", VLLM_API_KEY="sekrit-key", VLLM_EXTRA_ARGS="--enforce-eager")
+    assert rc == 0, err
+    assert argv == ["serve", "m", *DEFAULT, "--middleware", "vllm_sparse_backend.serving_auth.RequireApiKey",
+                    "--enforce-eager"]
+    assert "sekrit" not in err
+    rc, argv, _, err = run_entry(MODEL="m", VLLM_API_KEY="")  # no key: nothing to close the port with
+    assert rc == 0 and argv == ["serve", "m", *DEFAULT], err
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -215,7 +226,9 @@ def _ignore_patterns():
 def test_dockerfile_base_image_arch_user_healthcheck_entrypoint():
     ins = _instructions()
     froms = [a for w, a in ins if w == "FROM"]
-    assert len(froms) == 1 and re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", froms[0]), froms
+    # the base by tag and digest, the digest a build argument without a default (a build without it fails)
+    assert len(froms) == 1 and re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+@\$\{BASE_DIGEST\}", froms[0]), froms
+    assert ins.index(("ARG", "BASE_DIGEST")) < ins.index(("FROM", froms[0]))
     args = dict(a.split("=", 1) for w, a in ins if w == "ARG" and "=" in a)
     assert args["TORCH_CUDA_ARCH_LIST"] == '"8.0"'
     assert int(args["APP_UID"]) > 0
