@@ -120,35 +120,34 @@ def union_steps(per_head_steps: Sequence[Sequence[Sequence[int]]]) -> list[list[
     return [sorted(set().union(*map(set, heads))) for heads in per_head_steps]
 
 
-def earlier_key_cover(index, ctx_len: int, heads_per_kv: int) -> torch.Tensor:
+def earlier_key_cover(index, ctx_len: int, heads_per_kv: int, per_query_block: bool = False) -> torch.Tensor:
     """bool ``[Hkv, ctx_len]``: the earlier-context keys (positions < ``ctx_len``) that any query
     block of ``index`` (a :class:`SparseIndex` of one row, one list per query head, heads of a KV
     group consecutive) lists, as a whole key block, a column or a range, for any head of each KV
-    group. Every earlier key is causally visible to every query of the chunk, so listing it is
-    needing it."""
+    group; ``per_query_block``: ``[Hkv, NQB, ctx_len]``, each query block's own. Every earlier key
+    is causally visible to every query of the chunk, so listing it is needing it."""
     from vllm_sparse_backend.prefill.index import range_cover
 
     b = index.block_size
     h, nqb = index.block_count.shape
     device = index.block_count.device
-    kv_len = ctx_len + 1  # one slot past the context collects what lies beyond it
-    cover = torch.zeros(h, kv_len, dtype=torch.bool, device=device)
-
+    n_key_blocks = -(-ctx_len // b)
     blocks = index.block_index.to(torch.int64)
     listed = torch.arange(blocks.shape[-1], device=device) < index.block_count[..., None]
-    n_key_blocks = -(-ctx_len // b)
-    block_hit = torch.zeros(h, n_key_blocks + 1, dtype=torch.bool, device=device)
-    block_hit.scatter_(1, torch.where(listed, blocks.clamp(max=n_key_blocks), n_key_blocks).view(h, -1), True)
-    cover[:, :ctx_len] = block_hit[:, :n_key_blocks].repeat_interleave(b, 1)[:, :ctx_len]
+    # one slot past the context's blocks (and keys, below) collects what lies beyond it
+    block_hit = torch.zeros(h, nqb, n_key_blocks + 1, dtype=torch.bool, device=device)
+    block_hit.scatter_(2, torch.where(listed, blocks.clamp(max=n_key_blocks), n_key_blocks), True)
+    cover = torch.zeros(h, nqb, ctx_len + 1, dtype=torch.bool, device=device)
+    cover[..., :ctx_len] = block_hit[..., :n_key_blocks].repeat_interleave(b, -1)[..., :ctx_len]
 
     cols = index.column_index.to(torch.int64)
     listed = torch.arange(cols.shape[-1], device=device) < index.column_count[..., None]
-    cover.scatter_(1, torch.where(listed, cols.clamp(max=ctx_len), ctx_len).view(h, -1), True)
+    cover.scatter_(2, torch.where(listed, cols.clamp(max=ctx_len), ctx_len), True)
 
     if index.range_start is not None and index.range_start.shape[-1]:
-        cover[:, :ctx_len] |= range_cover(index.range_start, b, ctx_len).any(1)
-    cover = cover[:, :ctx_len]
-    return cover.view(h // heads_per_kv, heads_per_kv, ctx_len).any(1)
+        cover[..., :ctx_len] |= range_cover(index.range_start, b, ctx_len)
+    cover = cover[..., :ctx_len].view(h // heads_per_kv, heads_per_kv, nqb, ctx_len).any(1)
+    return cover if per_query_block else cover.any(1)
 
 
 def page_share(cover: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
@@ -392,7 +391,8 @@ class Capture:
             end = min(n, start + self.chunk)
             q_len = end - start
             est = estimate_index(q[start:end], k[:end], start, heads, s, scale)
-            cover = earlier_key_cover(est.index, start, group)
+            per_block = earlier_key_cover(est.index, start, group, per_query_block=True)
+            cover = per_block.any(1)
             density = HeadGroups.from_heads(heads, q.device).budget_density(q_len, start, s)
             dense = ("chunk below min_sparse_query_len" if q_len < s.min_sparse_query_len else
                      "budget density above max_density" if density > s.max_density else "")
@@ -401,7 +401,9 @@ class Capture:
             for ps in self.page_sizes:
                 per_kv, pages = page_share(cover, ps)
                 layer_pages, _ = page_share(cover.any(0), ps)
+                block_pages, _ = page_share(per_block, ps)
                 row[f"pages_{ps}"] = {"per_kv_head": per_kv.tolist(), "any_kv_head": int(layer_pages),
+                                      "query_block_mean": block_pages.double().mean().item(),
                                       "context_pages": pages}
             self.chunks.append(row)
 
@@ -583,6 +585,8 @@ def analyse_prefill(chunks: list[dict], page_sizes) -> list[dict]:
             anys = [c[f"pages_{ps}"]["any_kv_head"] / c[f"pages_{ps}"]["context_pages"] for c in cs]
             worst = max(range(len(cs)), key=lambda i: anys[i])
             row[f"page_share_{ps}"] = statistics.mean(shares)
+            row[f"block_share_{ps}"] = statistics.mean(c[f"pages_{ps}"]["query_block_mean"] /
+                                                       c[f"pages_{ps}"]["context_pages"] for c in cs)
             row[f"any_share_{ps}"] = statistics.mean(anys)
             row[f"worst_{ps}"] = [cs[worst]["layer"], anys[worst]]
         rows.append(row)
@@ -595,16 +599,18 @@ def _worst(layer_share) -> str:
 
 def format_prefill(rows: list[dict], page_sizes, chunk: int) -> str:
     head = (f"{'ctx':>7} {'q_len':>6} {'keys':>6} "
-            + " ".join(f"{f'pg{ps}/kv':>8} {f'pg{ps} any':>8} {f'worst{ps}':>11}" for ps in page_sizes)
+            + " ".join(f"{f'pg{ps}/kv':>8} {f'pg{ps} any':>8} {f'worst{ps}':>11} {f'pg{ps} qb':>8}"
+                       for ps in page_sizes)
             + "  dense?")
     lines = [f"# prefill chunks of {chunk}: earlier-context keys the default vertical-slash index lists (union over "
              "the chunk's query blocks and each KV group's heads), mean over layers; pgP/kv = pages of P tokens "
              "per KV head, pgP any = pages any KV head needs, as shares of the earlier context's pages; worst = "
-             "the layer needing most (layer share)", head, "-" * len(head)]
+             "the layer needing most (layer share); pgP qb = pages per KV head of one query block alone (what a "
+             "chunk computed block by block needs at a time)", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['ctx']:>7} {r['q_len']:>6} {r['key_share']:>6.3f} "
                      + " ".join(f"{r[f'page_share_{ps}']:>8.3f} {r[f'any_share_{ps}']:>8.3f} "
-                                f"{_worst(r[f'worst_{ps}']):>11}" for ps in page_sizes)
+                                f"{_worst(r[f'worst_{ps}']):>11} {r[f'block_share_{ps}']:>8.3f}" for ps in page_sizes)
                      + (f"  {r['dense']}" if r["dense"] else ""))
     return "\n".join(lines)
 
