@@ -73,6 +73,7 @@ _ATTENTION_NAME = "vllm_sparse_host_kv_feasibility"
 # layers, KV heads, head dim of the layouts whose pages part 1 moves
 LAYOUTS = {"qwen2.5-1.5b": (28, 2, 128), "llama3-8b": (32, 8, 128)}
 TRANSFER_PAGE_TOKENS = 64
+GATHER_ROUTES = ("index_select", "copy_per_page", "zero_copy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,23 +194,13 @@ def _gather_kernel():
     return gather_pages
 
 
-class _HostPointer:
-    """A pinned tensor's address as Triton takes a pointer argument (``data_ptr`` and ``dtype``),
-    for a Triton that refuses a CPU tensor before asking the driver whether its address is mapped."""
-
-    def __init__(self, t: torch.Tensor):
-        self._t, self.dtype = t, t.dtype
-
-    def data_ptr(self) -> int:
-        return self._t.data_ptr()
-
-
-def zero_copy_gather(kernel, pool: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor, wrap: bool) -> None:
-    """``out[i] = pool[page_ids[i]]`` by the GPU reading the pinned ``pool`` [pages, words] in place."""
+def zero_copy_gather(kernel, pool: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = pool[page_ids[i]]`` (int32 ``[pages, words]``) by the kernel reading ``pool`` where
+    it lies: on the GPU, a pinned host tensor read in place over PCIe (Triton 3.6 takes it as a
+    pointer argument: the driver maps a pinned allocation at the same address)."""
     words = pool.shape[1]
     block = 2048
-    kernel[(page_ids.numel(), -(-words // block))](_HostPointer(pool) if wrap else pool, page_ids, out, words,
-                                                    BLOCK=block)
+    kernel[(page_ids.numel(), -(-words // block))](pool, page_ids, out, words, BLOCK=block)
 
 
 def _wall_ms(fn, reps: int) -> float:
@@ -229,7 +220,7 @@ def _wall_ms(fn, reps: int) -> float:
 def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool_pages: int, reps: int,
                       log=print) -> dict:
     dev = torch.device("cuda")
-    out: dict = {"contiguous": [], "gather": {}, "zero_copy": None}
+    out: dict = {"contiguous": [], "gather": {}}
     big = torch.empty(max(sizes_mib) << 20, dtype=torch.uint8, pin_memory=True)
     big.fill_(1)
     dst = torch.empty_like(big, device=dev)
@@ -243,11 +234,7 @@ def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool
             flush=True)
     del big, dst, pageable
 
-    kernel, wrap = None, False
-    try:
-        kernel = _gather_kernel()
-    except ImportError as e:
-        out["zero_copy"] = f"no triton: {e}"
+    kernel = _gather_kernel()
     gen = torch.Generator().manual_seed(0)
     side = torch.cuda.Stream()
     for name, (layers, kv_heads, head_dim) in LAYOUTS.items():
@@ -282,25 +269,14 @@ def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool
                 if not torch.equal(gpu, want):
                     raise RuntimeError(f"{label}: the gathered pages differ from the pool's ({name}, {k} pages)")
                 row[label] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
-            if kernel is not None:
-                gpu.zero_()
-                try:
-                    ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu, wrap), reps)
-                except Exception as e:  # noqa: BLE001 - the refusal is the finding; retry once wrapped
-                    if wrap:
-                        raise
-                    log(f"zero-copy with the pinned tensor refused ({type(e).__name__}: {e}); "
-                        "retrying with its address", flush=True)
-                    wrap = True
-                    ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu, wrap), reps)
-                if not torch.equal(gpu, want):
-                    raise RuntimeError(f"zero-copy: the gathered pages differ from the pool's ({name}, {k} pages)")
-                row["zero_copy"] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
-                out["zero_copy"] = "triton kernel on the pinned tensor" + (" (passed as a raw address)" if wrap else "")
+            gpu.zero_()
+            ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu), reps)
+            if not torch.equal(gpu, want):
+                raise RuntimeError(f"zero-copy: the gathered pages differ from the pool's ({name}, {k} pages)")
+            row["zero_copy"] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
             rows.append(row)
             log(f"{name} gather {k:>5} pages ({row['mib']:.1f} MiB): "
-                + ", ".join(f"{m} {row[m]['ms']:.3f} ms" for m in ("index_select", "copy_per_page", "zero_copy")
-                            if m in row), flush=True)
+                + ", ".join(f"{m} {row[m]['ms']:.3f} ms" for m in GATHER_ROUTES), flush=True)
         out["gather"][name] = {"page_bytes": pb, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                                "rows": rows}
         del pool
@@ -312,11 +288,10 @@ def format_transfers(res: dict, decode_pages: int) -> str:
              f"{'MiB':>6} {'ms':>8} {'GB/s':>7} {'pageable GB/s':>14}"]
     for r in res["contiguous"]:
         lines.append(f"{r['mib']:>6} {r['ms']:>8.3f} {r['gb_s']:>7.1f} {r['pageable_gb_s']:>14.1f}")
-    methods = [m for m in ("index_select", "copy_per_page", "zero_copy") if res["gather"] and
-               m in next(iter(res["gather"].values()))["rows"][0]]
+    methods = GATHER_ROUTES
     lines += ["", f"# gathers of random {TRANSFER_PAGE_TOKENS}-token pages of one layer (K+V, every KV head, bf16): "
                   "index_select = CPU gather into pinned staging + one copy; copy_per_page = one copy_ per page "
-                  "on a side stream; zero_copy = " + str(res["zero_copy"]),
+                  "on a side stream; zero_copy = a Triton kernel reading the pinned pool in place",
               f"{'layout':>13} {'page KiB':>8} {'pages':>6} {'MiB':>7} "
               + " ".join(f"{m + ' ms':>18} {'GB/s':>6}" for m in methods)]
     for name, g in res["gather"].items():
@@ -554,8 +529,7 @@ def decode_fetch_lines(rows: list[dict], transfer: dict | None, multiples, kv_he
                    if (g["kv_heads"], g["head_dim"]) == (kv_heads, head_dim)), None)
     if layout is None:
         return []
-    methods = [m for m in ("index_select", "copy_per_page", "zero_copy") if m in layout["rows"][0]]
-    best = {r["pages"]: min(r[m]["ms"] for m in methods) for r in layout["rows"]}
+    best = {r["pages"]: min(r[m]["ms"] for m in GATHER_ROUTES) for r in layout["rows"]}
     lines = [f"# the misses of {TRANSFER_PAGE_TOKENS}-token whole pages at the best measured gather, {layers} "
              "layers fetched one after another"]
     for r in rows:

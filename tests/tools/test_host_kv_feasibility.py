@@ -131,3 +131,23 @@ def test_fetch_ms_for():
 def test_page_bytes():
     assert hk.page_bytes(64, 2, 128) == 64 * 1024  # the 1.5B's 64-token page of one layer
     assert hk.page_bytes(64, 8, 128) == 256 * 1024  # Llama-3-8B's
+
+
+@pytest.mark.kernels
+def test_zero_copy_gather_kernel():
+    """The page gather of part 1 copies the listed pages in order, a page longer than one program's
+    block included (the last block masked). Triton's interpreter on CPU, the GPU where there is one
+    (there reading a pinned pool in place, as the study does)."""
+    import triton_setup  # TRITON_INTERPRET before triton; a skip where triton is absent
+
+    on_gpu = triton_setup.CUDA and not triton_setup.INTERPRET
+    gen = torch.Generator().manual_seed(0)
+    words = 2048 + 100  # two programs per page, the second one mostly masked
+    pool = torch.randint(-2**31, 2**31 - 1, (12, words), dtype=torch.int32, generator=gen)
+    if on_gpu:
+        pool = pool.pin_memory()
+    ids = torch.tensor([7, 0, 11, 7, 3])
+    dev = "cuda" if on_gpu else "cpu"
+    out = torch.zeros(len(ids), words, dtype=torch.int32, device=dev)
+    hk.zero_copy_gather(hk._gather_kernel(), pool, ids.to(dev), out)
+    assert torch.equal(out.cpu(), pool[ids])
