@@ -36,7 +36,8 @@ their sparse selection reads. Three parts, each optional (``--parts``):
    default settings (``load_settings({})``: vertical-slash, shared per KV group). The union over the
    chunk's query blocks of the earlier-context keys its index lists (:func:`earlier_key_cover`) is
    what that chunk must have on the GPU; its pages (:func:`page_share`) as a share of the earlier
-   context's pages is the fetch. Chunks the plugin would run dense (shorter than
+   context's pages is the fetch; each query block's own share says what a chunk computed block by
+   block would need at a time. Chunks the plugin would run dense (shorter than
    ``min_sparse_query_len``, or a budget density above ``max_density``) are flagged: they need it all.
 
 Run on a GPU machine (a few minutes at most at 32K for the 1.5B), from the repository root::
@@ -66,12 +67,13 @@ from typing import Sequence
 
 import torch
 
+from benchmarks.common import SHAPES
 from benchmarks.studies.decode_topk_trace import dump_json, lru_hits
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _ATTENTION_NAME = "vllm_sparse_host_kv_feasibility"
 # layers, KV heads, head dim of the layouts whose pages part 1 moves
-LAYOUTS = {"qwen2.5-1.5b": (28, 2, 128), "llama3-8b": (32, 8, 128)}
+LAYOUTS = {name: (layers, *SHAPES[name][1:]) for name, layers in (("qwen2.5-1.5b", 28), ("llama3-8b", 32))}
 TRANSFER_PAGE_TOKENS = 64
 GATHER_ROUTES = ("index_select", "copy_per_page", "zero_copy")
 
