@@ -36,7 +36,8 @@ their sparse selection reads. Three parts, each optional (``--parts``):
    default settings (``load_settings({})``: vertical-slash, shared per KV group). The union over the
    chunk's query blocks of the earlier-context keys its index lists (:func:`earlier_key_cover`) is
    what that chunk must have on the GPU; its pages (:func:`page_share`) as a share of the earlier
-   context's pages is the fetch. Chunks the plugin would run dense (shorter than
+   context's pages is the fetch; each query block's own share says what a chunk computed block by
+   block would need at a time. Chunks the plugin would run dense (shorter than
    ``min_sparse_query_len``, or a budget density above ``max_density``) are flagged: they need it all.
 
 Run on a GPU machine (a few minutes at most at 32K for the 1.5B), from the repository root::
@@ -66,13 +67,15 @@ from typing import Sequence
 
 import torch
 
+from benchmarks.common import SHAPES
 from benchmarks.studies.decode_topk_trace import dump_json, lru_hits
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 _ATTENTION_NAME = "vllm_sparse_host_kv_feasibility"
 # layers, KV heads, head dim of the layouts whose pages part 1 moves
-LAYOUTS = {"qwen2.5-1.5b": (28, 2, 128), "llama3-8b": (32, 8, 128)}
+LAYOUTS = {name: (layers, *SHAPES[name][1:]) for name, layers in (("qwen2.5-1.5b", 28), ("llama3-8b", 32))}
 TRANSFER_PAGE_TOKENS = 64
+GATHER_ROUTES = ("index_select", "copy_per_page", "zero_copy")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,35 +123,34 @@ def union_steps(per_head_steps: Sequence[Sequence[Sequence[int]]]) -> list[list[
     return [sorted(set().union(*map(set, heads))) for heads in per_head_steps]
 
 
-def earlier_key_cover(index, ctx_len: int, heads_per_kv: int) -> torch.Tensor:
+def earlier_key_cover(index, ctx_len: int, heads_per_kv: int, per_query_block: bool = False) -> torch.Tensor:
     """bool ``[Hkv, ctx_len]``: the earlier-context keys (positions < ``ctx_len``) that any query
     block of ``index`` (a :class:`SparseIndex` of one row, one list per query head, heads of a KV
     group consecutive) lists, as a whole key block, a column or a range, for any head of each KV
-    group. Every earlier key is causally visible to every query of the chunk, so listing it is
-    needing it."""
+    group; ``per_query_block``: ``[Hkv, NQB, ctx_len]``, each query block's own. Every earlier key
+    is causally visible to every query of the chunk, so listing it is needing it."""
     from vllm_sparse_backend.prefill.index import range_cover
 
     b = index.block_size
     h, nqb = index.block_count.shape
     device = index.block_count.device
-    kv_len = ctx_len + 1  # one slot past the context collects what lies beyond it
-    cover = torch.zeros(h, kv_len, dtype=torch.bool, device=device)
-
+    n_key_blocks = -(-ctx_len // b)
     blocks = index.block_index.to(torch.int64)
     listed = torch.arange(blocks.shape[-1], device=device) < index.block_count[..., None]
-    n_key_blocks = -(-ctx_len // b)
-    block_hit = torch.zeros(h, n_key_blocks + 1, dtype=torch.bool, device=device)
-    block_hit.scatter_(1, torch.where(listed, blocks.clamp(max=n_key_blocks), n_key_blocks).view(h, -1), True)
-    cover[:, :ctx_len] = block_hit[:, :n_key_blocks].repeat_interleave(b, 1)[:, :ctx_len]
+    # one slot past the context's blocks (and keys, below) collects what lies beyond it
+    block_hit = torch.zeros(h, nqb, n_key_blocks + 1, dtype=torch.bool, device=device)
+    block_hit.scatter_(2, torch.where(listed, blocks.clamp(max=n_key_blocks), n_key_blocks), True)
+    cover = torch.zeros(h, nqb, ctx_len + 1, dtype=torch.bool, device=device)
+    cover[..., :ctx_len] = block_hit[..., :n_key_blocks].repeat_interleave(b, -1)[..., :ctx_len]
 
     cols = index.column_index.to(torch.int64)
     listed = torch.arange(cols.shape[-1], device=device) < index.column_count[..., None]
-    cover.scatter_(1, torch.where(listed, cols.clamp(max=ctx_len), ctx_len).view(h, -1), True)
+    cover.scatter_(2, torch.where(listed, cols.clamp(max=ctx_len), ctx_len), True)
 
     if index.range_start is not None and index.range_start.shape[-1]:
-        cover[:, :ctx_len] |= range_cover(index.range_start, b, ctx_len).any(1)
-    cover = cover[:, :ctx_len]
-    return cover.view(h // heads_per_kv, heads_per_kv, ctx_len).any(1)
+        cover[..., :ctx_len] |= range_cover(index.range_start, b, ctx_len)
+    cover = cover[..., :ctx_len].view(h // heads_per_kv, heads_per_kv, nqb, ctx_len).any(1)
+    return cover if per_query_block else cover.any(1)
 
 
 def page_share(cover: torch.Tensor, page_size: int) -> tuple[torch.Tensor, int]:
@@ -194,23 +196,13 @@ def _gather_kernel():
     return gather_pages
 
 
-class _HostPointer:
-    """A pinned tensor's address as Triton takes a pointer argument (``data_ptr`` and ``dtype``),
-    for a Triton that refuses a CPU tensor before asking the driver whether its address is mapped."""
-
-    def __init__(self, t: torch.Tensor):
-        self._t, self.dtype = t, t.dtype
-
-    def data_ptr(self) -> int:
-        return self._t.data_ptr()
-
-
-def zero_copy_gather(kernel, pool: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor, wrap: bool) -> None:
-    """``out[i] = pool[page_ids[i]]`` by the GPU reading the pinned ``pool`` [pages, words] in place."""
+def zero_copy_gather(kernel, pool: torch.Tensor, page_ids: torch.Tensor, out: torch.Tensor) -> None:
+    """``out[i] = pool[page_ids[i]]`` (int32 ``[pages, words]``) by the kernel reading ``pool`` where
+    it lies: on the GPU, a pinned host tensor read in place over PCIe (Triton 3.6 takes it as a
+    pointer argument: the driver maps a pinned allocation at the same address)."""
     words = pool.shape[1]
     block = 2048
-    kernel[(page_ids.numel(), -(-words // block))](_HostPointer(pool) if wrap else pool, page_ids, out, words,
-                                                    BLOCK=block)
+    kernel[(page_ids.numel(), -(-words // block))](pool, page_ids, out, words, BLOCK=block)
 
 
 def _wall_ms(fn, reps: int) -> float:
@@ -230,7 +222,7 @@ def _wall_ms(fn, reps: int) -> float:
 def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool_pages: int, reps: int,
                       log=print) -> dict:
     dev = torch.device("cuda")
-    out: dict = {"contiguous": [], "gather": {}, "zero_copy": None}
+    out: dict = {"contiguous": [], "gather": {}}
     big = torch.empty(max(sizes_mib) << 20, dtype=torch.uint8, pin_memory=True)
     big.fill_(1)
     dst = torch.empty_like(big, device=dev)
@@ -244,11 +236,7 @@ def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool
             flush=True)
     del big, dst, pageable
 
-    kernel, wrap = None, False
-    try:
-        kernel = _gather_kernel()
-    except ImportError as e:
-        out["zero_copy"] = f"no triton: {e}"
+    kernel = _gather_kernel()
     gen = torch.Generator().manual_seed(0)
     side = torch.cuda.Stream()
     for name, (layers, kv_heads, head_dim) in LAYOUTS.items():
@@ -283,25 +271,14 @@ def measure_transfers(sizes_mib: Sequence[int], page_counts: Sequence[int], pool
                 if not torch.equal(gpu, want):
                     raise RuntimeError(f"{label}: the gathered pages differ from the pool's ({name}, {k} pages)")
                 row[label] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
-            if kernel is not None:
-                gpu.zero_()
-                try:
-                    ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu, wrap), reps)
-                except Exception as e:  # noqa: BLE001 - the refusal is the finding; retry once wrapped
-                    if wrap:
-                        raise
-                    log(f"zero-copy with the pinned tensor refused ({type(e).__name__}: {e}); "
-                        "retrying with its address", flush=True)
-                    wrap = True
-                    ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu, wrap), reps)
-                if not torch.equal(gpu, want):
-                    raise RuntimeError(f"zero-copy: the gathered pages differ from the pool's ({name}, {k} pages)")
-                row["zero_copy"] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
-                out["zero_copy"] = "triton kernel on the pinned tensor" + (" (passed as a raw address)" if wrap else "")
+            gpu.zero_()
+            ms = _wall_ms(lambda: zero_copy_gather(kernel, pool, ids_dev, gpu), reps)
+            if not torch.equal(gpu, want):
+                raise RuntimeError(f"zero-copy: the gathered pages differ from the pool's ({name}, {k} pages)")
+            row["zero_copy"] = {"ms": ms, "gb_s": k * pb / ms / 1e6}
             rows.append(row)
             log(f"{name} gather {k:>5} pages ({row['mib']:.1f} MiB): "
-                + ", ".join(f"{m} {row[m]['ms']:.3f} ms" for m in ("index_select", "copy_per_page", "zero_copy")
-                            if m in row), flush=True)
+                + ", ".join(f"{m} {row[m]['ms']:.3f} ms" for m in GATHER_ROUTES), flush=True)
         out["gather"][name] = {"page_bytes": pb, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
                                "rows": rows}
         del pool
@@ -313,11 +290,10 @@ def format_transfers(res: dict, decode_pages: int) -> str:
              f"{'MiB':>6} {'ms':>8} {'GB/s':>7} {'pageable GB/s':>14}"]
     for r in res["contiguous"]:
         lines.append(f"{r['mib']:>6} {r['ms']:>8.3f} {r['gb_s']:>7.1f} {r['pageable_gb_s']:>14.1f}")
-    methods = [m for m in ("index_select", "copy_per_page", "zero_copy") if res["gather"] and
-               m in next(iter(res["gather"].values()))["rows"][0]]
+    methods = GATHER_ROUTES
     lines += ["", f"# gathers of random {TRANSFER_PAGE_TOKENS}-token pages of one layer (K+V, every KV head, bf16): "
                   "index_select = CPU gather into pinned staging + one copy; copy_per_page = one copy_ per page "
-                  "on a side stream; zero_copy = " + str(res["zero_copy"]),
+                  "on a side stream; zero_copy = a Triton kernel reading the pinned pool in place",
               f"{'layout':>13} {'page KiB':>8} {'pages':>6} {'MiB':>7} "
               + " ".join(f"{m + ' ms':>18} {'GB/s':>6}" for m in methods)]
     for name, g in res["gather"].items():
@@ -392,7 +368,8 @@ class Capture:
             end = min(n, start + self.chunk)
             q_len = end - start
             est = estimate_index(q[start:end], k[:end], start, heads, s, scale)
-            cover = earlier_key_cover(est.index, start, group)
+            per_block = earlier_key_cover(est.index, start, group, per_query_block=True)
+            cover = per_block.any(1)
             density = HeadGroups.from_heads(heads, q.device).budget_density(q_len, start, s)
             dense = ("chunk below min_sparse_query_len" if q_len < s.min_sparse_query_len else
                      "budget density above max_density" if density > s.max_density else "")
@@ -401,7 +378,9 @@ class Capture:
             for ps in self.page_sizes:
                 per_kv, pages = page_share(cover, ps)
                 layer_pages, _ = page_share(cover.any(0), ps)
+                block_pages, _ = page_share(per_block, ps)
                 row[f"pages_{ps}"] = {"per_kv_head": per_kv.tolist(), "any_kv_head": int(layer_pages),
+                                      "query_block_mean": block_pages.double().mean().item(),
                                       "context_pages": pages}
             self.chunks.append(row)
 
@@ -552,8 +531,7 @@ def decode_fetch_lines(rows: list[dict], transfer: dict | None, multiples, kv_he
                    if (g["kv_heads"], g["head_dim"]) == (kv_heads, head_dim)), None)
     if layout is None:
         return []
-    methods = [m for m in ("index_select", "copy_per_page", "zero_copy") if m in layout["rows"][0]]
-    best = {r["pages"]: min(r[m]["ms"] for m in methods) for r in layout["rows"]}
+    best = {r["pages"]: min(r[m]["ms"] for m in GATHER_ROUTES) for r in layout["rows"]}
     lines = [f"# the misses of {TRANSFER_PAGE_TOKENS}-token whole pages at the best measured gather, {layers} "
              "layers fetched one after another"]
     for r in rows:
@@ -583,6 +561,8 @@ def analyse_prefill(chunks: list[dict], page_sizes) -> list[dict]:
             anys = [c[f"pages_{ps}"]["any_kv_head"] / c[f"pages_{ps}"]["context_pages"] for c in cs]
             worst = max(range(len(cs)), key=lambda i: anys[i])
             row[f"page_share_{ps}"] = statistics.mean(shares)
+            row[f"block_share_{ps}"] = statistics.mean(c[f"pages_{ps}"]["query_block_mean"] /
+                                                       c[f"pages_{ps}"]["context_pages"] for c in cs)
             row[f"any_share_{ps}"] = statistics.mean(anys)
             row[f"worst_{ps}"] = [cs[worst]["layer"], anys[worst]]
         rows.append(row)
@@ -595,16 +575,18 @@ def _worst(layer_share) -> str:
 
 def format_prefill(rows: list[dict], page_sizes, chunk: int) -> str:
     head = (f"{'ctx':>7} {'q_len':>6} {'keys':>6} "
-            + " ".join(f"{f'pg{ps}/kv':>8} {f'pg{ps} any':>8} {f'worst{ps}':>11}" for ps in page_sizes)
+            + " ".join(f"{f'pg{ps}/kv':>8} {f'pg{ps} any':>8} {f'worst{ps}':>11} {f'pg{ps} qb':>8}"
+                       for ps in page_sizes)
             + "  dense?")
     lines = [f"# prefill chunks of {chunk}: earlier-context keys the default vertical-slash index lists (union over "
              "the chunk's query blocks and each KV group's heads), mean over layers; pgP/kv = pages of P tokens "
              "per KV head, pgP any = pages any KV head needs, as shares of the earlier context's pages; worst = "
-             "the layer needing most (layer share)", head, "-" * len(head)]
+             "the layer needing most (layer share); pgP qb = pages per KV head of one query block alone (what a "
+             "chunk computed block by block needs at a time)", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['ctx']:>7} {r['q_len']:>6} {r['key_share']:>6.3f} "
                      + " ".join(f"{r[f'page_share_{ps}']:>8.3f} {r[f'any_share_{ps}']:>8.3f} "
-                                f"{_worst(r[f'worst_{ps}']):>11}" for ps in page_sizes)
+                                f"{_worst(r[f'worst_{ps}']):>11} {r[f'block_share_{ps}']:>8.3f}" for ps in page_sizes)
                      + (f"  {r['dense']}" if r["dense"] else ""))
     return "\n".join(lines)
 

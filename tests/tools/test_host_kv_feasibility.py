@@ -90,6 +90,15 @@ def test_earlier_key_cover_by_hand():
     assert total == 3 and int(pages) == 3
 
 
+def test_earlier_key_cover_per_query_block_by_hand():
+    per = hk.earlier_key_cover(hand_index(), ctx_len=10, heads_per_kv=2, per_query_block=True)
+    assert per.shape == (2, 2, 10)
+    keys = [[row.nonzero().flatten().tolist() for row in kv] for kv in per]
+    assert keys == [[[0, 1, 2, 3, 5], [9]], [[8, 9], [6, 7, 8, 9]]]
+    pages, _ = hk.page_share(per, 4)
+    assert pages.tolist() == [[2, 1], [1, 2]]
+
+
 def test_earlier_key_cover_matches_the_dense_mask_of_an_estimate():
     """A real vertical-slash estimate (one selection per KV group) of a chunk after a context:
     the earlier keys any of a group's queries may attend to, from the index's dense mask."""
@@ -103,11 +112,12 @@ def test_earlier_key_cover_matches_the_dense_mask_of_an_estimate():
     settings = SparseSettings(block_size=16, vertical_size=16, slash_size=4, last_q=16, keep_first_columns=3,
                               keep_last_diagonals=4, min_sparse_query_len=1)
     est = estimate_index(q, k, ctx, [resolve_head(None, settings)] * heads, settings, d ** -0.5)
-    mask = index_to_dense_mask(est.index, q_len, ctx)[:, :, :ctx].any(1)  # [H, ctx]
-    want = mask.view(kv_heads, heads // kv_heads, ctx).any(1)
-    got = hk.earlier_key_cover(est.index, ctx, heads // kv_heads)
+    mask = index_to_dense_mask(est.index, q_len, ctx)[:, :, :ctx]  # [H, q_len, ctx]
+    per_block = mask.view(kv_heads, heads // kv_heads, q_len // 16, 16, ctx).any(3).any(1)
+    want = per_block.any(1)
     assert 0 < int(want.sum()) < want.numel()  # neither empty nor everything
-    assert torch.equal(got, want)
+    assert torch.equal(hk.earlier_key_cover(est.index, ctx, heads // kv_heads), want)
+    assert torch.equal(hk.earlier_key_cover(est.index, ctx, heads // kv_heads, per_query_block=True), per_block)
 
 
 def test_fetch_ms_for():
@@ -121,3 +131,23 @@ def test_fetch_ms_for():
 def test_page_bytes():
     assert hk.page_bytes(64, 2, 128) == 64 * 1024  # the 1.5B's 64-token page of one layer
     assert hk.page_bytes(64, 8, 128) == 256 * 1024  # Llama-3-8B's
+
+
+@pytest.mark.kernels
+def test_zero_copy_gather_kernel():
+    """The page gather of part 1 copies the listed pages in order, a page longer than one program's
+    block included (the last block masked). Triton's interpreter on CPU, the GPU where there is one
+    (there reading a pinned pool in place, as the study does)."""
+    import triton_setup  # TRITON_INTERPRET before triton; a skip where triton is absent
+
+    on_gpu = triton_setup.CUDA and not triton_setup.INTERPRET
+    gen = torch.Generator().manual_seed(0)
+    words = 2048 + 100  # two programs per page, the second one mostly masked
+    pool = torch.randint(-2**31, 2**31 - 1, (12, words), dtype=torch.int32, generator=gen)
+    if on_gpu:
+        pool = pool.pin_memory()
+    ids = torch.tensor([7, 0, 11, 7, 3])
+    dev = "cuda" if on_gpu else "cpu"
+    out = torch.zeros(len(ids), words, dtype=torch.int32, device=dev)
+    hk.zero_copy_gather(hk._gather_kernel(), pool, ids.to(dev), out)
+    assert torch.equal(out.cpu(), pool[ids])
