@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import http.client
 import json
 import lzma
 import os
@@ -50,6 +51,17 @@ from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 from vllm_sparse_tools.evaluation import families, inputs, paired  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# The sparse servers' stats file is rewritten at most this often (the library's default): only
+# totals are read, after an idle wait, so the timed prefills need not rewrite it per layer.
+STATS_INTERVAL_S = 1.0
+# What a dead or misbehaving server raises in a client: that variant is recorded as failed.
+SERVER_ERRORS = (ServerError, OSError, http.client.HTTPException, json.JSONDecodeError)
+
+
+def stats_now(server: acc.Launched) -> dict | None:
+    """The server's stats file once the counts of its last forward are in it."""
+    time.sleep(STATS_INTERVAL_S + 0.5)
+    return acc.settled_stats(server.stats_path)
 # Where each known text comes from on a machine with network (gcide: the Debian dictionary).
 TEXT_ASSETS = {"austen": "austen", "shakespeare": "shakespeare", "bible": "bible", "gcide": "gcide"}
 
@@ -185,8 +197,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     out_json, out_txt = inputs.result_paths(
         args.out, REPO / "benchmarks" / "results" / f"paired_{device}_{short}_{args.split}_{date}")
     meta = {"model": model_name, "model_dir": str(model_dir), "device": device, "host": platform.node(),
-            "date": date, "split": args.split, "lengths": args.lengths, "prompts_per_length": args.prompts, "shard": args.shard,
-            "families": args.families, "seed": args.seed, "yarn": args.yarn, "max_model_len": max_model_len,
+            "date": date, "split": args.split, "lengths": args.lengths, "prompts_per_length": args.prompts,
+            "shard": args.shard, "families": args.families, "seed": args.seed, "yarn": args.yarn, "max_model_len": max_model_len,
             "texts": {n: paired.sha256_text(paired.read_text(t)) for n, t in texts.items()},
             "concurrency": concurrency, "ttft_prompts_per_length": args.ttft_prompts,
             "max_num_batched_tokens": args.max_num_batched_tokens, "gpus": gpus if cuda else None,
@@ -220,15 +232,17 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         serve_dir, variants[i], workdir=workdir, max_model_len=max_model_len,
                         min_sparse_query_len=None, max_density=None, cuda=cuda,
                         max_num_batched_tokens=args.max_num_batched_tokens, shared_gpu=len(idx) > 1,
-                        as_served=True, max_num_seqs=max(concurrency, 2),
+                        as_served=True, max_num_seqs=max(concurrency, 2), stats_write_interval_s=STATS_INTERVAL_S,
                         env={"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)
             failed: dict[int, str] = {}
+            stats_before: dict[int, dict | None] = {}
             for i, server in servers.items():
                 try:
                     log(f"[{labels[i]}] ready in {wait_ready(server.handle, args.start_timeout):.0f} s "
                         f"({server.handle.log_path})")
                     paired.warm_up(server, samples)
-                except (ServerError, OSError) as e:
+                    stats_before[i] = None if variants[i].dense else stats_now(server)
+                except SERVER_ERRORS as e:
                     failed[i] = str(e)
 
             def timed_on(gpu_members: list[int]) -> None:
@@ -237,7 +251,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         answers: dict[str, paired.Answer] = {}
                         try:
                             paired.send_timed(servers[i], timed, answers, log)
-                        except (ServerError, OSError) as e:
+                        except SERVER_ERRORS as e:
                             failed[i] = str(e)
                         keep(i, answers)
 
@@ -246,7 +260,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 t0 = time.monotonic()
                 try:
                     paired.send_concurrent(servers[i], rest, answers, concurrency, log)
-                except (ServerError, OSError) as e:
+                except SERVER_ERRORS as e:
                     failed[i] = str(e)
                 keep(i, answers)
                 log(f"[{labels[i]}] {len(rest)} prompts in {time.monotonic() - t0:.0f} s")
@@ -263,6 +277,10 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 list(pool.map(timed_on, per_gpu.values()))
             with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(bulk, [i for i in servers if i not in failed]))
+            for i in servers:
+                if i not in failed and not variants[i].dense:
+                    meta.setdefault("density", {})[labels[i]] = paired.computed_density(
+                        stats_before[i], stats_now(servers[i]), cfg, samples)
             for i, err in failed.items():  # no half variants in the tables
                 acc.report_failure(servers[i], log)
                 log(f"[{labels[i]}] FAILED: {err[:500]}")

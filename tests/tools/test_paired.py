@@ -276,3 +276,17 @@ def test_gcide_entries_become_plain_paragraphs():
         "Abditory, n. [L. abditorium.] A place for hiding or preserving articles of value. --Cowell.",
         "Abele, n. The white poplar."]  # "Ab, n. A month." is under 20 characters: dropped
     assert gcide_text_from_dict(data, limit=10).splitlines() == text.splitlines()[:1]
+
+
+def test_computed_density_from_the_stats_file_counts():
+    from vllm_sparse_tools.evaluation.tasks import Sample
+
+    samples = [Sample("distractor", n, 0, 0.5, list(range(n)), ("1",), "", 4) for n in (4, 2)]
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 3}
+    # every causal pair, layers x heads: 2 x 3 x (4 x 5 / 2) + 2 x 3 x (2 x 3 / 2) = 60 + 18
+    before = {"causal_pairs": 100, "computed_pairs": 50}
+    after = {"causal_pairs": 130, "computed_pairs": 60}
+    d = P.computed_density(before, after, cfg, samples)
+    assert d["sparse_rows"] == pytest.approx(10 / 30)
+    assert d["all"] == pytest.approx((78 - 30 + 10) / 78)
+    assert P.computed_density(None, None, cfg, samples) == {"sparse_rows": None, "all": 1.0}

@@ -86,10 +86,11 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
                 max_num_seqs: int = 4) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
-    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for ``max_num_seqs``
-    (at least two) sequences instead of a share of the GPU's memory, so that several servers can
-    start side by side. ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every
-    server, dense and sparse alike; None leaves vLLM's default (the model's dtype).
+    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
+    ``max_model_len`` with headroom; ``as_served``: ``max_num_seqs`` of them, at least two) instead
+    of a share of the GPU's memory, so that several servers can start side by side.
+    ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
+    sparse alike; None leaves vLLM's default (the model's dtype).
     ``as_served``: CUDA graphs and prefix caching as ``vllm serve`` has them by default, instead
     of eager mode and every prompt a whole prefill."""
     if dense:
@@ -202,7 +203,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
            min_sparse_query_len: int | None, max_density: float | None = 1.0, cuda: bool = False,
            rope: str = "native", max_num_batched_tokens: int | None = None,
            shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
-           as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None) -> Launched:
+           as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
+           stats_write_interval_s: float = 0) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -212,7 +214,9 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     empty Triton cache of its own, so that :func:`measure` can name the kernels it compiled
     while serving (each server then compiles everything it runs). ``as_served`` and
     ``max_num_seqs``: see :func:`server_args`; ``env``: more variables for the server (e.g.
-    ``CUDA_VISIBLE_DEVICES``)."""
+    ``CUDA_VISIBLE_DEVICES``). ``stats_write_interval_s``: 0 rewrites the sparse servers' stats
+    file after every sparse layer, for :func:`measure`'s per-prompt reads; a client that reads
+    only totals leaves the timed prefills that work with the library's interval."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -233,8 +237,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     if not variant.dense:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
-        # read before and after each prompt: written on every forward, not at the bounded rate
-        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=0, **gating))
+        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=stats_write_interval_s,
+                               **gating))
     handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,

@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import families
-from .accuracy import Launched, length_label, stream_completion
+from .accuracy import Launched, causal_pairs_all, length_label, stats_delta, stream_completion
 from .intervals import mcnemar_exact_p, newcombe_paired_interval
 from .tasks import HFTokenizer, Sample
 from ..demo import ServerError
@@ -190,6 +190,19 @@ def send_concurrent(server: Launched, samples: Sequence[Sample], into: dict[str,
             f.result()
 
 
+def computed_density(before: dict | None, after: dict | None, cfg: dict,
+                     samples: Sequence[Sample]) -> dict[str, float | None]:
+    """What a sparse server computed over ``samples`` (its statistics file read after the
+    warm-up and after the last prompt): ``sparse_rows``, computed / causal pairs of the rows that
+    ran sparse; ``all``, the computed share of every causal pair of every prompt (rows run dense
+    count whole). Prompts share no cached prefix beyond the chat template's first tokens."""
+    causal = stats_delta(after, before, "causal_pairs")
+    computed = stats_delta(after, before, "computed_pairs")
+    total = sum(causal_pairs_all(cfg, s.n_tokens) for s in samples)
+    return {"sparse_rows": computed / causal if causal else None,
+            "all": (total - causal + computed) / total if total else None}
+
+
 # ---------------------------------------------------------------------------------------------
 # Records, comparison and tables
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +307,10 @@ def write(out_json: pathlib.Path, out_txt: pathlib.Path, meta: dict, records: Se
     title = (f"# {meta.get('model')} on {meta.get('device')}, split {meta.get('split')}, "
              f"{len(records)} prompts; variants " + ", ".join(labels))
     text = "\n".join([title, LEGEND, "", format_tables(rows, labels)])
+    if meta.get("density"):
+        text += "\ncomputed share of the prompts' causal attention pairs (sparse servers, every prompt): " + ", ".join(
+            f"{v} {_f(d['all'], '.3f')} (rows run sparse: {_f(d['sparse_rows'], '.3f')})"
+            for v, d in meta["density"].items())
     missing = [v for v in labels if not any(v in r["outputs"] for r in records)]
     if missing:
         text += "\nno answers (not run, or failed: see meta.errors): " + ", ".join(missing)
@@ -334,4 +351,7 @@ def merge(docs: Sequence[dict]) -> tuple[dict, list[dict], list[str]]:
             meta["variants"] = {**meta.get("variants", {}), **doc["meta"].get("variants", {})}
             meta["commands"] = meta.get("commands", []) + doc["meta"].get("commands", [])
             meta["errors"] = {**meta.get("errors", {}), **doc["meta"].get("errors", {})}
+            # one server's density per file: shards of one variant keep a line each
+            for v, d in doc["meta"].get("density", {}).items():
+                meta.setdefault("density", {})[v if v not in meta.get("density", {}) else f"{v} (file {i + 1})"] = d
     return meta, list(by_id.values()), labels
