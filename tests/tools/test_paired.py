@@ -290,3 +290,113 @@ def test_computed_density_from_the_stats_file_counts():
     assert d["sparse_rows"] == pytest.approx(10 / 30)
     assert d["all"] == pytest.approx((78 - 30 + 10) / 78)
     assert P.computed_density(None, None, cfg, samples) == {"sparse_rows": None, "all": 1.0}
+
+
+class _FakeServer:
+    """An OpenAI completions endpoint that answers every prompt with a fixed text after a short
+    wait and logs each request's prompt hash, start and end: the orchestration of a run (which
+    prompts go when, how many at once, on which GPU), without vLLM."""
+
+    def __init__(self, label, gpu, answer, log):
+        import http.server
+        import threading
+        import time
+
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self._send(200, json.dumps({"data": [{"id": "m"}]}).encode(), "application/json")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                start = time.monotonic()
+                with server.lock:
+                    server.in_flight += 1
+                    server.most = max(server.most, server.in_flight)
+                time.sleep(0.05)
+                events = [{"choices": [{"text": answer}]},
+                          {"choices": [], "usage": {"prompt_tokens": len(body["prompt"])}}]
+                payload = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+                with server.lock:
+                    server.in_flight -= 1
+                log.append((gpu, label, P.prompt_hash(body["prompt"]), start, time.monotonic()))
+                self._send(200, payload.encode(), "text/event-stream")
+
+            def _send(self, status, data, kind):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.lock, self.in_flight, self.most = threading.Lock(), 0, 0
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host, self.port = self.httpd.server_address
+        self.log_path = None
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def model(self):
+        return "m"
+
+    def first_error(self):
+        return None
+
+    def stop(self):
+        self.httpd.shutdown()
+
+
+@pytest.mark.parametrize("gpus", ["0", "0,1"])
+def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_path, monkeypatch, gpus):
+    from benchmarks import paired as bench
+    from vllm_sparse_tools.evaluation import accuracy as acc
+
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "hidden_size": 64,
+           "max_position_embeddings": 4096}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "austen.txt").write_text(TEXT[:300_000])
+    log, launched, servers = [], [], []
+
+    def launch(model_dir, variant, **kw):
+        gpu = kw["env"]["CUDA_VISIBLE_DEVICES"]
+        launched.append((variant.label, gpu, kw["shared_gpu"], kw["as_served"], kw["max_num_seqs"]))
+        servers.append(_FakeServer(variant.label, gpu, "1234567" if variant.dense else "It is 7654321.", log))
+        return acc.Launched(variant, "native", servers[-1], tmp_path / f"{variant.label}-stats.json", cfg,
+                            kw["max_model_len"], None)
+
+    monkeypatch.setattr(P, "HFTokenizer", lambda _: PieceTokenizer())
+    monkeypatch.setattr(bench, "cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "wait_ready", lambda handle, timeout: 0.0)
+    monkeypatch.setattr(bench, "STATS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(acc, "launch", launch)
+    out = tmp_path / "run"
+    assert bench.main(["--model", str(tmp_path / "model"), "--text", f"austen={tmp_path / 'austen.txt'}",
+                       "--lengths", "1200", "--prompts", "12", "--ttft-prompts", "3", "--concurrency", "3",
+                       "--variants", "dense", "default", "--gpus", gpus, "--build-workers", "1",
+                       "--prompt-cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+
+    two = gpus == "0,1"
+    assert launched == [("dense", "0", not two, True, 3), ("default", "1" if two else "0", not two, True, 3)]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    hashes = {r["hash"] for r in doc["prompts"]}
+    assert len(doc["prompts"]) == 12
+    for label in ("dense", "default"):
+        sent = [h for _, v, h, _, _ in log if v == label]
+        # a warm-up the server never sees again, then every prompt once
+        assert sent[0] not in hashes and sorted(sent[1:]) == sorted(hashes)
+        assert sum(not r["outputs"][label]["loaded"] for r in doc["prompts"]) == 3
+    # the timed prompts ran alone on their GPU: no other request of that GPU overlapped them
+    timed = {(label, r["hash"]) for r in doc["prompts"] for label, a in r["outputs"].items() if not a["loaded"]}
+    for gpu, label, h, start, end in log:
+        if (label, h) in timed:
+            assert not [o for o in log if o[0] == gpu and o[1:3] != (label, h) and o[3] < end and o[4] > start]
+    # the rest with up to --concurrency in flight per server
+    assert all(1 < s.most <= 3 for s in servers)
+    row = next(r for r in doc["rows"] if r["family"] == "all")
+    c = row["vs_reference"]["default"]
+    assert (c["n"], c["lost"], c["gained"], c["changed"]) == (12, 0, 0, 12)
+    assert "density" in doc["meta"] and doc["meta"]["density"]["default"]["sparse_rows"] is None
