@@ -147,10 +147,13 @@ def test_newcombe_interval_hand_computed():
     got = newcombe_paired_interval(8, 5, 4, 9)
     assert got == pytest.approx((d, low, high), abs=1e-9)
     assert got == pytest.approx((0.03846, -0.17516, 0.24628), abs=1e-4)
-    # no answer changed: the difference is 0 but the interval keeps a width (a t interval on
-    # the per-prompt differences would be [0, 0])
+    # no answer changed: a narrow interval about 0 (phi = 1), zero-wide at a hit rate of 1/2
     d0, lo0, hi0 = newcombe_paired_interval(60, 0, 0, 40)
-    assert d0 == 0 and lo0 < -0.005 and hi0 > 0.005
+    assert d0 == 0 and -0.01 < lo0 < -0.005 and 0.005 < hi0 < 0.01
+    assert newcombe_paired_interval(50, 0, 0, 50) == pytest.approx((0, 0, 0), abs=1e-12)
+    # few prompts, all lost: the interval stays within [-1, 1]
+    d3, lo3, hi3 = newcombe_paired_interval(0, 3, 0, 0)
+    assert d3 == 1 and 0 < lo3 < 1 and hi3 == pytest.approx(1)
     # a loss of 7 against 2 gains on 20 prompts: the interval still contains 0 (p = 0.18)
     d1, lo1, hi1 = newcombe_paired_interval(4, 7, 2, 7)
     assert d1 == pytest.approx(0.25) and lo1 < 0 < hi1

@@ -151,8 +151,10 @@ def newcombe_paired_interval(both: int, lost: int, gained: int, neither: int,
     Newcombe's method 10 (Statistics in Medicine 17, 1998), which combines the two hit rates'
     Wilson intervals with the correlation (phi) of the paired outcomes. ``both``: prompts both
     hit; ``lost``: the reference hit, the variant missed; ``gained``: the other way round;
-    ``neither``: both missed. Unlike a t interval on the per-prompt differences it does not
-    collapse to zero width when no answer changed, and stays within [-1, 1]."""
+    ``neither``: both missed. It stays within [-1, 1] and is not symmetric about the difference
+    (a Wald or t interval on the per-prompt differences is, and leaves [-1, 1] with few prompts).
+    With no discordant prompt it is nearly zero-wide (exactly so at a hit rate of 1/2), as any
+    paired interval: the count of prompts changed then says more."""
     n = both + lost + gained + neither
     if n == 0:
         raise ValueError("no prompts")
