@@ -258,8 +258,15 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             def bulk(i: int) -> None:
                 answers: dict[str, paired.Answer] = {}
                 t0 = time.monotonic()
+                step = max(1, len(rest) // 10)
+
+                def save_now_and_then(key: str, answer: paired.Answer) -> None:
+                    # ten saves over the run: one cut short by a time limit keeps most of its answers
+                    if len(answers) % step == 0:
+                        keep(i, dict(answers))
+
                 try:
-                    paired.send_concurrent(servers[i], rest, answers, concurrency, log)
+                    paired.send_concurrent(servers[i], rest, answers, concurrency, log, on_answer=save_now_and_then)
                 except SERVER_ERRORS as e:
                     failed[i] = str(e)
                 keep(i, answers)

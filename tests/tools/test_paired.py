@@ -376,6 +376,10 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     monkeypatch.setattr(bench, "wait_ready", lambda handle, timeout: 0.0)
     monkeypatch.setattr(bench, "STATS_INTERVAL_S", 0.0)
     monkeypatch.setattr(acc, "launch", launch)
+    saved = []  # answers in each file written, to see that a run cut short keeps its answers
+    write = P.write
+    monkeypatch.setattr(P, "write", lambda j, t, meta, records, *a, **k: (
+        saved.append(sum(len(r["outputs"]) for r in records)), write(j, t, meta, records, *a, **k)))
     out = tmp_path / "run"
     assert bench.main(["--model", str(tmp_path / "model"), "--text", f"austen={tmp_path / 'austen.txt'}",
                        "--lengths", "1200", "--prompts", "12", "--ttft-prompts", "3", "--concurrency", "3",
@@ -403,3 +407,5 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     c = row["vs_reference"]["default"]
     assert (c["n"], c["lost"], c["gained"], c["changed"]) == (12, 0, 0, 12)
     assert "density" in doc["meta"] and doc["meta"]["density"]["default"]["sparse_rows"] is None
+    # saved while the concurrent part runs (here after every answer), not only at each server's end
+    assert len([n for n in saved if 6 < n < 24]) > 2

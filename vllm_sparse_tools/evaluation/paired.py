@@ -170,9 +170,10 @@ def send_timed(server: Launched, samples: Sequence[Sample], into: dict[str, Answ
 
 
 def send_concurrent(server: Launched, samples: Sequence[Sample], into: dict[str, Answer], concurrency: int,
-                    log: Callable[[str], None]) -> None:
+                    log: Callable[[str], None], on_answer: Callable[[str, Answer], None] | None = None) -> None:
     """Every prompt of ``samples`` with at most ``concurrency`` in flight; answers go into
-    ``into`` as they come (a failure leaves the finished ones there)."""
+    ``into`` as they come (a failure leaves the finished ones there), each also handed to
+    ``on_answer`` (one at a time), so that a run cut short keeps them."""
     model = server.handle.model()
     lock = threading.Lock()
     done = [0]
@@ -181,6 +182,8 @@ def send_concurrent(server: Launched, samples: Sequence[Sample], into: dict[str,
         text, ttft = _ask(server, model, s)
         with lock:
             into[s.key] = Answer(text, families.hit(s, text), round(ttft, 4), concurrency > 1)
+            if on_answer is not None:
+                on_answer(s.key, into[s.key])
             done[0] += 1
             if done[0] % max(1, len(samples) // 10) == 0 or done[0] == len(samples):
                 log(f"[{server.variant.label}] {done[0]}/{len(samples)} prompts answered")
