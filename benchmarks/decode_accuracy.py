@@ -38,17 +38,8 @@ Selectors (:class:`DecodeSelector`; ``SELECTORS`` maps a spec's name to its clas
   writes to, then ``reference_select_span_pages`` and the top-k attention reference. Keys
   ``sink``, ``recent``, ``persist`` (16), ``budget`` or ``share``, ``page``, ``score`` (``sum`` as the
   backend, or ``mean``), ``index`` (the backend's ``decode_span_index``:
-  ``span``, or ``page``, every page keyed by its own most-voted token; issue 24,
-  ``benchmarks/studies/decode_spans_probe.py``; or ``page2``, a harness-only what-if with no backend
-  counterpart: every page keyed by its own 2 most-voted tokens, scored by the larger q . k; or
-  ``bounds``, a harness-only what-if: every page holds its span's key min / max over all the
-  span's tokens and is scored by the Quest bound of the step's query, summed over the KV head's
-  query heads as top-k scores pages, so that a span's pages tie and are taken together; or
-  ``pagebounds``, the control of ``bounds``: every page's own key min / max, so that only the span
-  grouping differs from ``bounds``), ``next``
-  (harness-only what-if: each page chosen by score also brings the ``next`` pages after it, out of
-  the same budget), ``persist_by`` (``index``, the backend's: the persistent pages are those the
-  last 64 prompt queries score highest by the same index decode uses; ``attention``: those that
+  ``span``, or ``page``, every page keyed by its own most-voted token; issue 24), ``persist_by``
+  (``index``, the backend's: the persistent pages are those the last 64 prompt queries score highest by the same index decode uses; ``attention``: those that
   get the most of the last 64 prompt queries' exact attention, the last chunk's retrieval when the
   whole cache stays on the GPU; issue 24).
 
@@ -71,19 +62,12 @@ L2 error, mean over layers and steps; in the JSON).
         --lengths 8192 --samples 2 --variants dense topk:share=0.005 topk:share=0.01 \\
         topk:share=0.02 topk:share=0.05 topk:budget=64
 
-(``topk`` imports ``vllm_sparse_kernels.decode.topk_decode``, whose module imports
-triton: on a CPU machine put the kernel site on ``PYTHONPATH``; no kernel is launched.) That
-command, all six tasks (12 prompts), took 38 min on 2 CPU threads shared with other work
-(prefill 1017 s, decode 1263 s over the six variants), result in
-``benchmarks/results/decode_accuracy_cpu_qwen-coder_8k_2026-11-23.*`` (its dense check, 2.4e-5,
-ran against an earlier 1e-5 limit and exited 1 after writing them). Spans at the widths of two of
-those top-k rows: ``--variants dense spans:persist=16,budget=48
-spans:persist=4,budget=22 spans:persist=0,budget=26`` (result ``..._spans_...``). Writes
-``<out>.json`` (settings, versions, command line, timings, and per prompt and variant the output
-text, score, attended share, budget, output error and decode time; rewritten after each prompt)
-and ``<out>.txt`` (the table); default ``<out>`` is
-``benchmarks/results/decode_accuracy_cpu_<model>_<lengths>_<date>``. Tests of the spec parser and
-the selectors: ``tests/tools/test_decode_accuracy.py``.
+(``topk`` imports ``vllm_sparse_kernels.decode.topk_decode``, whose module imports triton: on a
+CPU machine put the kernel site on ``PYTHONPATH``; no kernel is launched.) Writes ``<out>.json``
+(settings, versions, command line, timings, and per prompt and variant the output text, score,
+attended share, budget, output error and decode time; rewritten after each prompt) and
+``<out>.txt`` (the table); default ``<out>`` is
+``benchmarks/results/decode_accuracy_cpu_<model>_<lengths>_<date>``.
 """
 
 from __future__ import annotations
@@ -326,16 +310,14 @@ class SpansSelector:
     decode writes to, and the float64 selection and attention references."""
 
     PARAMS: ClassVar[dict[str, type]] = {"sink": int, "recent": int, "persist": int, "budget": int,
-                                         "share": float, "page": int, "score": str, "index": str, "next": int,
-                                         "block": int, "vectors": int, "persist_by": str,
-                                         "persist_next": int}
+                                         "share": float, "page": int, "score": str, "index": str,
+                                         "persist_by": str, "persist_next": int}
     # the division depends only on the layer's prompt q/k: shared by the variants of one prompt
     _divided: ClassVar[dict[tuple, tuple[torch.Tensor, tuple]]] = {}
 
     def __init__(self, label: str, *, sink_pages: int, recent_pages: int, persist_pages: int, budget_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span", next_pages: int = 0,
-                 block_pages: int = 8, block_vectors: int = 12, persist_by: str = "index",
-                 persist_next: int = 0):
+                 page_size: int = DEFAULT_PAGE_SIZE, score: str = "sum", index: str = "span",
+                 persist_by: str = "index", persist_next: int = 0):
         from vllm_sparse_backend.decode.spans import span_params
         from vllm_sparse_kernels.reference import span_decode, topk_decode
 
@@ -347,25 +329,9 @@ class SpansSelector:
         # the backend's VLLM_SPARSE_DECODE_SPAN_INDEX: "span" (default), every page holds its span's
         # key; "page" (issue 24's probe), every page holds the key of its own most-voted token (the
         # division's votes, InfLLM's representative token at page granularity), decode pages 1 x mean key
-        # "page2" (harness-only what-if, no backend counterpart): each page holds the keys of its 2
-        # most-voted tokens (ties: the first tokens) and scores max(q . k1, q . k2), q summed over the
-        # KV head's query heads as the backend's score; decode pages hold their mean key twice
-        # "blocks" (harness-only what-if, the paper's retrieval unit, Sec. 3.4 Eq. 8-9): the prompt is
-        # cut into memory blocks of block_pages pages (8 x 16 = 128 tokens, the paper's unit); the
-        # division's spans cut each block into pieces; a piece keeps its most-voted tokens, about
-        # block_vectors per block (the paper's M = 12) shared by length, and scores sum_m q . k_m
-        # (Eq. 8; score=max: the best single q . k_m instead); a block scores the best of its pieces
-        # (Eq. 9) and is retrieved whole
         self.index = index
-        self.block_pages, self.block_vectors = block_pages, block_vectors
-        self._blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # index=blocks: per layer, piece keys / mask
-        # "next" (harness-only what-if, no backend counterpart): every page chosen by score brings
-        # the next_pages pages after it (a value's tokens cut by a page boundary), out of the same
-        # budget (select_with_next)
-        self.next_pages = next_pages
         # "persist_by": how the last prompt queries flag the persistent pages. "index" (the
-        # backend's): by the same page scores decode uses (q . span key, or the index what-if's
-        # score). "attention" (issue 24 what-if): by their exact attention, the paper's persistent
+        # backend's): by the same page scores decode uses (q . span key). "attention" (issue 24 what-if): by their exact attention, the paper's persistent
         # mechanism as it maps onto a cache that stays on the GPU: the last chunk's retrieval is
         # the pages its queries actually attend to (softmax over each query's causal context,
         # summed over the KV head's query heads and the last queries, pooled to pages)
@@ -375,9 +341,6 @@ class SpansSelector:
         # unit is a short run of pages from the attended one on (the paper retrieves 128-token
         # blocks), so that a value whose tokens cross a page boundary is kept whole
         self.persist_next = persist_next
-        self._keys2: dict[int, torch.Tensor] = {}  # index=page2: per layer, the second key per page
-        # index=bounds: per layer, each page's span key min / max [pages, Hkv, D] (float64)
-        self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.params = span_params(SparseSettings())
         self.last_q = SparseSettings().last_q
         self.attended = AttendedShare()
@@ -387,27 +350,19 @@ class SpansSelector:
     @classmethod
     def check_params(cls, params: dict[str, Any]) -> None:
         TopkSelector.check_params({k: v for k, v in params.items()
-                                   if k not in ("persist", "score", "index", "next", "block", "vectors",
-                                                "persist_by", "persist_next")})
+                                   if k not in ("persist", "score", "index", "persist_by", "persist_next")})
         if params.get("persist_next", 0) < 0:
             raise ValueError(f"persist_next must be >= 0, got {params['persist_next']}")
         if params.get("persist_next", 0) and params.get("persist_by", "attention") != "attention":
             raise ValueError("persist_next takes persist_by=attention (the backend's decode_persist_next)")
         if params.get("persist_by", "attention") not in ("index", "attention"):
             raise ValueError(f"persist_by must be index or attention, got {params['persist_by']}")
-        if params.get("next", 0) < 0:
-            raise ValueError(f"next must be >= 0, got {params['next']}")
-        if params.get("index", "span") not in ("span", "page", "page2", "bounds", "pagebounds", "blocks"):
-            raise ValueError(f"index must be span, page, page2, bounds, pagebounds or blocks, got {params['index']}")
-        for key in ("block", "vectors"):
-            if params.get(key, 1) < 1:
-                raise ValueError(f"{key} must be >= 1, got {params[key]}")
+        if params.get("index", "span") not in ("span", "page"):
+            raise ValueError(f"index must be span or page, got {params['index']}")
         if params.get("persist", 0) < 0:
             raise ValueError(f"persist must be >= 0, got {params['persist']}")
-        if params.get("score", "sum") not in ("sum", "mean", "max"):
-            raise ValueError(f"score must be sum, mean or max, got {params['score']}")
-        if params.get("score") == "max" and params.get("index") != "blocks":
-            raise ValueError("score=max scores the index vectors of index=blocks one by one; give index=blocks")
+        if params.get("score", "sum") not in ("sum", "mean"):
+            raise ValueError(f"score must be sum or mean, got {params['score']}")
 
     @classmethod
     def build(cls, label: str, params: dict[str, Any], prompt_tokens: int) -> "SpansSelector":
@@ -419,9 +374,7 @@ class SpansSelector:
         return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
                    recent_pages=params.get("recent", cfg.decode_recent_pages),
                    persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
-                   score=params.get("score", "sum"), index=params.get("index", "span"),
-                   next_pages=params.get("next", 0), block_pages=params.get("block", 8),
-                   block_vectors=params.get("vectors", 12), persist_by=persist_by,
+                   score=params.get("score", "sum"), index=params.get("index", "span"), persist_by=persist_by,
                    persist_next=params.get("persist_next", cfg.decode_persist_next if persist_by == "attention" else 0))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -475,41 +428,14 @@ class SpansSelector:
                 for a, owner in enumerate(span):
                     if owner == sid:
                         span_keys[p0 + a] = vector
-        if self.index == "page":  # what-if: each page's own most-voted key (ties: the first token)
+        if self.index == "page":  # each page's own most-voted key (ties: the first token)
             for a in range(n_pages):
                 span_keys[a] = keys[a * page + int(votes[a * page:(a + 1) * page].double().argmax())]
-        second = None
-        if self.index == "page2":  # what-if: each page's 2 most-voted keys (ties: the first tokens)
-            second = torch.zeros_like(span_keys)
-            for a in range(n_pages):
-                v_page = votes[a * page:(a + 1) * page].double()
-                order = torch.sort(v_page, descending=True, stable=True).indices
-                span_keys[a] = keys[a * page + int(order[0])]
-                second[a] = keys[a * page + int(order[min(1, len(order) - 1)])]
         # persistent pages: the last last_q prompt queries, summed, per KV head (sink / recent pages excluded)
         q_sum = q[:, -self.last_q:].double().sum(1)  # [H, D]
         group = q.shape[0] // k.shape[0]
         q_last = q_sum.view(k.shape[0], group, -1).sum(1)  # [Hkv, D]: each KV head's query heads summed
         scores = torch.einsum("phd,hd->ph", span_keys, q_last)  # [pages, Hkv]
-        if self.index in ("bounds", "pagebounds"):  # what-if: each page holds its span's (its own) key min / max
-            smin = torch.empty(n_pages, k.shape[0], k.shape[2], dtype=torch.float64)
-            smax = torch.empty_like(smin)
-            for s, span in enumerate(spans):
-                p0 = s * seg // page
-                owners = span if self.index == "bounds" else list(range(len(span)))
-                for sid in set(owners):
-                    pages = [p0 + a for a, owner in enumerate(owners) if owner == sid]
-                    tokens = torch.cat([torch.arange(j * page, min(n_tok, (j + 1) * page)) for j in pages])
-                    smin[pages], smax[pages] = keys[tokens].amin(0), keys[tokens].amax(0)
-            self._bounds[layer] = (smin, smax)
-            scores = span_bounds(q_sum, smin, smax)
-        if self.index == "blocks":
-            self._blocks[layer] = block_pieces(spans, votes, keys, self.page_size, self.block_pages,
-                                               self.block_vectors)
-            scores = block_scores(q_last, *self._blocks[layer], self.block_pages, n_pages, self.score)
-        if second is not None:
-            scores = torch.maximum(scores, torch.einsum("phd,hd->ph", second, q_last))
-            self._keys2[layer] = second
         if self.persist_by == "attention":
             scores = last_queries_page_mass(q, k, self.last_q, page, scale)
         j = torch.arange(n_pages)
@@ -519,9 +445,6 @@ class SpansSelector:
         else:
             flags = torch.zeros(n_pages, k.shape[0], dtype=torch.uint8)
             top_values, top_indices = scores.topk(min(self.persist_pages, n_pages), 0)
-            if self.index in ("bounds", "pagebounds", "blocks"):  # a span's pages tie: the lowest, as at decode
-                order = scores.sort(dim=0, descending=True, stable=True)
-                top_values, top_indices = order.values[:self.persist_pages], order.indices[:self.persist_pages]
             flags.scatter_(0, top_indices, (top_values > float("-inf")).to(torch.uint8))
         self._keys[layer], self._flags[layer] = span_keys, flags
 
@@ -530,9 +453,6 @@ class SpansSelector:
         key_cache, value_cache = paged_cache(k, self.page_size), paged_cache(v, self.page_size)
         n_pages = key_cache.shape[0]
         keys, flags = self._keys[layer], self._flags[layer]
-        if self.index == "page2" and self._keys2[layer].shape[0] < n_pages:
-            k2 = self._keys2[layer]
-            self._keys2[layer] = torch.cat([k2, torch.zeros(n_pages - k2.shape[0], *k2.shape[1:], dtype=k2.dtype)])
         if keys.shape[0] < n_pages:  # a page begun by decode
             keys = torch.cat([keys, torch.zeros(n_pages - keys.shape[0], *keys.shape[1:], dtype=keys.dtype)])
             flags = torch.cat([flags, torch.zeros(n_pages - flags.shape[0], flags.shape[1], dtype=flags.dtype)])
@@ -540,41 +460,11 @@ class SpansSelector:
         fallback = self.params.min_index if self.score == "sum" and self.index == "span" else 1
         keys[last] = fallback * k[:, last * self.page_size:length].double().mean(1)
         self._keys[layer], self._flags[layer] = keys, flags
-        select_keys = keys
-        qg = q.double().view(k.shape[0], -1, q.shape[-1]).sum(1)  # [Hkv, D]: the reference's page-score query
-        if self.index in ("bounds", "pagebounds"):
-            smin, smax = self._bounds[layer]
-            if smin.shape[0] < n_pages:
-                pad = n_pages - smin.shape[0]
-                smin = torch.cat([smin, torch.zeros(pad, *smin.shape[1:], dtype=smin.dtype)])
-                smax = torch.cat([smax, torch.zeros(pad, *smax.shape[1:], dtype=smax.dtype)])
-            grown = k[:, last * self.page_size:length].double()  # the page decode writes: its own keys
-            smin[last], smax[last] = grown.amin(1), grown.amax(1)
-            self._bounds[layer] = (smin, smax)
-        if self.index == "page2":  # the larger of q . k1, q . k2 per page and KV head: pass that key
-            self._keys2[layer][last] = keys[last]
-            k2 = self._keys2[layer]
-            pick = torch.einsum("phd,hd->ph", k2, qg) > torch.einsum("phd,hd->ph", keys, qg)
-            select_keys = torch.where(pick[..., None], k2, keys)
         table = identity_block_table(n_pages)
         lens = torch.tensor([length], dtype=torch.int32)
-        if self.next_pages or self.index in ("bounds", "pagebounds", "blocks"):
-            if self.index == "blocks":  # pages decode began: their own mean key (recent pages anyway)
-                score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
-                prompt_pages = min(n_pages, self._blocks[layer][0].shape[0] * self.block_pages)
-                score[:prompt_pages] = block_scores(qg, *self._blocks[layer], self.block_pages, prompt_pages,
-                                                    self.score)
-            elif self.index in ("bounds", "pagebounds"):
-                score = span_bounds(q.double(), *self._bounds[layer])
-            else:
-                score = torch.einsum("phd,hd->ph", select_keys[:n_pages].double(), qg)
-            page_ids = torch.arange(n_pages)[:, None]
-            forced = (page_ids < self.sink_pages) | (page_ids >= n_pages - self.recent_pages) | (flags[:n_pages] != 0)
-            selected, counts = select_with_next(score, forced, self.budget_pages, self.next_pages)
-        else:
-            selected, counts = self._spans.reference_select_span_pages(
-                q[None], select_keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
-                recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
+        selected, counts = self._spans.reference_select_span_pages(
+            q[None], keys, flags, table, lens, self.page_size, sink_pages=self.sink_pages,
+            recent_pages=self.recent_pages, persist_pages=self.persist_pages, num_pages_budget=self.budget_pages)
         out = self._ref.reference_topk_decode_attention(q[None], key_cache, value_cache, table, lens, selected,
                                                         counts, scale)
         keys_attended = [attended_keys(selected[0, s, :int(counts[0, s])], length, self.page_size, 0, 0, 0)
@@ -601,63 +491,6 @@ def last_queries_page_mass(q: torch.Tensor, k: torch.Tensor, last_q: int, page: 
     return mass.view(hkv, n_pages, page).sum(-1).t().contiguous()
 
 
-def block_pieces(spans: list, votes: torch.Tensor, keys: torch.Tensor, page: int, block_pages: int,
-                 block_vectors: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spans' ``blocks`` what-if: the prompt's pages in blocks of ``block_pages``; the pages of a
-    block owned by one span (``spans``: per segment, each page's span id) form a piece, which keeps
-    the keys of its round(block_vectors x piece pages / block pages) (at least 1) most-voted tokens
-    (ties: the first), its index vectors. ``votes`` [N], ``keys`` [N, Hkv, D] float64. Returns the
-    index vectors [blocks, pieces, vectors, Hkv, D] and a mask [blocks, pieces, vectors] of real ones."""
-    n_tok = keys.shape[0]
-    n_pages = -(-n_tok // page)
-    owner = [(s, sid) for s, span in enumerate(spans) for sid in span][:n_pages]
-    blocks = []
-    for b0 in range(0, n_pages, block_pages):
-        groups: dict[tuple, list[int]] = {}
-        for p in range(b0, min(n_pages, b0 + block_pages)):
-            groups.setdefault(owner[p], []).append(p)
-        row = []
-        for pages in groups.values():
-            tokens = torch.cat([torch.arange(p * page, min(n_tok, (p + 1) * page)) for p in pages])
-            count = max(1, round(block_vectors * len(pages) / block_pages))
-            best = tokens[torch.sort(votes[tokens].double(), descending=True, stable=True).indices[:count]]
-            row.append(keys[best])
-        blocks.append(row)
-    width = max(len(r) for r in blocks)
-    most = max(len(piece) for r in blocks for piece in r)
-    vectors = torch.zeros(len(blocks), width, most, *keys.shape[1:], dtype=torch.float64)
-    mask = torch.zeros(len(blocks), width, most, dtype=torch.bool)
-    for b, row in enumerate(blocks):
-        for i, piece in enumerate(row):
-            vectors[b, i, :len(piece)] = piece
-            mask[b, i, :len(piece)] = True
-    return vectors, mask
-
-
-def block_scores(qg: torch.Tensor, vectors: torch.Tensor, mask: torch.Tensor, block_pages: int,
-                 n_pages: int, reduce: str = "sum") -> torch.Tensor:
-    """Spans' ``blocks`` what-if: per page and KV head [n_pages, Hkv], its block's best piece (Eq. 9);
-    a piece scores sum_m q . k_m over its index vectors (``reduce`` "sum": Eq. 8 for one query) or
-    their best q . k_m ("max"); ``qg`` [Hkv, D] the KV head's query heads summed (as the backend scores)."""
-    dots = torch.einsum("bpvhd,hd->bpvh", vectors, qg)
-    if reduce == "max":
-        per_piece = dots.masked_fill(~mask[..., None], float("-inf")).amax(2)
-    else:
-        per_piece = dots.masked_fill(~mask[..., None], 0.0).sum(2)
-    per_piece = per_piece.masked_fill(~mask.any(2)[..., None], float("-inf"))
-    return per_piece.amax(1).repeat_interleave(block_pages, 0)[:n_pages]
-
-
-def span_bounds(q: torch.Tensor, smin: torch.Tensor, smax: torch.Tensor) -> torch.Tensor:
-    """Spans' ``bounds`` what-if: Quest bounds [pages, Hkv] of q [H, D] (float64) against key
-    min / max [pages, Hkv, D], summed over each KV head's query heads (as top-k scores pages)."""
-    hkv = smin.shape[1]
-    qh = q.view(hkv, -1, q.shape[-1])  # [Hkv, group, D]
-    lo = qh[None] * smin[:, :, None]  # [pages, Hkv, group, D]
-    hi = qh[None] * smax[:, :, None]
-    return torch.maximum(lo, hi).sum((2, 3))
-
-
 def persistent_runs(scores: torch.Tensor, persist: int, next_pages: int) -> torch.Tensor:
     """uint8 flags [pages, Hkv]: per KV head, the ``persist // (1 + next_pages)`` best pages of
     ``scores`` [pages, Hkv] (-inf: never; ties to the lower page) and the ``next_pages`` pages after
@@ -674,35 +507,6 @@ def persistent_runs(scores: torch.Tensor, persist: int, next_pages: int) -> torc
                 if scores[p, g] > float("-inf"):
                     flags[p, g] = 1
     return flags
-
-
-def select_with_next(score: torch.Tensor, forced: torch.Tensor, budget: int, next_pages: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spans' ``next`` what-if, one sequence: per KV head the forced pages (sink, recent, flagged
-    persistent; ``forced`` bool [pages, Hkv]) plus ``budget`` more, taken in order of ``score``
-    ([pages, Hkv], ties to the lower page), each bringing the ``next_pages`` pages after it while
-    the budget lasts. Returns selected [1, Hkv, width] (sorted, -1 padded) and counts [1, Hkv]."""
-    n_pages, hkv = score.shape
-    rows = []
-    for g in range(hkv):
-        fixed = [j for j in range(n_pages) if bool(forced[j, g])]
-        taken = set(fixed)
-        extra: list[int] = []
-        for j in sorted(range(n_pages), key=lambda j: (-float(score[j, g]), j)):
-            for p in range(j, min(j + 1 + next_pages, n_pages)):
-                if len(extra) < budget and p not in taken:
-                    taken.add(p)
-                    extra.append(p)
-            if len(extra) >= budget:
-                break
-        rows.append(sorted(fixed + extra))
-    width = max(1, max(len(r) for r in rows))
-    selected = torch.full((1, hkv, width), -1, dtype=torch.int32)
-    counts = torch.zeros(1, hkv, dtype=torch.int32)
-    for g, r in enumerate(rows):
-        selected[0, g, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        counts[0, g] = len(r)
-    return selected, counts
 
 
 SELECTORS: dict[str, type] = {"dense": DenseSelector, "topk": TopkSelector, "spans": SpansSelector}

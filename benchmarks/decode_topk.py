@@ -54,8 +54,7 @@ exits 0):
     python3 -m benchmarks.decode_topk --shapes qwen2.5 --contexts 64 --batches 8 --json out.json
 
 Prints the device, torch and triton versions, then one markdown table per shape (rows as they
-come, flushed). Asserts nothing. ``run_case(..., device="cpu")`` runs the same code paths under
-Triton's interpreter (``TRITON_INTERPRET=1``, tiny sizes, wall-clock timing) as a smoke test.
+come, flushed). Asserts nothing.
 """
 
 from __future__ import annotations

@@ -50,17 +50,7 @@ where the default budgets select every key: density 1)::
 
     python -m benchmarks.load --model smollm2 --long-lengths 1024 2048 4096
 
-GPU (Qwen2.5-Coder-1.5B with YaRN past its 32K; CUDA graphs and prefix caching on), split in two
-runs to keep each short (a cold start with torch.compile and CUDA graphs takes minutes):
-FLASH_ATTN, then the library's defaults and a density-1 configuration (every key through the
-sparse kernel) against it::
-
-    M="--model /tmp/models/qwen2.5-coder-1.5b-instruct --yarn 4 --text /tmp/austen.txt \\
-       --long-lengths 8192 32768 65536 130000 --max-num-seqs 16 --scale 3"
-    python -m benchmarks.load $M --sparse --out /tmp/load-dense.json
-    python -m benchmarks.load $M --reference-json /tmp/load-dense.json --near-tie 0.05 \\
-        --sparse default full=max_density=1,vertical_size=131072,slash_size=131072 \\
-        --min-agreement 0.5 --out /tmp/load-sparse.json
+The GPU recipe (Qwen2.5-Coder-1.5B with YaRN, two runs against one dense file) is in docs/benchmarks.md.
 
 Attach to running servers (no log check unless ``--server-log``, no density without
 ``--stats-file``)::

@@ -78,7 +78,7 @@ stack_pythonpath() {
   local p=$SITE
   [ -d "$SITE_VLLM" ] && p=$p:$SITE_VLLM
   [ -d "$SITE_PLUGIN" ] && p=$p:$SITE_PLUGIN
-  # FA4's CuTe DSL (gpu_fa4.sh): nvidia-cutlass-dsl puts `cutlass` on the path through a .pth
+  # FA4's CuTe DSL, where staged: nvidia-cutlass-dsl puts `cutlass` on the path through a .pth
   # file, which a PYTHONPATH folder does not read
   [ -d "$SITE_VLLM/nvidia_cutlass_dsl/dsl_packages" ] && p=$p:$SITE_VLLM/nvidia_cutlass_dsl/dsl_packages
   echo "$p"

@@ -16,9 +16,7 @@ takes the wrong slice selects different keys and the comparison fails.
 from __future__ import annotations
 
 import json
-import os
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -337,77 +335,3 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
         {"vertical_slash": 2, "a_shape": 2, "block_sparse": 2}
     assert patterns.get("flex_prefill/query_aware", 0) + patterns.get("flex_prefill/vertical_slash", 0) == 2
     assert "dense" not in patterns  # head 5 (dense) is rank 1's
-
-
-def test_e2e_benchmark_passes_tp_size_and_keeps_nvlink_multicast_off(monkeypatch):
-    import vllm
-
-    from benchmarks import e2e
-
-    env = e2e.run_env({"VLLM_SPARSE_MAX_DENSITY": "1"}, base={"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
-    assert {k: env[k] for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                                "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_SPARSE_MAX_DENSITY", "PATH")} == {
-        "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-        "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_SPARSE_MAX_DENSITY": "1", "PATH": "/bin"}
-    with pytest.raises(SystemExit, match="NCCL_NVLS_ENABLE"):
-        e2e.run_env({"NCCL_NVLS_ENABLE": "1"})
-
-    seen = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake_llm(**kwargs):
-        seen.update(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(vllm, "LLM", fake_llm)
-    args = SimpleNamespace(profile_lengths=[], label="tp", model="m", backend="sparse-prefill", max_len=4096,
-                           cudagraphs=False, chunk=2048, decode_batch=[0], tensor_parallel_size=2,
-                           kv_cache_dtype="fp8", prefix_cache=False, structure="band",
-                           decode_cached=False, real_weights=False)
-    with pytest.raises(Stop):
-        e2e.worker(args)
-    assert seen["tensor_parallel_size"] == 2 and seen["attention_backend"] == "sparse-prefill"
-    assert seen["kv_cache_dtype"] == "fp8" and seen["enable_prefix_caching"] is False
-    assert seen["worker_extension_cls"] == "planted_band.PlantedBandWorker"
-    args.prefix_cache, args.structure = True, "none"
-    with pytest.raises(Stop):
-        e2e.worker(args)
-    assert seen["enable_prefix_caching"] is True and seen["worker_extension_cls"] == ""
-    args.prefix_cache, args.decode_cached, args.real_weights = False, True, True  # a real model, decode from the cache
-    with pytest.raises(Stop):
-        e2e.worker(args)
-    assert seen["enable_prefix_caching"] is True and seen["load_format"] == "auto"
-
-
-def test_e2e_worker_extension_resolves_on_the_path_the_engine_gets():
-    """The engine's processes get the worker-extension folder on PYTHONPATH and resolve the class
-    by name, as vLLM does; that folder must hold nothing that shadows an installed package (the
-    benchmarks folder would: its kernels.py hides the `kernels` package transformers probes)."""
-    import importlib.util
-    import subprocess
-    import sys
-
-    from benchmarks import e2e
-
-    env = e2e.run_env({}, base={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": "/somewhere"})
-    assert env["PYTHONPATH"].split(os.pathsep) == [str(e2e.WORKER_EXTENSIONS), "/somewhere"]
-    for module in e2e.WORKER_EXTENSIONS.glob("*.py"):
-        found = importlib.util.find_spec(module.stem) if module.stem not in sys.modules else None
-        assert found is None or Path(found.origin).parent == e2e.WORKER_EXTENSIONS, module
-    code = ("from vllm.utils.import_utils import resolve_obj_by_qualname as r; "
-            f"c = r({e2e.WORKER_EXTENSION!r}); print(c.__name__, callable(c.plant_band))")
-    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONPATH": env["PYTHONPATH"].split(os.pathsep)[0]},
-                         capture_output=True, text=True, cwd="/")
-    assert out.stdout.split() == ["PlantedBandWorker", "True"], out.stderr[-2000:]
-
-
-def test_e2e_cached_decode_groups_prime_each_context_once():
-    """--decode-cached primes each context once, for its largest batch, then measures every batch
-    of that context from the cache, contexts in the order given."""
-    from benchmarks import e2e
-
-    specs = [(1, 32768), (8, 32768), (1, 131072), (8, 131072), (4, 32768)]
-    assert e2e.cached_decode_groups(specs) == [(32768, [1, 8, 4]), (131072, [1, 8])]
-    assert e2e.cached_decode_groups([]) == []

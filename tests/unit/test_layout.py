@@ -10,12 +10,17 @@ serving source file imports the tools or the benchmarks, at any depth (inside a 
 and what a vLLM server actually imports (the plugin's entry point, then the backend classes it
 registered) loads nothing of the tools nor of what only the tools need, in a fresh interpreter.
 The source scans make sure the server check cannot pass only because a code path was not taken.
+
+Then the guards of issue 52: no test imports ``benchmarks.studies``; every file in
+``benchmarks/results/`` is cited by its ``SUMMARY.md`` and every file the summary names exists;
+and no two modules of the serving package need each other at import time.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -49,8 +54,13 @@ def _sources(package: str) -> list[tuple[str, Path]]:
 def _imported_modules(path: Path, package: str) -> list[str]:
     """Absolute names of every module a file imports, at any depth (functions included); for
     ``from X import y`` both ``X`` and ``X.y`` (``y`` may be a submodule)."""
+    return _names_of(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)), package)
+
+
+def _names_of(tree: ast.AST, package: str) -> list[str]:
+    """The imports in ``tree`` (a module or one statement), relative ones resolved from ``package``."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -129,3 +139,120 @@ def test_a_vllm_server_process_loads_no_offline_tool(tmp_path):
     tool_deps = _tool_only_dependencies()
     assert tool_deps, "pyproject.toml lists no tool dependencies to check"
     assert [m for m in new if m.split(".")[0] in tool_deps] == []
+
+
+# The notebook stays closed (issue 52): benchmark studies are scripts nobody imports, and the
+# results folder holds only what its summary cites; the rest lives in git history.
+RESULTS = ROOT / BENCHMARKS / "results"
+SUMMARY = RESULTS / "SUMMARY.md"
+
+
+def test_no_test_imports_a_benchmark_study():
+    tests = _sources("tests")
+    assert len(tests) > 20
+    studies = f"{BENCHMARKS}.studies"
+    assert [f"{path.relative_to(ROOT)}: {name}" for base, path in tests for name in _imported_modules(path, base)
+            if name == studies or name.startswith(studies + ".")] == []
+
+
+def _cited_by_summary(name: str, summary: str) -> bool:
+    """A result file is cited when the summary names it, or names its stem followed by a dot
+    (``NAME.*``, ``NAME.{json,txt}``: the files of one run)."""
+    return name in summary or name.rsplit(".", 1)[0] + "." in summary
+
+
+def test_every_result_file_is_cited_by_the_summary():
+    summary = SUMMARY.read_text(encoding="utf-8")
+    files = sorted(p.name for p in RESULTS.iterdir() if p != SUMMARY)
+    assert len(files) > 20
+    assert [name for name in files if not _cited_by_summary(name, summary)] == [], \
+        "cite each file in benchmarks/results/SUMMARY.md or delete it (git history keeps it)"
+
+
+def test_every_file_the_summary_names_exists():
+    summary = SUMMARY.read_text(encoding="utf-8")
+    files = {p.name for p in RESULTS.iterdir()}
+    named = [n for n in re.findall(r"`([\w.+-]+\.(?:json|txt|log|xml|\*))`", summary) if n[0] not in ".*"
+             and n.split(".")[0] != "NAME"]
+    assert len(named) > 20
+    missing = [n for n in named if n not in files and not (n.endswith(".*") and any(f.startswith(n[:-1]) for f in files))]
+    assert missing == []
+
+
+def test_the_citation_rule_tells_a_stem_from_a_longer_name():
+    assert _cited_by_summary("run_2026-11-26.json", "`run_2026-11-26.*`")
+    assert _cited_by_summary("run_2026-11-26.txt", "`run_2026-11-26.{json,txt}`")
+    assert not _cited_by_summary("run_2026-11-26b.txt", "`run_2026-11-26.*`")
+    assert not _cited_by_summary("run_2026-11-26.txt", "`run_2026-11-26b.txt`")
+
+
+def _module_level_imports(path: Path, package: str) -> list[str]:
+    """Like ``_imported_modules``, but only what runs when the module is first imported: its
+    top-level statements (inside ``if`` and ``try`` too), not function bodies nor ``if
+    TYPE_CHECKING:`` blocks."""
+    names = []
+
+    def visit(statements):
+        for node in statements:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.extend(_names_of(node, package))
+            elif isinstance(node, ast.If):
+                test = node.test
+                if getattr(test, "id", getattr(test, "attr", None)) != "TYPE_CHECKING":
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body)
+    return names
+
+
+def _import_circles(root: Path, package: str) -> list[list[str]]:
+    """Groups of modules of ``package`` (under ``root``) that import each other in a circle at
+    module level (strongly connected components of more than one module)."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        if is_package:
+            parts = parts[:-1]
+        modules[".".join(parts)] = (path, ".".join(parts if is_package else parts[:-1]))
+    graph = {name: {m for m in _module_level_imports(path, base) if m in modules and m != name}
+             for name, (path, base) in modules.items()}
+    reach = {name: set() for name in graph}
+    for name in graph:  # transitive closure; the package has a few dozen modules
+        todo = list(graph[name])
+        while todo:
+            m = todo.pop()
+            if m not in reach[name]:
+                reach[name].add(m)
+                todo += graph[m]
+    circles = {frozenset({a} | {b for b in reach[a] if a in reach[b]}) for a in graph if a in reach[a]}
+    return sorted(sorted(c) for c in circles)
+
+
+def test_no_import_circle_in_the_serving_package():
+    """A module of the plugin that needs another one's names at import time must not be needed
+    by it at import time too: such circles break with the import order (the settings and the
+    registries had one, issue 52). Deferred imports inside functions do not count."""
+    assert len(_sources(SERVING)) > 20
+    assert _import_circles(ROOT, SERVING) == []
+
+
+def test_the_circle_scan_sees_module_level_circles_only(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("try:\n    from ..c import x\nexcept ImportError:\n    pass\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+                              "def f():\n    from . import a\n")
+    assert _import_circles(tmp_path, "pkg") == []
+    (pkg / "c.py").write_text("import pkg.a\n")
+    assert _import_circles(tmp_path, "pkg") == [["pkg.a", "pkg.c", "pkg.sub.b"]]

@@ -38,7 +38,7 @@ management (freeing, preemption, prefix caching) without any per-request bookkee
    the division overwrites the chunk's pages). ``index="page"`` (:func:`page_top_keys`; issue 24)
    keys every page by its own most-voted token instead (InfLLM's representative token at page
    granularity; fallback: 1 x the mean key): measured on a real model
-   (``benchmarks/decode_spans_probe.py``), a needle sits inside a kept span of 4-32 pages whose
+   (issue 24's probe, docs/decode-modes.md), a needle sits inside a kept span of 4-32 pages whose
    at most 24 index tokens miss it, so no span-level key ranks its page within the budget.
 4. **Persistent pages**: the paper keeps the last prefill chunk's retrieval for the whole decode.
    Per prefill chunk, the ``persist_pages`` best pages of the row (sink and recent pages excluded)
