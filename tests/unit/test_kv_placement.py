@@ -4,6 +4,7 @@ All on CPU: the hot cache's device is the CPU here."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,13 +18,16 @@ from vllm_sparse_backend.kv_placement.host import HostKVPoolFull, HostPlacement,
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, page_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
 BF16_BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x page x heads x dim x 2 bytes
+# the hot cache on the GPU: a pinned pool and asynchronous copies
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
 
-def host(hot_pages: int = 6, pool_blocks: int = 64, dtype: str = "auto") -> HostPlacement:
+def host(hot_pages: int = 6, pool_blocks: int = 64, dtype: str = "auto", device: str = "cpu") -> HostPlacement:
     settings = SparseSettings(decode_sink_pages=1, decode_recent_pages=1, decode_budget_pages=2,
                               host_kv_hot_pages=hot_pages, host_kv_dtype=dtype,
                               host_kv_pool_bytes=pool_blocks * BF16_BLOCK_BYTES)
-    return HostPlacement(settings, LAYOUT)
+    return HostPlacement(settings, dataclasses.replace(LAYOUT, device=device))
 
 
 def pages(n: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -62,11 +66,12 @@ class ReferenceLRU:
         self.order = [b for b in self.order if b not in blocks]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
-def test_hot_cache_follows_a_reference_lru_and_never_evicts_pinned_blocks(seed):
+def test_hot_cache_follows_a_reference_lru_and_never_evicts_pinned_blocks(seed, device):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     hot = 6
-    placement = host(hot_pages=hot)
+    placement = host(hot_pages=hot, device=device)
     refs = [ReferenceLRU(hot) for _ in range(LAYOUT.num_layers)]
     latest: dict[int, torch.Tensor] = {}  # block -> its key page as last written (every layer the same)
     hits = misses = 0
@@ -97,7 +102,7 @@ def test_hot_cache_follows_a_reference_lru_and_never_evicts_pinned_blocks(seed):
             assert (got.copied, got.evicted) == expected, (step, layer)
             assert not pinned & set(got.evicted)
             assert len(set(got.slots)) == len(set(asked))
-            key, value = placement.dequantized(layer, got.slots)
+            key, value = (t.cpu() for t in placement.dequantized(layer, got.slots))
             want = torch.stack([latest[b] for b in asked]).float()
             assert torch.equal(key, want) and torch.equal(value, -want)
             assert set(placement.caches[layer].slot_of) == set(ref.order)
@@ -107,24 +112,27 @@ def test_hot_cache_follows_a_reference_lru_and_never_evicts_pinned_blocks(seed):
     assert hits and misses and placement.stats.evictions  # the trace exercised all three
 
 
-def test_bf16_pages_come_back_exactly_from_the_pool():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_pages_come_back_exactly_from_the_pool(device):
     gen = torch.Generator().manual_seed(1)
-    placement = host()
+    placement = host(device=device)
+    assert placement.pool.key.is_pinned() == (device == "cuda")
     k, v = pages(5, gen), pages(5, gen)
     blocks = [40, 3, 17, 0, 63]
     placement.write(1, blocks, k, v)
     res = placement.fetch(1, blocks)
     assert res.copied == blocks
     key, value = placement.resident_pages(1, None, None)
-    assert key.dtype == torch.bfloat16
-    assert torch.equal(key[res.slots], k) and torch.equal(value[res.slots], v)
+    assert key.dtype == torch.bfloat16 and key.device.type == device
+    assert torch.equal(key[res.slots].cpu(), k) and torch.equal(value[res.slots].cpu(), v)
     with pytest.raises(ValueError, match="block 40 of layer 0 is not in the host KV pool"):
         placement.fetch(0, [40])  # layer 0 never wrote it
 
 
-def test_fp8_pages_dequantise_within_the_format_error_of_the_written_values():
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_pages_dequantise_within_the_format_error_of_the_written_values(device):
     gen = torch.Generator().manual_seed(2)
-    placement = host(dtype="fp8_e4m3")
+    placement = host(dtype="fp8_e4m3", device=device)
     # pages and KV heads of very different magnitudes: one scale per page and KV head serves each
     heads = torch.tensor([1.0, 300.0])[None, None, :, None]
     k = (torch.cat([pages(2, gen, 1e-3), pages(2, gen, 30.0)]) * heads).to(torch.bfloat16)
@@ -133,7 +141,7 @@ def test_fp8_pages_dequantise_within_the_format_error_of_the_written_values():
     placement.write(0, blocks, k, v)
     res = placement.fetch(0, blocks)
     assert placement.resident_pages(0)[0].dtype == torch.float8_e4m3fn
-    key, value = placement.dequantized(0, res.slots)
+    key, value = (t.cpu() for t in placement.dequantized(0, res.slots))
     for got, written in ((key, k.float()), (value, v.float())):
         # e4m3 keeps 3 mantissa bits (error <= 2^-4 of the value) down to its subnormals, spaced
         # 2^-9 apart; the page's largest magnitude maps to 448

@@ -214,6 +214,9 @@ class HostPlacement:
         self.hot_value_scale = torch.ones(scale_shape, device=layout.device) if quantized else None
         self.pinned: frozenset[int] = frozenset()
         self.stats = HotCacheStats()
+        # copies from pinned memory run after the host moves on: a write must not change a pool
+        # page that a queued copy has yet to read
+        self.copies_queued = torch.cuda.Event() if torch.device(layout.device).type == "cuda" else None
 
     @property
     def hot_nbytes(self) -> int:
@@ -223,12 +226,15 @@ class HostPlacement:
 
     def write(self, layer: int, block_ids: Sequence[int], key_pages: torch.Tensor,
               value_pages: torch.Tensor) -> None:
+        if self.copies_queued is not None:
+            self.copies_queued.synchronize()
         entries = self.pool.write(layer, block_ids, key_pages, value_pages)
         cache = self.caches[layer]
         for b, entry in zip(block_ids, entries):
             slot = cache.slot_of.get(b)
             if slot is not None:
                 self._copy_in(layer, entry, slot)
+        self._mark_copies()
 
     def fetch(self, layer: int, block_ids: Sequence[int]) -> Residency:
         entries = {b: self.pool.entry(layer, b) for b in block_ids}  # before any slot changes hands
@@ -236,6 +242,7 @@ class HostPlacement:
         slot_of = self.caches[layer].slot_of
         for b in residency.copied:
             self._copy_in(layer, entries[b], slot_of[b])
+        self._mark_copies()
         self.stats.misses += len(residency.copied)
         self.stats.hits += len(block_ids) - len(residency.copied)
         self.stats.evictions += len(residency.evicted)
@@ -269,6 +276,10 @@ class HostPlacement:
         for cache in self.caches:
             cache.drop(block_ids)
         self.pinned = self.pinned.difference(block_ids)
+
+    def _mark_copies(self) -> None:
+        if self.copies_queued is not None:
+            self.copies_queued.record()
 
     def _copy_in(self, layer: int, entry: int, slot: int) -> None:
         # one copy per page into a slot that exists: no allocation, asynchronous from pinned memory
