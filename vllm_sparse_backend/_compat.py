@@ -239,3 +239,40 @@ def kv_cache_request(vllm_config) -> KVCacheRequest:
     fitted = getattr(model, "original_max_model_len", None) == -1
     return KVCacheRequest(cache.gpu_memory_utilization, cache.kv_cache_memory_bytes or None,
                           cache.block_size or 16, None if fitted else model.max_model_len)
+
+
+# The vLLM hooks a host KV placement (issue 54) would route through, as (module, object,
+# attributes); docs/decode-offload.md, "Route through vLLM's hooks", says what each is for.
+KV_PLACEMENT_HOOKS = (
+    ("vllm.v1.attention.backend", "AttentionBackend", ("customize_spec", "forward_includes_kv_cache_update")),
+    ("vllm.v1.kv_cache_interface", "AttentionSpec", ("num_head_slots", "state_content_bytes", "tokens_per_state")),
+    ("vllm.model_executor.layers.attention.attention", None, ("unified_kv_cache_update",)),
+    ("vllm.config.cache", "CacheConfig", ("kv_cache_memory_bytes", "num_gpu_blocks_override")),
+)
+
+
+def kv_placement_hooks_missing() -> list[str]:
+    """The hooks of :data:`KV_PLACEMENT_HOOKS` this vLLM lacks, as ``module:Object.attribute``
+    (empty: a host placement can be routed through this vLLM)."""
+    import dataclasses
+    import importlib
+
+    missing = []
+    for module_name, object_name, attributes in KV_PLACEMENT_HOOKS:
+        where = f"{module_name}:{object_name}" if object_name else module_name
+        try:
+            owner = importlib.import_module(module_name)
+            if object_name:
+                owner = getattr(owner, object_name)
+        except (ImportError, AttributeError):
+            missing.append(where)
+            continue
+        # dataclass fields without a default are not class attributes
+        fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+        missing += [f"{where}.{a}" for a in attributes if not hasattr(owner, a) and a not in fields]
+    return missing
+
+
+def kv_placement_hooks_available() -> bool:
+    """Whether this vLLM has every hook a host KV placement needs (the gate of kv_placement=host)."""
+    return not kv_placement_hooks_missing()

@@ -54,6 +54,24 @@ def check_decode_mode_name(name: str) -> str:
 DecodeModeName = Annotated[str, AfterValidator(check_decode_mode_name)]
 
 
+def check_kv_placement_name(name: str) -> str:
+    """A pydantic validator: ``name`` must be a registered KV placement
+    (:data:`vllm_sparse_backend.kv_placement.KV_PLACEMENTS`) that serving runs."""
+    from .kv_placement import KV_PLACEMENTS  # the placements import these settings: resolved when validating
+
+    if name not in KV_PLACEMENTS:
+        raise PydanticCustomError("unknown_kv_placement", "unknown KV placement '{name}' (known: {known})",
+                                  {"name": name, "known": ", ".join(KV_PLACEMENTS)})
+    if not KV_PLACEMENTS[name].wired:
+        raise PydanticCustomError("kv_placement_not_wired",
+                                  "kv_placement={name} is not wired into serving yet, see docs/decode-offload.md",
+                                  {"name": name})
+    return name
+
+
+KVPlacementName = Annotated[str, AfterValidator(check_kv_placement_name)]
+
+
 def check_host(host: str) -> str:
     """A pydantic validator: ``host`` must be an IP address or a DNS host name (what a server binds)."""
     try:
@@ -209,6 +227,22 @@ class SparseSettings(BaseModel):
         1, ge=0, description="spans, persist by attention: each of the decode_persist_pages // (1 + N) best "
                              "pages persists with the N pages after it; 0 = single pages. Setting it with "
                              "decode_span_persist=index is an error.")
+
+    # KV placement (issue 54): where each block's full K/V lives. docs/decode-offload.md.
+    kv_placement: KVPlacementName = Field("gpu", description=(
+        "Where each KV-cache block's K/V lives: gpu = vLLM's cache. host (a pinned host pool with a GPU hot "
+        "cache of host_kv_hot_pages pages per layer) exists as a library but is not wired into serving yet: "
+        "setting it is a start-up error."))
+    host_kv_hot_pages: int = Field(256, ge=1, description=(
+        "kv_placement=host: GPU slots per layer for pages copied from the host pool (least recently used "
+        "reused first; sink and recent pages never evicted); at least decode_sink_pages + decode_recent_pages "
+        "+ decode_budget_pages."))
+    host_kv_pool_bytes: int | None = Field(None, ge=1, description=(
+        "kv_placement=host: host memory of the pool holding every block's K/V (all layers); a request whose "
+        "blocks do not fit gets an error. Required with kv_placement=host."))
+    host_kv_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description=(
+        "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
+        "with one scale per page, KV head and K/V (half the bytes of bf16)."))
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":

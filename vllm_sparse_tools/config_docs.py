@@ -20,8 +20,9 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from vllm_sparse_backend.config import (CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings, check_decode_mode_name,
-                                        check_pattern_name)
+                                        check_kv_placement_name, check_pattern_name)
 from vllm_sparse_backend.decode import DECODE_MODES
+from vllm_sparse_backend.kv_placement import KV_PLACEMENTS
 from vllm_sparse_backend.prefill.patterns import PATTERNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -87,6 +88,8 @@ def describe_type(field: FieldInfo) -> str:
         values = list(PATTERNS)  # a pattern's name: the registered ones
     elif check_decode_mode_name in validators:
         values = ["dense", *DECODE_MODES]
+    elif check_kv_placement_name in validators:
+        values = [name for name, placement in KV_PLACEMENTS.items() if placement.wired]  # what start-up accepts
     if values is not None:
         text = ", ".join(f"`{v}`" for v in values)
     elif annotation is bool:

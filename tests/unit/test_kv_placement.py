@@ -1,0 +1,244 @@
+"""The KV placements (issue 54): the host pool and its GPU hot cache against a plain LRU and the
+values written, the gpu placement, the registry, the settings and the vLLM hooks they would use.
+All on CPU: the hot cache's device is the CPU here."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from vllm_sparse_backend import _compat
+from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.kv_placement import KV_PLACEMENTS, KVLayout, kv_placement
+from vllm_sparse_backend.kv_placement.gpu import GPUPlacement
+from vllm_sparse_backend.kv_placement.host import HostKVPoolFull, HostPlacement, HotCacheTooSmall
+
+LAYOUT = KVLayout(num_layers=2, num_blocks=64, page_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+BF16_BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x page x heads x dim x 2 bytes
+# the hot cache on the GPU: a pinned pool and asynchronous copies
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def host(hot_pages: int = 6, pool_blocks: int = 64, dtype: str = "auto", device: str = "cpu") -> HostPlacement:
+    settings = SparseSettings(decode_sink_pages=1, decode_recent_pages=1, decode_budget_pages=2,
+                              host_kv_hot_pages=hot_pages, host_kv_dtype=dtype,
+                              host_kv_pool_bytes=pool_blocks * BF16_BLOCK_BYTES)
+    return HostPlacement(settings, dataclasses.replace(LAYOUT, device=device))
+
+
+def pages(n: int, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn((n, *LAYOUT.page_shape), generator=gen) * scale).to(torch.bfloat16)
+
+
+class ReferenceLRU:
+    """A least-recently-used cache of ``size`` blocks, as a list (least recent first): a miss
+    takes a free place or evicts the least recent block that is neither pinned nor asked for in
+    the same call."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.order: list[int] = []
+
+    def access(self, blocks: list[int], pinned: set[int]):
+        needed = set(blocks)
+        pinned_held = [b for b in self.order if b in pinned and b not in needed]
+        if len(needed) + len(pinned_held) > self.size:
+            return None
+        copied, evicted = [], []
+        for b in blocks:
+            if b in self.order:
+                self.order.remove(b)
+                self.order.append(b)
+                continue
+            if len(self.order) == self.size:
+                victim = [v for v in self.order if v not in pinned and v not in needed][0]
+                self.order.remove(victim)
+                evicted.append(victim)
+            self.order.append(b)
+            copied.append(b)
+        return copied, evicted
+
+    def free(self, blocks: list[int]) -> None:
+        self.order = [b for b in self.order if b not in blocks]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_hot_cache_follows_a_reference_lru_and_never_evicts_pinned_blocks(seed, device):
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    hot = 6
+    placement = host(hot_pages=hot, device=device)
+    refs = [ReferenceLRU(hot) for _ in range(LAYOUT.num_layers)]
+    latest: dict[int, torch.Tensor] = {}  # block -> its key page as last written (every layer the same)
+    hits = misses = 0
+    for step in range(60):
+        # a step writes a few pages (new blocks, and the recent page rewritten)
+        written = rng.sample(range(24), 3)
+        k = pages(len(written), gen)
+        for layer in range(LAYOUT.num_layers):
+            placement.write(layer, written, k, -k)
+        latest.update(zip(written, k))
+        if step % 7 == 6:  # vLLM reallocates some blocks: freed here, written again later
+            gone = rng.sample(sorted(latest), 2)
+            placement.free(gone)
+            for ref in refs:
+                ref.free(gone)
+            for b in gone:
+                del latest[b]
+        pinned = set(rng.sample(sorted(latest), 2))  # sink and recent pages of the running request
+        placement.set_pinned(sorted(pinned))
+        asked = rng.sample(sorted(latest), rng.randint(1, min(7, len(latest))))
+        for layer, ref in enumerate(refs):
+            expected = ref.access(asked, pinned)
+            if expected is None:
+                with pytest.raises(HotCacheTooSmall, match="host_kv_hot_pages=6"):
+                    placement.fetch(layer, asked)
+                continue
+            got = placement.fetch(layer, asked)
+            assert (got.copied, got.evicted) == expected, (step, layer)
+            assert not pinned & set(got.evicted)
+            assert len(set(got.slots)) == len(set(asked))
+            key, value = (t.cpu() for t in placement.dequantized(layer, got.slots))
+            want = torch.stack([latest[b] for b in asked]).float()
+            assert torch.equal(key, want) and torch.equal(value, -want)
+            assert set(placement.caches[layer].slot_of) == set(ref.order)
+            misses += len(expected[0])
+            hits += len(asked) - len(expected[0])
+    assert (placement.stats.hits, placement.stats.misses) == (hits, misses)
+    assert hits and misses and placement.stats.evictions  # the trace exercised all three
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_pages_come_back_exactly_from_the_pool(device):
+    gen = torch.Generator().manual_seed(1)
+    placement = host(device=device)
+    assert placement.pool.key.is_pinned() == (device == "cuda")
+    k, v = pages(5, gen), pages(5, gen)
+    blocks = [40, 3, 17, 0, 63]
+    placement.write(1, blocks, k, v)
+    res = placement.fetch(1, blocks)
+    assert res.copied == blocks
+    key, value = placement.resident_pages(1, None, None)
+    assert key.dtype == torch.bfloat16 and key.device.type == device
+    assert torch.equal(key[res.slots].cpu(), k) and torch.equal(value[res.slots].cpu(), v)
+    with pytest.raises(ValueError, match="block 40 of layer 0 is not in the host KV pool"):
+        placement.fetch(0, [40])  # layer 0 never wrote it
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_pages_dequantise_within_the_format_error_of_the_written_values(device):
+    gen = torch.Generator().manual_seed(2)
+    placement = host(dtype="fp8_e4m3", device=device)
+    # pages and KV heads of very different magnitudes: one scale per page and KV head serves each
+    heads = torch.tensor([1.0, 300.0])[None, None, :, None]
+    k = (torch.cat([pages(2, gen, 1e-3), pages(2, gen, 30.0)]) * heads).to(torch.bfloat16)
+    v = (torch.cat([pages(2, gen, 5.0), pages(2, gen, 1e-2)]) / heads).to(torch.bfloat16)
+    blocks = [9, 1, 30, 22]
+    placement.write(0, blocks, k, v)
+    res = placement.fetch(0, blocks)
+    assert placement.resident_pages(0)[0].dtype == torch.float8_e4m3fn
+    key, value = (t.cpu() for t in placement.dequantized(0, res.slots))
+    for got, written in ((key, k.float()), (value, v.float())):
+        # e4m3 keeps 3 mantissa bits (error <= 2^-4 of the value) down to its subnormals, spaced
+        # 2^-9 apart; the page's largest magnitude maps to 448
+        scale = written.abs().amax(dim=(1, 3), keepdim=True) / 448
+        bound = written.abs() * 2 ** -4 + scale * 2 ** -10
+        assert torch.all((got - written).abs() <= bound * (1 + 1e-5))
+        assert not torch.equal(got, written)  # it really went through fp8
+
+
+def test_a_freed_block_id_reused_by_vllm_returns_its_new_content_as_a_miss():
+    gen = torch.Generator().manual_seed(3)
+    placement = host()
+    old, new = pages(1, gen), pages(1, gen)
+    for layer in range(LAYOUT.num_layers):
+        placement.write(layer, [5], old, old)
+    placement.fetch(0, [5])
+    placement.free([5])
+    with pytest.raises(ValueError, match="block 5 of layer 0"):
+        placement.fetch(0, [5])  # freed and not written since: nothing to read
+    placement.write(0, [6], new, new)  # block 6 takes 5's pool entry; its layer 1 is not written yet
+    with pytest.raises(ValueError, match="block 6 of layer 1"):
+        placement.fetch(1, [6])
+    placement.free([6])
+    placement.write(0, [5], new, new)
+    res = placement.fetch(0, [5])
+    assert res.copied == [5]
+    assert torch.equal(placement.resident_pages(0)[0][res.slots[0]], new[0])
+    assert (placement.stats.hits, placement.stats.misses) == (0, 2)
+
+
+def test_a_rewritten_resident_page_is_refreshed_in_the_hot_cache():
+    gen = torch.Generator().manual_seed(4)
+    placement = host()
+    first, second = pages(1, gen), pages(1, gen)
+    placement.write(0, [7], first, first)
+    slot = placement.fetch(0, [7]).slots[0]
+    placement.write(0, [7], second, second)  # the decoding sequence's last page, one token longer
+    res = placement.fetch(0, [7])
+    assert res.copied == [] and res.slots == [slot]
+    assert torch.equal(placement.resident_pages(0)[1][slot], second[0])
+
+
+def test_a_full_pool_refuses_the_write_and_keeps_what_it_holds():
+    gen = torch.Generator().manual_seed(5)
+    placement = host(pool_blocks=3)
+    assert placement.pool.capacity == 3
+    held = pages(3, gen)
+    placement.write(0, [0, 1, 2], held, held)
+    with pytest.raises(HostKVPoolFull, match="1 new blocks, 0 of 3 entries free"):
+        placement.write(0, [2, 3], pages(2, gen), pages(2, gen))
+    res = placement.fetch(0, [0, 1, 2])  # the refused write changed nothing
+    assert torch.equal(placement.resident_pages(0)[0][res.slots], held)
+    placement.free([1])
+    placement.write(0, [3], held[:1], held[:1])
+    with pytest.raises(ValueError, match="host_kv_pool_bytes=10 holds no block"):
+        HostPlacement(SparseSettings(host_kv_pool_bytes=10), LAYOUT)
+
+
+def test_host_placement_checks_its_settings():
+    with pytest.raises(ValueError, match="host_kv_pool_bytes: must be set"):
+        HostPlacement(SparseSettings(), LAYOUT)
+    with pytest.raises(ValueError, match="host_kv_hot_pages=8: below one request's step of 73 pages"):
+        HostPlacement(SparseSettings(host_kv_hot_pages=8, host_kv_pool_bytes=1 << 20), LAYOUT)
+
+
+def test_gpu_placement_reads_vllms_cache_by_block_id():
+    key_cache, value_cache = torch.zeros(4, 2), torch.ones(4, 2)
+    placement = kv_placement(SparseSettings(), LAYOUT)
+    assert isinstance(placement, GPUPlacement)
+    res = placement.fetch(0, [3, 1])
+    assert (res.slots, res.copied) == ([3, 1], [])
+    k, v = placement.resident_pages(0, key_cache, value_cache)
+    assert k is key_cache and v is value_cache
+
+
+def test_registry_names_the_placements_and_settings_refuse_the_unwired_one(monkeypatch):
+    assert set(KV_PLACEMENTS) == {"gpu", "host"}
+    assert SparseSettings().kv_placement == "gpu"
+    with pytest.raises(ConfigError, match="VLLM_SPARSE_KV_PLACEMENT='host'.*not wired into serving yet, see "
+                                          "docs/decode-offload.md"):
+        load_settings({"VLLM_SPARSE_KV_PLACEMENT": "host"})
+    with pytest.raises(ConfigError, match="unknown KV placement 'disk' \\(known: gpu, host\\)"):
+        load_settings({"VLLM_SPARSE_KV_PLACEMENT": "disk"})
+
+    class Mine(GPUPlacement):  # a new placement: a class and one registry line
+        name = "mine"
+
+    monkeypatch.setitem(KV_PLACEMENTS, "mine", Mine)
+    settings = load_settings({"VLLM_SPARSE_KV_PLACEMENT": "mine"})
+    assert isinstance(kv_placement(settings, LAYOUT), Mine)
+
+
+def test_the_installed_vllm_has_the_hooks_a_host_placement_needs(monkeypatch):
+    assert _compat.kv_placement_hooks_missing() == []
+    assert _compat.kv_placement_hooks_available()
+    from vllm.v1.attention.backend import AttentionBackend
+
+    monkeypatch.delattr(AttentionBackend, "customize_spec")
+    assert _compat.kv_placement_hooks_missing() == ["vllm.v1.attention.backend:AttentionBackend.customize_spec"]
+    assert not _compat.kv_placement_hooks_available()

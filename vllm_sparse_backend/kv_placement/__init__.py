@@ -1,0 +1,25 @@
+"""KV placements by name: the one place that lists them (issue 54).
+
+Each placement is a file of this folder holding a :class:`.base.KVPlacement`, plus one line
+below. ``kv_placement=gpu`` (the default) is what the backends do without any placement object.
+"""
+
+from __future__ import annotations
+
+from ..config import SparseSettings
+from .base import KVLayout, KVPlacement, Residency
+from .gpu import GPUPlacement
+from .host import HostPlacement
+
+KV_PLACEMENTS: dict[str, type] = {
+    GPUPlacement.name: GPUPlacement,
+    HostPlacement.name: HostPlacement,
+}
+
+
+def kv_placement(settings: SparseSettings, layout: KVLayout) -> KVPlacement:
+    """The placement ``settings.kv_placement`` names, for a cache of ``layout``."""
+    return KV_PLACEMENTS[settings.kv_placement](settings, layout)
+
+
+__all__ = ["KV_PLACEMENTS", "KVLayout", "KVPlacement", "Residency", "kv_placement"]

@@ -1,0 +1,291 @@
+"""``kv_placement=host`` (issue 54, not wired into serving yet): every block's full K/V in a pool
+in host memory, indexed by vLLM's block id and layer, and a GPU hot cache of a fixed number of
+slots per layer that a step's blocks are copied into (least recently used slots reused first).
+
+- :class:`HostKVPool`: the host pages. Pinned where the hot cache is on a CUDA device, so a
+  page's copy to the GPU is an asynchronous DMA; plain CPU tensors elsewhere (tests). Pages are
+  stored in the model's dtype or as fp8 e4m3 with one scale per page, KV head and K/V (the
+  page's largest magnitude maps to fp8's largest finite value). A block id gets a pool entry at
+  its first write and gives it back when freed; a pool with no entry left refuses the write
+  with :class:`HostKVPoolFull` (the caller fails that request, not the server).
+- :class:`HotPageCache`: one layer's slot bookkeeping, host only.
+- :class:`HostPlacement`: the two together, with the hot tensors allocated once at start
+  (``host_kv_hot_pages`` slots per layer): a step copies pages into existing slots and never
+  allocates, which a CUDA graph of the attention that reads them needs.
+
+Why a block's hot copy is dropped on :meth:`HostPlacement.free` and refreshed on a write: vLLM
+reuses a block id for other content once it reallocates it, and rewrites the last page of a
+decoding sequence every step; either way a stale resident copy would be read as a hit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..config import SparseSettings
+from .base import KVLayout, Residency
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+class HostKVPoolFull(RuntimeError):
+    """The host pool has no entry left for a new block (the request that wrote it cannot run)."""
+
+
+class HotCacheTooSmall(ValueError):
+    """A step needs more blocks resident at once than the hot cache has slots."""
+
+
+def storage_dtype(host_kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return FP8 if host_kv_dtype == "fp8_e4m3" else model_dtype
+
+
+def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, page, Hkv, D]`` -> (fp8 pages, fp32 scale ``[n, Hkv]``), dequantised = fp8 x scale."""
+    amax = pages.float().abs().amax(dim=(1, 3))
+    # an all-zero page keeps scale 1: any scale stores its zeros exactly
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (pages.float() / scale[:, None, :, None]).to(FP8), scale
+
+
+class HostKVPool:
+    """Every layer's K/V pages of the blocks written so far, in host memory."""
+
+    def __init__(self, layout: KVLayout, pool_bytes: int, host_kv_dtype: str = "auto"):
+        self.layout = layout
+        self.dtype = storage_dtype(host_kv_dtype, layout.dtype)
+        self.quantized = self.dtype == FP8
+        page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
+        scale_bytes = 2 * layout.num_kv_heads * 4 if self.quantized else 0
+        self.block_bytes = layout.num_layers * (2 * page_elems * self.dtype.itemsize + scale_bytes)
+        self.capacity = pool_bytes // self.block_bytes
+        if self.capacity < 1:
+            raise ValueError(f"host_kv_pool_bytes={pool_bytes} holds no block: one block of every layer takes "
+                             f"{self.block_bytes} bytes")
+        pin = torch.device(layout.device).type == "cuda"
+        shape = (layout.num_layers, self.capacity, *layout.page_shape)
+        self.key = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+        self.value = torch.empty(shape, dtype=self.dtype, pin_memory=pin)
+        scale_shape = (layout.num_layers, self.capacity, layout.num_kv_heads)
+        self.key_scale = torch.ones(scale_shape, pin_memory=pin) if self.quantized else None
+        self.value_scale = torch.ones(scale_shape, pin_memory=pin) if self.quantized else None
+        # a layer's page of an entry is readable only once that layer wrote it (layers write
+        # one after another within a step)
+        self.written = torch.zeros((layout.num_layers, self.capacity), dtype=torch.bool)
+        self.entry_of_block: dict[int, int] = {}
+        self.free_entries = list(range(self.capacity - 1, -1, -1))  # pop() hands out entry 0 first
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * self.block_bytes
+
+    def write(self, layer: int, block_ids: Sequence[int], key_pages: torch.Tensor,
+              value_pages: torch.Tensor) -> list[int]:
+        """Store whole pages ``[n, page, Hkv, D]``; the pool entries they went to."""
+        expected = (len(block_ids), *self.layout.page_shape)
+        for name, pages in (("key_pages", key_pages), ("value_pages", value_pages)):
+            if tuple(pages.shape) != expected:
+                raise ValueError(f"{name}: shape {tuple(pages.shape)}, expected {expected} "
+                                 f"(blocks, page_size, num_kv_heads, head_size)")
+        self._check_ids(block_ids)
+        new = {b for b in block_ids if b not in self.entry_of_block}
+        if len(new) > len(self.free_entries):
+            raise HostKVPoolFull(
+                f"host KV pool full: {len(new)} new blocks, {len(self.free_entries)} of {self.capacity} entries free "
+                f"(host_kv_pool_bytes holds {self.capacity} blocks of {self.block_bytes} bytes)")
+        for b in block_ids:
+            if b not in self.entry_of_block:
+                self.entry_of_block[b] = self.free_entries.pop()
+        entries = [self.entry_of_block[b] for b in block_ids]
+        index = torch.tensor(entries, dtype=torch.long)
+        key_pages, value_pages = key_pages.cpu(), value_pages.cpu()
+        if self.quantized:
+            key_pages, key_scale = quantize_pages(key_pages)
+            value_pages, value_scale = quantize_pages(value_pages)
+            self.key_scale[layer][index] = key_scale
+            self.value_scale[layer][index] = value_scale
+        self.key[layer][index] = key_pages.to(self.dtype)
+        self.value[layer][index] = value_pages.to(self.dtype)
+        self.written[layer][index] = True
+        return entries
+
+    def entry(self, layer: int, block_id: int) -> int:
+        """The pool entry holding the layer's page of ``block_id`` (ValueError if it was never
+        written since vLLM last (re)allocated the block)."""
+        entry = self.entry_of_block.get(block_id)
+        if entry is None or not self.written[layer, entry]:
+            raise ValueError(f"block {block_id} of layer {layer} is not in the host KV pool (never written, or freed)")
+        return entry
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            entry = self.entry_of_block.pop(b, None)
+            if entry is not None:
+                self.written[:, entry] = False
+                self.free_entries.append(entry)
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.layout.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:8]} outside vLLM's 0..{self.layout.num_blocks - 1}")
+
+
+class HotPageCache:
+    """One layer's GPU slots: which block each holds, least recently used first."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.slot_of: OrderedDict[int, int] = OrderedDict()
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+
+    def lookup(self, block_ids: Sequence[int], pinned: frozenset[int]) -> Residency:
+        """A slot for each block, taking a free slot or the least recently used one whose block
+        is neither pinned nor needed by this call; raises before changing anything when the call
+        cannot fit."""
+        needed = set(block_ids)
+        held_pinned = sum(1 for b in pinned if b in self.slot_of and b not in needed)
+        if len(needed) + held_pinned > self.num_slots:
+            raise HotCacheTooSmall(
+                f"a step needs {len(needed)} blocks resident beside {held_pinned} pinned ones, but the hot cache "
+                f"has host_kv_hot_pages={self.num_slots} slots per layer")
+        residency = Residency(slots=[])
+        for b in block_ids:
+            slot = self.slot_of.get(b)
+            if slot is not None:
+                self.slot_of.move_to_end(b)
+            else:
+                if not self.free_slots:
+                    victim = next(v for v in self.slot_of if v not in pinned and v not in needed)
+                    self.free_slots.append(self.slot_of.pop(victim))
+                    residency.evicted.append(victim)
+                slot = self.free_slots.pop()
+                self.slot_of[b] = slot
+                residency.copied.append(b)
+            residency.slots.append(slot)
+        return residency
+
+    def drop(self, block_ids: Iterable[int]) -> None:
+        for b in block_ids:
+            slot = self.slot_of.pop(b, None)
+            if slot is not None:
+                self.free_slots.append(slot)
+
+
+@dataclass
+class HotCacheStats:
+    """Lookups of one placement since start: ``hits + misses`` blocks asked for."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+
+class HostPlacement:
+    name = "host"
+    wired = False  # the backends do not call it yet: docs/decode-offload.md
+
+    def __init__(self, settings: SparseSettings | None, layout: KVLayout):
+        s = settings or SparseSettings()
+        if s.host_kv_pool_bytes is None:
+            raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
+        step_pages = s.decode_sink_pages + s.decode_recent_pages + s.decode_budget_pages
+        if s.host_kv_hot_pages < step_pages:
+            raise ValueError(f"host_kv_hot_pages={s.host_kv_hot_pages}: below one request's step of {step_pages} "
+                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages)")
+        self.layout = layout
+        self.pool = HostKVPool(layout, s.host_kv_pool_bytes, s.host_kv_dtype)
+        self.caches = [HotPageCache(s.host_kv_hot_pages) for _ in range(layout.num_layers)]
+        shape = (layout.num_layers, s.host_kv_hot_pages, *layout.page_shape)
+        self.hot_key = torch.empty(shape, dtype=self.pool.dtype, device=layout.device)
+        self.hot_value = torch.empty(shape, dtype=self.pool.dtype, device=layout.device)
+        scale_shape = (layout.num_layers, s.host_kv_hot_pages, layout.num_kv_heads)
+        quantized = self.pool.quantized
+        self.hot_key_scale = torch.ones(scale_shape, device=layout.device) if quantized else None
+        self.hot_value_scale = torch.ones(scale_shape, device=layout.device) if quantized else None
+        self.pinned: frozenset[int] = frozenset()
+        self.stats = HotCacheStats()
+        # copies from pinned memory run after the host moves on: a write must not change a pool
+        # page that a queued copy has yet to read
+        self.copies_queued = torch.cuda.Event() if torch.device(layout.device).type == "cuda" else None
+
+    @property
+    def hot_nbytes(self) -> int:
+        """GPU memory of the hot cache (to claim before vLLM sizes its own cache)."""
+        scales = 0 if self.hot_key_scale is None else 2 * self.hot_key_scale.nbytes
+        return self.hot_key.nbytes + self.hot_value.nbytes + scales
+
+    def write(self, layer: int, block_ids: Sequence[int], key_pages: torch.Tensor,
+              value_pages: torch.Tensor) -> None:
+        if self.copies_queued is not None:
+            self.copies_queued.synchronize()
+        entries = self.pool.write(layer, block_ids, key_pages, value_pages)
+        cache = self.caches[layer]
+        for b, entry in zip(block_ids, entries):
+            slot = cache.slot_of.get(b)
+            if slot is not None:
+                self._copy_in(layer, entry, slot)
+        self._mark_copies()
+
+    def fetch(self, layer: int, block_ids: Sequence[int]) -> Residency:
+        entries = {b: self.pool.entry(layer, b) for b in block_ids}  # before any slot changes hands
+        residency = self.caches[layer].lookup(block_ids, self.pinned)
+        slot_of = self.caches[layer].slot_of
+        for b in residency.copied:
+            self._copy_in(layer, entries[b], slot_of[b])
+        self._mark_copies()
+        self.stats.misses += len(residency.copied)
+        self.stats.hits += len(block_ids) - len(residency.copied)
+        self.stats.evictions += len(residency.evicted)
+        return residency
+
+    def resident_pages(self, layer: int, key_cache: torch.Tensor | None = None,
+                       value_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hot_key[layer], self.hot_value[layer]
+
+    def resident_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8 storage: the ``[slots, Hkv]`` K and V scales of the resident pages."""
+        if self.hot_key_scale is None:
+            return None
+        return self.hot_key_scale[layer], self.hot_value_scale[layer]
+
+    def dequantized(self, layer: int, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident K and V of ``slots`` as float32 ``[n, page, Hkv, D]``."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.hot_key.device)
+        key, value = self.hot_key[layer][index].float(), self.hot_value[layer][index].float()
+        scales = self.resident_scales(layer)
+        if scales is not None:
+            key = key * scales[0][index][:, None, :, None]
+            value = value * scales[1][index][:, None, :, None]
+        return key, value
+
+    def set_pinned(self, block_ids: Sequence[int]) -> None:
+        self.pinned = frozenset(block_ids)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self.pool.free(block_ids)
+        for cache in self.caches:
+            cache.drop(block_ids)
+        self.pinned = self.pinned.difference(block_ids)
+
+    def _mark_copies(self) -> None:
+        if self.copies_queued is not None:
+            self.copies_queued.record()
+
+    def _copy_in(self, layer: int, entry: int, slot: int) -> None:
+        # one copy per page into a slot that exists: no allocation, asynchronous from pinned memory
+        pool = self.pool
+        self.hot_key[layer, slot].copy_(pool.key[layer, entry], non_blocking=True)
+        self.hot_value[layer, slot].copy_(pool.value[layer, entry], non_blocking=True)
+        if pool.quantized:
+            self.hot_key_scale[layer, slot].copy_(pool.key_scale[layer, entry], non_blocking=True)
+            self.hot_value_scale[layer, slot].copy_(pool.value_scale[layer, entry], non_blocking=True)
