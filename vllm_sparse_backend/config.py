@@ -108,7 +108,7 @@ class SparseSettings(BaseModel):
         "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
     vertical_size: int = Field(1000, ge=1, description="Vertical-slash: columns (keys) kept per head.")
-    slash_size: int = Field(1000, ge=1, description="Vertical-slash: diagonals kept per head.")
+    slash_size: int = Field(6096, ge=1, description="Vertical-slash: diagonals kept per head.")
     vertical_share: float | None = Field(None, gt=0.0, le=1.0, description=(
         "Budget growing with the context: a row's column budget is the larger of vertical_size and this share "
         "of its keys (context + chunk), head-config files' vertical-slash heads included; none = fixed."))

@@ -72,10 +72,10 @@ def test_budget_density_by_hand():
     assert budget_density(heads, 1000, 2000, s) == pytest.approx(want)
     assert budget_density(Counter(heads), 1000, 2000, s) == pytest.approx(want)
     assert budget_density(heads, 100, 0, s) == pytest.approx(1.0)  # every budget covers a short row
-    # the defaults (1000 + 1000 keys per query) cannot make an 8K prompt sparser than 0.4, 16K they can
+    # the defaults (1000 + 6096 keys per query) cannot make a 32K prompt sparser than 0.4, 64K they can
     default = [resolve_head(None, SparseSettings())]
-    assert budget_density(default, 8192, 0, SparseSettings()) > 0.4 > budget_density(default, 16384, 0,
-                                                                                    SparseSettings())
+    assert budget_density(default, 32768, 0, SparseSettings()) > 0.4 > budget_density(default, 65536, 0,
+                                                                                      SparseSettings())
 
 
 def test_kv_group_share_needs_the_setting_and_uniform_groups():
@@ -112,7 +112,8 @@ def test_budgets_growing_with_the_row():
     head = [resolve_head(None, s)]
     visible = 114_688 + 16_385 / 2  # the last 16K chunk of a 128K prompt
     assert budget_density(head, 16_384, 114_688, s) == pytest.approx((2622 + 13108) / visible)
-    assert budget_density(head, 16_384, 114_688, SparseSettings()) == pytest.approx(2000 / visible)
+    fixed = SparseSettings(vertical_size=1000, slash_size=1000)
+    assert budget_density([resolve_head(None, fixed)], 16_384, 114_688, fixed) == pytest.approx(2000 / visible)
 
 
 def test_torch_estimator_with_shares_equals_explicit_budgets():

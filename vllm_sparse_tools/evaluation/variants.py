@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from vllm_sparse_backend.config import ENV_PREFIX, SparseSettings
 
 # The library's defaults ("default", and "vs" spelled out): vertical-slash with 1000 columns and
-# 1000 diagonals per head (MInference's own default was 6096 diagonals). FlexPrefill at the paper's two gammas. A-shape and block-sparse at
+# 6096 diagonals per head (MInference's). FlexPrefill at the paper's two gammas. A-shape and block-sparse at
 # their defaults, for the attention check.
 PRESETS: dict[str, dict[str, Any] | None] = {
     "dense": None,
