@@ -47,7 +47,7 @@ def test_ladder_keeps_budget_only_variants_and_fills_defaults():
     rungs = {r.label: r.pattern for r in lb.ladder_from_variants(VARIANTS)}
     assert set(rungs) == {"small", "mid", "vs", "dense"}
     assert (rungs["small"].vertical_size, rungs["small"].slash_size) == (100, 400)
-    assert (rungs["vs"].vertical_size, rungs["vs"].slash_size) == (1000, 1000)  # library defaults
+    assert (rungs["vs"].vertical_size, rungs["vs"].slash_size) == (1000, 6096)  # library defaults
     assert rungs["dense"].pattern == "dense"
     with pytest.raises(ConfigError, match="band"):
         lb.ladder_from_variants(VARIANTS, ["small", "band"])
