@@ -279,10 +279,16 @@ class SparseStats:
 
     def refresh(self, path: str) -> None:
         """Apply the readouts the device has finished and rewrite ``path`` (at the bounded rate)
-        if any were: called by every CUDA forward while counts are pending, so the file catches
-        up at the next forward (the first decode step of a prompt, at the latest, when it runs
-        eagerly) without waiting for the GPU."""
-        if self._readouts and self.poll_readouts():
+        if any were: called by the CUDA builder once per step while the stats file is set, so the
+        file catches up at the next step (the first decode step of a prompt, at the latest)
+        without waiting for the GPU. Nothing while a CUDA graph is captured (its events cannot
+        be queried then)."""
+        if not self._readouts:
+            return
+        import torch
+
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing and self.poll_readouts():
             self._write_when_due(path)
 
     def write_unwritten(self) -> None:

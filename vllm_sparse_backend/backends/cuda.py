@@ -44,7 +44,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
-                                                   FlashAttentionMetadataBuilder)
+                                                   FlashAttentionMetadata, FlashAttentionMetadataBuilder)
 from vllm_sparse_kernels.reference.attention import gather_paged_kv
 
 from .. import kernels
@@ -120,6 +120,11 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._row_heads = cost_model_heads(group_heads, kv_cache_spec.head_size) \
             if self.sparse_enabled and cfg.kernel != "torch" else None
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
+        # Steps whose longest row is shorter have no row to route (decode batches, short prompts):
+        # build() hands them to FlashAttention's builder without reading a setting.
+        self._plan_from = cfg.min_sparse_query_len if self.sparse_enabled else float("inf")
+        # the stats file catches up once per step, not once per layer (stats.refresh)
+        self._stats_file = cfg.stats_file or None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -127,13 +132,19 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        try:
-            planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
-                                       row_heads=self._row_heads) if self.sparse_enabled else None
-        except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
-            sparse_path_failed(self.runtime, e, [])
-            planned = None
-        decode_plan = step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
+        if self._stats_file is not None:
+            self.runtime.stats.refresh(self._stats_file)  # counts of earlier forwards the GPU has finished
+        if cm.max_query_len < self._plan_from and self._decode_mode is None:
+            return super().build(common_prefix_len, cm, fast_build)
+        planned = None
+        if cm.max_query_len >= self._plan_from:
+            try:
+                planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
+                                           row_heads=self._row_heads)
+            except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
+                sparse_path_failed(self.runtime, e, [])
+        decode_plan = None if self._decode_mode is None else \
+            step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
         if planned is None:
             md = super().build(common_prefix_len, cm, fast_build)
             if decode_plan is None:
@@ -181,6 +192,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
     # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
     _density_history: LayerDensityHistory | None = None  # this layer's (one impl per layer)
+    # The metadata type forward hands to FlashAttention before anything of ours runs: what the
+    # builder returns for a step without sparse rows. None with a decode mode, which computes
+    # pure decode batches (FlashAttention's metadata) itself.
+    _flash_only: type | None = FlashAttentionMetadata
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -189,6 +204,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         mode = decode_mode(self.runtime.settings)
         self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
                                                              self.runtime.log_once, self.runtime.decode_memory)
+        if self._decode is not None:
+            self._flash_only = None
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
@@ -266,9 +283,11 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        runtime, cfg = self.runtime, self.runtime.settings
-        if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            runtime.stats.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
+        # A step without sparse rows pays this one check per layer: nothing of ours runs for it.
+        if attn_metadata.__class__ is self._flash_only:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        runtime = self.runtime
         if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
             if self._decode is not None:
                 self._claim_decode_state(query)
