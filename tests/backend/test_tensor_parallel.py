@@ -34,7 +34,8 @@ from vllm_sparse_backend.head_configs import load_head_config, resolve_head_conf
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.prefill.plan import plan_step, rank_heads  # noqa: E402
+from vllm_sparse_backend.prefill.plan import rank_heads  # noqa: E402
+from vllm_sparse_backend.prefill.route import plan_step  # noqa: E402
 from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402

@@ -235,7 +235,8 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     from vllm_sparse_backend.prefill.index import count_pairs
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_kernels.reference.attention import causal_pairs
-    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.route import DenseReason
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
@@ -274,7 +275,7 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     assert ((out.cpu().double() - ref).norm() / ref.norm()) < tol
     stats.flush_deferred()
     after = stats.as_dict()
-    reasons = [d["dense_reasons"].get(DENSE_MODE_REASON, 0) for d in (before, after)]
+    reasons = [d["dense_reasons"].get(DenseReason.ESTIMATED_DENSITY, 0) for d in (before, after)]
     assert reasons[1] - reasons[0] == int(expect_dense)
     if sample_every:  # measured: all causal pairs when run dense, else the pairs of the index it ran
         causal = causal_pairs(q_len, ctx, hkv * group)
@@ -296,7 +297,8 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     whose estimated index is too dense is returned to the caller (FlashAttention in the backend),
     counted as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.route import DenseReason
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "flash"})
@@ -311,7 +313,7 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
                                        lambda *args, **kw: kernel_rows.append(args[4]), stats, density_fallback=True)
     assert sent_dense == (rows if to_flash else [])
     assert kernel_rows == ([] if to_flash else [rows])
-    assert stats.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) == int(to_flash)
+    assert stats.as_dict()["dense_reasons"].get(DenseReason.ESTIMATED_DENSITY, 0) == int(to_flash)
 
 
 @cpu_only
@@ -362,6 +364,7 @@ def test_cost_model_sends_rows_dense_before_estimating_them():
     from vllm_sparse_backend.prefill.cost import LayerDensityHistory, RowCost
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill import run as run_mod
+    from vllm_sparse_backend.prefill.route import DenseReason
 
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
@@ -378,7 +381,7 @@ def test_cost_model_sends_rows_dense_before_estimating_them():
                                              HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
                                              lambda *args, **kw: launched.append(args[4]), stats,
                                              density_fallback=True, history=history, row_cost=row_cost)
-        return sent, launched, stats.as_dict()["dense_reasons"].get(run_mod.COST_MODEL_REASON, 0)
+        return sent, launched, stats.as_dict()["dense_reasons"].get(DenseReason.COST_MODEL, 0)
 
     fresh = LayerDensityHistory()
     assert call(fresh) == ([], [rows], 0)  # nothing measured: predicted = budgets (0.06), sparse wins

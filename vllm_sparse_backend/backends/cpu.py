@@ -17,9 +17,10 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
+from ..prefill.route import group_dense_reason
 from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
-                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable,
-                     sparse_path_failed)
+                     distinct_head_sets, first_unsupported_layer, layer_heads, log_dense_group, plan_sparse_step,
+                     recoverable, resolve_group_heads, sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -32,13 +33,17 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if sparse_backend_selected(vllm_config):
             self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
             cfg = runtime.settings
-            if not cfg.enabled:
-                runtime.log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense", info=True)
-            elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
-                runtime.log_once("non-decoder or sliding-window layer group runs dense")
+            unsupported = None
+            if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
+                unsupported = ("non-decoder or sliding-window attention", "")
+            elif cfg.enabled:
+                unsupported = first_unsupported_layer(vllm_config, layer_names)
+            why = group_dense_reason(cfg, unsupported=unsupported and unsupported[0])
+            if why is not None:
+                log_dense_group(runtime, why, unsupported[1] if unsupported else "")
             else:
-                layer_heads_of_group = prepare_group(runtime, vllm_config, layer_names)
-                self.sparse_enabled = layer_heads_of_group is not None
+                layer_heads_of_group = resolve_group_heads(runtime, vllm_config, layer_names)
+                self.sparse_enabled = True
                 # rows no layer's budgets could make sparser than max_density (every key, on short
                 # prompts with the default budgets) stay on vLLM's CPU kernel, far faster than the
                 # PyTorch attention of the sparse path

@@ -59,9 +59,10 @@ from ..prefill.cost import LayerDensityHistory
 from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
+from ..prefill.route import DenseReason, group_dense_reason
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
-                     cost_model_heads, count_dense_tokens,
-                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
+                     cost_model_heads, count_dense_tokens, distinct_head_sets, first_unsupported_layer,
+                     layer_heads, log_dense_group, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed,
                      unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
 
@@ -89,24 +90,25 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         selected = sparse_backend_selected(vllm_config)
         self.runtime = runtime = worker_runtime()
         cfg = runtime.settings
-        # this group's head patterns per layer (None: the group runs dense)
-        group_heads = prepare_group(runtime, vllm_config, layer_names) if cfg.enabled and selected else None
-        self.sparse_enabled = group_heads is not None
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            runtime.log_once("decode context parallelism is not supported; every row runs dense")
-            self.sparse_enabled = False
-        if self.sparse_enabled and runtime.claim_failed is not None:
-            runtime.log_once("the sparse path could not run in the memory-profiling run (%s); every row runs dense",
-                             runtime.claim_failed)
-            self.sparse_enabled = False
-        if self.sparse_enabled and cfg.kernel != "torch":
+        group_heads = None  # this group's head patterns per layer (None: every row runs dense)
+        if selected:
+            unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.enabled else None
+            # resolved before the other reasons are asked: a head-config file that does not fit fails here
+            heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.enabled and unsupported is None else None
             # the model's dtype: the cache's (kv_cache_spec.dtype) is uint8 for an fp8 cache
-            why = triton_unusable_reason(kv_cache_spec.head_size, vllm_config.model_config.dtype, cfg.block_size)
-            if why is not None and cfg.kernel == "triton":
-                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
-            if why is not None:  # auto: the reference would be far slower than FlashAttention
-                runtime.log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
-                self.sparse_enabled = False
+            why = group_dense_reason(
+                cfg, unsupported=unsupported and unsupported[0],
+                dcp_size=vllm_config.parallel_config.decode_context_parallel_size,
+                claim_failed=runtime.claim_failed,
+                triton_why=triton_unusable_reason(kv_cache_spec.head_size, vllm_config.model_config.dtype,
+                                                  cfg.block_size))
+            if why is not None and why[0] is DenseReason.TRITON_UNUSABLE and cfg.kernel == "triton":
+                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why[1]}")
+            if why is None:
+                group_heads = heads
+            else:  # (auto with no Triton path: the reference would be far slower than FlashAttention)
+                log_dense_group(runtime, why, unsupported[1] if unsupported else "")
+        self.sparse_enabled = group_heads is not None
         # decode_mode topk / spans: the mode plans each step once for every layer of the group
         self._decode_mode = decode_mode(cfg) if selected else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
@@ -215,10 +217,13 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
         the Triton path."""
         vc, cfg = self._vllm_config, self.runtime.settings
-        if (vc is None or self.runtime.claim_failed is not None or not query.is_cuda or not cfg.enabled
-                or cfg.kernel == "torch" or not sparse_backend_selected(vc)
-                or unsupported_reason(self) is not None
-                or triton_unusable_reason(self.head_size, output.dtype, cfg.block_size) is not None):
+        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc):
+            return
+        # the builder asks the same question of the layer's group
+        if group_dense_reason(cfg, unsupported=unsupported_reason(self),
+                              dcp_size=vc.parallel_config.decode_context_parallel_size,
+                              claim_failed=self.runtime.claim_failed,
+                              triton_why=triton_unusable_reason(self.head_size, output.dtype, cfg.block_size)):
             return
         claim_scratch(self.runtime, self, layer, query, output, vc, FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype))
 
@@ -306,7 +311,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             return output
         count_dense_tokens(runtime, step)
         if output_scale is not None or output_block_scale is not None:
-            runtime.log_once("fused output quantization: sparse rows run on FlashAttention")
+            runtime.log_once("%s: sparse rows run on FlashAttention", DenseReason.FUSED_OUTPUT_QUANT.value)
             dense = step.sparse_rows
         else:
             try:

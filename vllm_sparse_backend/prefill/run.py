@@ -11,7 +11,8 @@ Backend-agnostic glue between a planned step and the math. Two paths:
   flags per layer that sends too-dense rows back to the backend's dense kernel
   (``estimated_dense_rows="flash"``, or ``"auto"`` where the layer's previous call had such
   rows: :class:`.cost.LayerDensityHistory`). Before that, the cost model (:mod:`.cost`) sends rows
-  dense that the sparse path is not predicted to win.
+  dense that the sparse path is not predicted to win. Which rows go dense, and why, is decided
+  in :mod:`.route`.
 
 What the rows did is recorded in the worker's :class:`..stats.SparseStats`, handed in.
 """
@@ -26,11 +27,11 @@ from vllm_sparse_kernels.reference.attention import causal_pairs, sparse_attenti
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead
 from ..stats import SparseStats
-from .budgets import budgets_cover_every_key
 from .cost import ROW_COST, LayerDensityHistory, RowCost
 from .estimate import HeadGroups, estimate_index, estimate_index_paged
 from .index import count_pairs, count_pairs_tensor, index_density
 from .plan import SparseRow
+from .route import DenseReason, flags_on_host, route_layer
 
 KVForRow = Callable[[SparseRow], tuple[torch.Tensor, torch.Tensor]]
 
@@ -56,19 +57,12 @@ def run_sparse_rows(query: torch.Tensor, output: torch.Tensor, rows: list[Sparse
         timing.lap("kernel")
         computed = count_pairs(est.index, row.q_len, row.ctx_len)
         if computed >= causal_pairs(row.q_len, row.ctx_len, num_heads):
-            stats.record_dense_reason(EVERY_KEY_REASON, tokens=row.q_len)  # nothing was skipped
+            stats.record_dense_reason(DenseReason.EVERY_KEY, tokens=row.q_len)  # nothing was skipped
         else:
             _record(stats, row, num_heads, computed, est.head_patterns)
     timing.done()
     if settings.stats_file:
         stats.dump(settings.stats_file)
-
-
-# Rows whose selection was every causal key: dense attention computed by the sparse path (e.g.
-# the default vertical-slash budgets on prompts of a few thousand tokens). Counted as dense rows,
-# so that the sparse counters and the density say what was skipped. On CPU every row is measured;
-# on CUDA the rows whose budgets alone cover every key (:func:`budgets_cover_every_key`).
-EVERY_KEY_REASON = "sparse selection covers every key"
 
 
 def _record(stats: SparseStats, row: SparseRow, num_heads: int, computed: int | None, head_patterns) -> None:
@@ -98,27 +92,14 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     used when every row runs here, rebuilt by the kernel otherwise.
 
     ``density_fallback`` (the caller has a dense kernel for single rows; with
-    ``settings.max_density`` < 1):
-
-    * rows whose budgets alone exceed ``max_density`` (:meth:`HeadGroups.budget_density`, host
-      arithmetic) are returned without being estimated;
-    * with ``settings.cost_model`` and a ``history``, so are rows the cost model predicts dense
-      to be faster on (:meth:`.cost.RowCost.sparse_pays`, with the density ``history`` predicts),
-      except one in :attr:`~.cost.LayerDensityHistory.PROBE_EVERY`, estimated to keep the
-      prediction measured;
-    * rows whose estimated index covers more than ``max_density`` of their causal pairs are
-      flagged on the GPU. With ``estimated_dense_rows="flash"`` the flags are read on the host
-      (one sync per layer) and those rows are returned, counted as dense rows like the budget
-      fallback's. ``"auto"`` (the default) does that where ``history`` (the layer's
-      :class:`.cost.LayerDensityHistory`; without one, every call) says the previous call had flagged
-      rows, else what ``"kernel"`` does. With ``"kernel"`` (and always under CUDA-graph capture)
-      the kernel runs them in its dense mode (every causal key): no host read decides it, so the
-      layer never waits for the GPU; they stay counted as sparse rows (they ran on the sparse
-      path) and are also counted under ``dense_reasons`` when the flags are next read
-      (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump).
-    * rows whose budgets alone cover every key (:func:`.budgets.budgets_cover_every_key`; only
-      reach here with ``max_density`` 1) run the sparse path but are counted as dense rows
-      (:data:`EVERY_KEY_REASON`).
+    ``settings.max_density`` < 1): the rows :func:`.route.route_layer` sends dense are returned
+    without being estimated; after estimation, rows whose index covers more than
+    ``max_density`` of their causal pairs are flagged on the GPU. Where :func:`.route.flags_on_host`
+    says so the flags are read on the host (one sync per layer) and those rows are returned too;
+    otherwise the kernel runs them in its dense mode (every causal key) and they stay counted as
+    sparse rows, also counted under ``dense_reasons`` when the flags are next read
+    (:meth:`SparseStats.flush_deferred`: forwards with exact stats, or a dump). Every reason
+    counted is a :class:`.route.DenseReason`.
 
     Apart from that flag read, nothing here waits for the GPU, also with ``settings.stats_file``
     set: every row's counts are then read back later like a sampled forward's and the file
@@ -131,29 +112,13 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     timing = stats.time_stages(query.device)  # CUDA events on 1 of N forwards, read later: no sync
     exact_stats = stats.exporting and (bool(settings.stats_file) or timing.sampled)  # TP rank 0 counts
     fallback = density_fallback and settings.max_density < 1.0
-    to_dense: list[SparseRow] = []
-    budgets: dict[int, float] = {}  # row -> budget density, for what the history learns
-    if fallback:
-        head_size = query.shape[2]
-        for row in rows:
-            budget = groups.budget_density(row.q_len, row.ctx_len, settings)
-            if budget > settings.max_density:  # short rows, mostly: no estimate can be sparse enough
-                to_dense.append(row)
-                stats.record_dense_reason("budgets denser than max_density", tokens=row.q_len)
-                continue
-            # (not while a CUDA graph is captured: the history's event query is illegal then)
-            if settings.cost_model and history is not None and not _capturing(query):
-                predicted = history.predicted_density(budget)
-                if (predicted > settings.max_density or not row_cost.sparse_pays(
-                        row.q_len, row.ctx_len, num_heads, head_size, predicted, settings.last_q)) \
-                        and not history.probe_due():
-                    to_dense.append(row)
-                    stats.record_dense_reason(COST_MODEL_REASON, tokens=row.q_len)
-                    continue
-            budgets[row.row] = budget
-        if to_dense:
-            rows = [r for r in rows if r not in to_dense]
-    covered = {r.row for r in rows if budgets_cover_every_key(groups.head_counts, r.q_len, r.ctx_len, settings)}
+    capturing = _capturing(query)
+    route = route_layer(rows, groups.head_counts, settings, num_heads, query.shape[2], density_fallback=fallback,
+                        history=history, capturing=capturing, row_cost=row_cost)
+    to_dense = [row for row, _ in route.dense]
+    for row, reason in route.dense:
+        stats.record_dense_reason(reason, tokens=row.q_len)
+    rows, budgets, covered = route.estimate, route.budgets, route.every_key
     estimates = []
     timing.mark()
     for row in rows:
@@ -167,8 +132,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
         whole = dens > settings.max_density
         learned = ([budgets[r.row] for r in rows], [causal_pairs(r.q_len, r.ctx_len, num_heads) for r in rows],
                    settings.max_density)
-        mode, capturing = settings.estimated_dense_rows, _capturing(query)
-        if not capturing and (mode == "flash" or (mode == "auto" and (history is None or history.read_on_host()))):
+        if flags_on_host(settings, history, capturing):
             timing.lap("estimate")
             densities = dens.tolist()  # the one host read of the layer
             flags = [d > settings.max_density for d in densities]
@@ -177,13 +141,13 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
             for row, flagged in zip(rows, flags):
                 if flagged:
                     to_dense.append(row)
-                    stats.record_dense_reason(DENSE_MODE_REASON, tokens=row.q_len)
+                    stats.record_dense_reason(DenseReason.ESTIMATED_DENSITY, tokens=row.q_len)
             estimates = [e for e, flagged in zip(estimates, flags) if not flagged]
             rows = [r for r, flagged in zip(rows, flags) if not flagged]
             whole = None
             timing.mark()  # the wait for the flags is not estimation
         else:
-            stats.defer_dense_rows(DENSE_MODE_REASON, whole)
+            stats.defer_dense_rows(DenseReason.ESTIMATED_DENSITY, whole)
             if history is not None and not capturing:
                 history.watch(dens, *learned)
     timing.lap("estimate")
@@ -192,7 +156,7 @@ def run_sparse_rows_paged(query: torch.Tensor, output: torch.Tensor, rows: list[
     for i, (row, est) in enumerate(zip(rows, estimates)):
         patterns = dict(est.head_patterns)
         if row.row in covered:  # computes every key: counted as dense (max_density=1 lets it here)
-            stats.record_dense_reason(EVERY_KEY_REASON, tokens=row.q_len)
+            stats.record_dense_reason(DenseReason.EVERY_KEY, tokens=row.q_len)
             continue
         if not exact_stats:
             _record(stats, row, num_heads, None, patterns)
@@ -237,11 +201,3 @@ def _defer_measured(stats: SparseStats, row: SparseRow, num_heads: int, est, fla
         stats.record_measured_pairs(causal, v[0], labels or None)
 
     stats.read_later(values, measured)
-
-
-# Rows the cost model sent to the dense kernel before estimating them (:mod:`.cost`).
-COST_MODEL_REASON = "cost model: dense predicted faster"
-
-# Rows the kernel ran in its dense mode because their estimated index was too dense (flagged on
-# the GPU, counted when the flags are read).
-DENSE_MODE_REASON = "estimated density above max_density"
