@@ -41,7 +41,7 @@ from vllm_sparse_backend.prefill.estimate import HeadGroups
 from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_tools.evaluation.variants import parse_variant
 
 GIB = 2 ** 30

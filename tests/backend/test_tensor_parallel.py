@@ -39,7 +39,7 @@ from vllm_sparse_backend.prefill.route import plan_step  # noqa: E402
 from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
-from vllm_sparse_backend.stats import SparseStats  # noqa: E402
+from vllm_sparse_backend.observability.stats import SparseStats  # noqa: E402
 
 from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64  # noqa: E402
 
@@ -297,7 +297,7 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
     import prometheus_client
     from prometheus_client import CollectorRegistry
 
-    from vllm_sparse_backend.metrics import PrometheusMetrics
+    from vllm_sparse_backend.observability.metrics import PrometheusMetrics
 
     settings = backend.configure(_write_file(tmp_path / "heads.json", PER_HEAD))
     q, k, v = _qkv()

@@ -20,7 +20,7 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 from kernel_helpers import assert_same_index, fp8_cache, make_row, no_host_sync
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_backend.prefill.patterns import PATTERNS
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.prefill.estimate import estimate_index

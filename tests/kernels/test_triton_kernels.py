@@ -23,7 +23,7 @@ from vllm_sparse_kernels.reference.attention import gather_paged_kv, sparse_atte
 
 from vllm_sparse_backend.prefill.index import build_index, num_blocks
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.stats import SparseStats
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 

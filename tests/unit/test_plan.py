@@ -186,8 +186,8 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
 
     from vllm_sparse_backend.prefill import run as sparse_run
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.metrics import PrometheusMetrics
-    from vllm_sparse_backend.stats import SparseStats
+    from vllm_sparse_backend.observability.metrics import PrometheusMetrics
+    from vllm_sparse_backend.observability.stats import SparseStats
 
     registry = CollectorRegistry()
     stats = SparseStats()

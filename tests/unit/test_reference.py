@@ -7,7 +7,7 @@ from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f6
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, num_blocks
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.plan import SparseRow
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_kernels.reference.attention import causal_pairs, gather_paged_kv, sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)

@@ -4,9 +4,9 @@ start-up question the CUDA builder and the profiling-run claim both ask."""
 import json
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.metrics import NO_METRICS, label_value
+from vllm_sparse_backend.observability.metrics import NO_METRICS, label_value
 from vllm_sparse_backend.prefill.route import DenseReason, group_dense_reason
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.stats import SparseStats
 
 # written out by hand from docs/metrics.md (sparse_prefill_dense_fallbacks_total's reason label)
 COUNTED_LABELS = {

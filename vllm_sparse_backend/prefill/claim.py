@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..config import SparseSettings
-from ..stats import SparseStats
+from ..observability.stats import SparseStats
 from .estimate import HeadGroups, estimate_index_paged
 from .index import index_density
 from .plan import SparseRow

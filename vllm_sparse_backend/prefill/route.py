@@ -32,7 +32,7 @@ from .plan import SparseRow, StepPlan
 class DenseReason(StrEnum):
     """Why rows ran dense. The start-up ones are logged once (every row of the group is the wrapped
     kernel's, nothing is counted); the others are counted per row under ``dense_reasons`` and
-    ``dense_fallbacks_total{reason}`` (the label: :func:`..metrics.label_value` of the value)."""
+    ``dense_fallbacks_total{reason}`` (the label: :func:`..observability.metrics.label_value` of the value)."""
 
     # per layer group, at start-up
     DISABLED = "disabled by VLLM_SPARSE_ENABLED"

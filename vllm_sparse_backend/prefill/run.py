@@ -14,7 +14,7 @@ Backend-agnostic glue between a planned step and the math. Two paths:
   dense that the sparse path is not predicted to win. Which rows go dense, and why, is decided
   in :mod:`.route`.
 
-What the rows did is recorded in the worker's :class:`..stats.SparseStats`, handed in.
+What the rows did is recorded in the worker's :class:`..observability.stats.SparseStats`, handed in.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from vllm_sparse_kernels.reference.attention import causal_pairs, sparse_attenti
 
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead
-from ..stats import SparseStats
+from ..observability.stats import SparseStats
 from .cost import ROW_COST, LayerDensityHistory, RowCost
 from .estimate import HeadGroups, estimate_index, estimate_index_paged
 from .index import count_pairs, count_pairs_tensor, index_density

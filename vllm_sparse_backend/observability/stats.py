@@ -2,7 +2,7 @@
 
 The worker's runtime holds one :class:`SparseStats` (:attr:`..runtime.WorkerRuntime.stats`); the
 sparse path calls its ``record_*`` methods, each of which updates the JSON counters
-below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
+below and the Prometheus metrics (:mod:`vllm_sparse_backend.observability.metrics`) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server. It is rewritten at most
 once per ``stats_write_interval_s``: a forward inside the interval leaves the write to a timer
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from . import metrics
-from .config import SparseSettings
+from ..config import SparseSettings
 
 logger = logging.getLogger("vllm.sparse_prefill")
 _DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
@@ -62,7 +62,7 @@ class SparseStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
-    _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
+    _prom: object = field(default=None, repr=False)  # the runtime's Prometheus metrics (None: none)
     timer: metrics.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
@@ -93,15 +93,13 @@ class SparseStats:
 
     @property
     def prom(self):
-        if self._prom is None:
-            self._prom = metrics.process_metrics()
-        return self._prom
+        return metrics.NO_METRICS if self._prom is None else self._prom
 
     def configure(self, settings: SparseSettings, export: bool = True) -> None:
         """Apply the settings of this process (called when the backend reads them, in the
-        worker): timing sample rate, metrics creation, and the optional metrics port.
-        ``export``: False on a tensor-parallel rank other than 0, which then records nothing
-        (no counters, no timing, no stats file, no metrics or port; see the module doc)."""
+        worker): timing sample rate and the stats file's rate. ``export``: False on a
+        tensor-parallel rank other than 0, which then records nothing (no counters, no timing, no
+        stats file; its runtime makes no metrics and serves no port; see the module doc)."""
         self.exporting = export
         if not export:
             self.timer.every = 0
@@ -110,9 +108,6 @@ class SparseStats:
         self.write_interval_s = settings.stats_write_interval_s
         if settings.stats_file and self.write_interval_s > 0:
             atexit.register(self.write_unwritten)  # the counts of the last interval
-        _ = self.prom  # metrics exist (at 0) from start-up, not from the first long request
-        if settings.metrics_port is not None:
-            metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
 
     # -- recording ---------------------------------------------------------------------------
 
