@@ -39,6 +39,7 @@ from vllm_sparse_backend.prefill.route import plan_step  # noqa: E402
 from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
+from vllm_sparse_backend.observability.record import run_recorded  # noqa: E402
 from vllm_sparse_backend.observability.stats import SparseStats  # noqa: E402
 
 from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64  # noqa: E402
@@ -139,9 +140,9 @@ def _rows(settings):
 def _run(q, k, v, heads, settings, stats=None):
     """What the CPU twin's forward does with one layer's sparse rows (backends/cpu.py)."""
     out = torch.full_like(q, float("nan"))
-    run_sparse_rows(q, out, _rows(settings), lambda r: (k[r.tok_start:r.tok_start + r.q_len],
-                                                        v[r.tok_start:r.tok_start + r.q_len]),
-                    heads.heads, settings, SCALE, 0.0, heads.share, stats or SparseStats())
+    run_recorded(stats or SparseStats(), run_sparse_rows, q, out, _rows(settings),
+                 lambda r: (k[r.tok_start:r.tok_start + r.q_len], v[r.tok_start:r.tok_start + r.q_len]),
+                 heads.heads, settings, SCALE, 0.0, heads.share)
     return out
 
 

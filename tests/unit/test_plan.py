@@ -187,6 +187,7 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     from vllm_sparse_backend.prefill import run as sparse_run
     from vllm_sparse_backend.head_configs import resolve_head
     from vllm_sparse_backend.observability.metrics import PrometheusMetrics
+    from vllm_sparse_backend.observability.record import run_recorded
     from vllm_sparse_backend.observability.stats import SparseStats
 
     registry = CollectorRegistry()
@@ -201,10 +202,10 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     # row 0: 1000 + 1000 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
     settings = SparseSettings(vertical_size=30, slash_size=30)
     heads = [resolve_head(None, SparseSettings())] * 2
-    sparse_run.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
-                               settings, 0.125, 0.0, None, stats)
-    sparse_run.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
-                               [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None, stats)
+    run_recorded(stats, sparse_run.run_sparse_rows, query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]),
+                 heads, settings, 0.125, 0.0, None)
+    run_recorded(stats, sparse_run.run_sparse_rows, query, output, rows[1:], lambda r: (keys[1], keys[1]),
+                 [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None)
     d = stats.as_dict()
     assert d["dense_reasons"] == {DenseReason.EVERY_KEY: 1}
     assert (d["sparse_rows"], d["sparse_query_tokens"], d["dense_query_tokens"]) == (1, 2000, 600)

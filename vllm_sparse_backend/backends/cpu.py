@@ -15,6 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
+from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
 from ..prefill.route import group_dense_reason
@@ -104,13 +105,15 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                             output_scale, output_block_scale)
         runtime = self.runtime
         count_dense_tokens(runtime, attn_metadata)
+        timing = runtime.stats.time_stages(query.device)  # a no-op unless this forward is sampled
         try:
             heads = layer_heads(runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
             # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
-            run_sparse_rows(query, output, attn_metadata.sparse_rows,
-                            lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                            heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share,
-                            runtime.stats)
+            outcome = run_sparse_rows(query, output, attn_metadata.sparse_rows,
+                                      lambda r: (key[r.tok_start:r.tok_start + r.q_len],
+                                                 value[r.tok_start:r.tok_start + r.q_len]),
+                                      heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0),
+                                      heads.share, timing)
         except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
             if not recoverable(e):
                 raise
@@ -119,6 +122,8 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
                                 output_scale, output_block_scale)
+        else:  # what the layer did, recorded once
+            record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
         return output
 
 

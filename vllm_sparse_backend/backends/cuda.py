@@ -56,6 +56,8 @@ from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
 from ..prefill.cost import LayerDensityHistory
+from ..observability.record import record_layer
+from ..prefill.plan import LayerOutcome
 from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
@@ -314,21 +316,29 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             runtime.log_once("%s: sparse rows run on FlashAttention", DenseReason.FUSED_OUTPUT_QUANT.value)
             dense = step.sparse_rows
         else:
+            timing = runtime.stats.time_stages(query.device)  # CUDA events on 1 of N forwards, read later
             try:
-                dense = self._sparse(layer, query, kv_cache, step, output)
+                outcome = self._sparse(layer, query, kv_cache, step, output, timing)
             except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
                 if not recoverable(e):
                     raise
                 sparse_path_failed(runtime, e, step.sparse_rows)
                 dense = step.sparse_rows
+            else:  # what the layer did, recorded once
+                record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+                dense = outcome.dense_rows
+                if dense and outcome.paged:
+                    runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
+                                     "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
+                                     runtime.settings.max_density, info=True)
         for r in dense:
             self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
                         slice(r.tok_start, r.tok_start + r.q_len), output, output_scale, output_block_scale)
         return output
 
-    def _sparse(self, layer, query, kv_cache, step: SparseStepMetadata, output) -> list[SparseRow]:
-        """The step's sparse rows into ``output``; returns the rows left to FlashAttention (the
-        density fallback)."""
+    def _sparse(self, layer, query, kv_cache, step: SparseStepMetadata, output, timing) -> LayerOutcome:
+        """The step's sparse rows into ``output``; the outcome names the rows left to
+        FlashAttention (the density fallback)."""
         runtime, cfg = self.runtime, self.runtime.settings
         heads = layer_heads(self.runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
         key_cache, value_cache = self._kv_views(kv_cache)
@@ -339,15 +349,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if kernel is not None:
             if self._density_history is None:
                 self._density_history = LayerDensityHistory()
-            dense = run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
-                                          self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
-                                          runtime.stats, density_fallback=bool(step.fallback), k_scale=k_scale,
-                                          v_scale=v_scale, history=self._density_history, row_table=step.row_table)
-            if dense:
-                runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
-                                 "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
-                                 cfg.max_density, info=True)
-            return dense
+            return run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
+                                         self._groups(heads, query.device), cfg, self.scale, softcap, kernel, timing,
+                                         density_fallback=bool(step.fallback), k_scale=k_scale, v_scale=v_scale,
+                                         history=self._density_history, row_table=step.row_table)
 
         def kv_for_row(r: SparseRow):
             k, v = gather_paged_kv(key_cache, value_cache, step.block_table[r.row], r.ctx_len + r.q_len)
@@ -355,9 +360,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
-                        heads.share, runtime.stats)
-        return []
+        return run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
+                               heads.share, timing)
 
     def _dense(self, layer, query, key, value, kv_cache, metadata, tokens: slice, output, output_scale=None,
                output_block_scale=None) -> None:

@@ -1,8 +1,9 @@
 """What the sparse path did, per worker process: the one place that records it.
 
 The worker's runtime holds one :class:`SparseStats` (:attr:`..runtime.WorkerRuntime.stats`); the
-sparse path calls its ``record_*`` methods, each of which updates the JSON counters
-below and the Prometheus metrics (:mod:`vllm_sparse_backend.observability.metrics`) together. When the
+backends call its ``record_*`` methods (a layer call's through :func:`.record.record_layer`, once,
+after the call), each of which updates the JSON counters below and the Prometheus metrics
+(:mod:`.metrics`, held by the runtime) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server. It is rewritten at most
 once per ``stats_write_interval_s``: a forward inside the interval leaves the write to a timer

@@ -1,5 +1,6 @@
 """What a step's plan is made of: its rows (:class:`SparseRow`), the plan (:class:`StepPlan`, made
-by :func:`.route.plan_step`), and each layer's heads on this rank (:class:`RankHeads`).
+by :func:`.route.plan_step`), each layer's heads on this rank (:class:`RankHeads`), and what a
+layer's sparse call did (:class:`LayerOutcome`, returned by :mod:`.run`).
 
 Pure Python over CPU-side lengths, so the builders can use it without a device sync and tests
 without vLLM.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 from .budgets import kv_group_share
 from ..config import ConfigError, SparseSettings
 from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads
@@ -22,6 +24,23 @@ class SparseRow:
     tok_start: int  # first token of the chunk in the step's flattened query/output tensors
     q_len: int
     ctx_len: int
+
+
+@dataclass
+class LayerOutcome:
+    """Rows left to the dense kernel and why; rows computed sparse with their estimates (device
+    tensors on the paged path); ``flags``: per such row, ran in the kernel's dense mode (device)."""
+
+    num_heads: int
+    paged: bool
+    dense: list[tuple[SparseRow, str]] = field(default_factory=list)
+    sparse: list[tuple[SparseRow, Any]] = field(default_factory=list)
+    every_key: set[int] = field(default_factory=set)  # rows run sparse with every key: counted dense
+    flags: Any = None  # bool tensor on the device, or None
+
+    @property
+    def dense_rows(self) -> list[SparseRow]:
+        return [row for row, _ in self.dense]
 
 
 @dataclass
