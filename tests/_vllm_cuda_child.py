@@ -111,7 +111,7 @@ def main() -> None:
         n = DECODE_TOKENS if name == "decode" else NEW_TOKENS
         outputs = llm.generate(batch, greedy(n, want_lp), use_tqdm=False)
         # A few forwards more: the sparse path's counts still on the device reach the stats file
-        # at the next forward (stats.refresh), so the file read below holds this scenario whole.
+        # at the next step (stats.refresh, in the builder), so the file read below holds this scenario whole.
         llm.generate([{"prompt_token_ids": FLUSH_PROMPT}], greedy(2), use_tqdm=False)
         result["scenarios"][name] = {"prompt_lens": [len(b["prompt_token_ids"]) for b in batch],
                                      "requests": [_generated(o) for o in outputs],

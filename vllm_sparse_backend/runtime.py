@@ -7,7 +7,8 @@ attention layers (tensor parallelism is set up by then). There, once per process
 
 * the settings are read from the environment and validated (a bad value fails at start-up,
   naming the variable and field), and so is the head-config file they name;
-* the stats and metrics are configured (under tensor parallelism only rank 0 records);
+* the stats are configured and the Prometheus metrics made, held here, and served on
+  ``metrics_port`` if set (under tensor parallelism only rank 0 records, makes and serves them);
 * each layer's head patterns are resolved, on first use, and kept for the builder and the impl.
 
 It also remembers what was logged once, how the profiling-run scratch claim went, and the memory
@@ -24,7 +25,8 @@ from .decode.memory import DecodeStateMemory
 from .head_configs import HeadConfigFile, check_fits_hf_config, resolve_head_config
 from .prefill.plan import RankHeads
 from .startup import report_startup_error
-from .stats import SparseStats
+from .observability import metrics
+from .observability.stats import SparseStats
 
 logger = logging.getLogger("vllm.sparse_prefill")
 
@@ -36,8 +38,13 @@ class WorkerRuntime:
         self.settings = settings
         self.head_config: HeadConfigFile | None = (
             resolve_head_config(settings.head_config) if settings.head_config else None)
-        self.stats = SparseStats()
-        self.stats.configure(settings, export=tp_rank == 0)
+        export = tp_rank == 0
+        # made at start-up, so that they exist (at 0) before the first long request
+        self.metrics = metrics.create_metrics() if export else metrics.NO_METRICS
+        self.stats = SparseStats(_prom=self.metrics)
+        self.stats.configure(settings, export=export)
+        self.metrics_served = export and settings.metrics_port is not None \
+            and metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
         # why the profiling run of the sparse path failed in this process (every group then runs
         # dense: sparse rows would use memory the KV cache was sized without), or None
         self.claim_failed: str | None = None

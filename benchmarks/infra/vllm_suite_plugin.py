@@ -25,7 +25,7 @@ At the end the terminal summary says what was changed and what the sparse path d
 process (the backend's statistics: rows computed sparse, rows sent back to FlashAttention and
 why). ``--sparse-backend-require-sparse`` fails the session when no row ran the sparse path
 (rows that skipped keys, or rows at density 1, which the statistics count as dense under
-:data:`EVERY_KEY_REASON`) or the sparse path raised (its error boundary sends such rows to
+:data:`EVERY_KEY_REASON`, the backend's DenseReason.EVERY_KEY) or the sparse path raised (its error boundary sends such rows to
 FlashAttention, which would hide the failure): the density-1 run's check that the suite
 exercised the sparse kernels at all.
 """
@@ -38,8 +38,8 @@ import itertools
 import pytest
 
 DEFAULT_LISTS = "BACKENDS_TO_TEST"
-SPARSE_PATH_ERROR = "sparse path error"  # vllm_sparse_backend.backends.common.SPARSE_PATH_ERROR
-# vllm_sparse_backend.prefill.run.EVERY_KEY_REASON: a row whose budgets cover every key ran the
+SPARSE_PATH_ERROR = "sparse path error"  # vllm_sparse_backend.prefill.route.DenseReason.SPARSE_PATH_ERROR
+# vllm_sparse_backend.prefill.route.DenseReason.EVERY_KEY: a row whose budgets cover every key ran the
 # sparse path (estimation and kernel, with max_density 1) but is counted as a dense row
 EVERY_KEY_REASON = "sparse selection covers every key"
 _CHANGES = pytest.StashKey[dict]()  # test module's node id -> what adapt_module changed

@@ -41,7 +41,8 @@ from vllm_sparse_backend.prefill.estimate import HeadGroups
 from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 from vllm_sparse_backend.prefill.claim import run_worst_case_steps
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.record import run_recorded
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_tools.evaluation.variants import parse_variant
 
 GIB = 2 ** 30
@@ -122,8 +123,8 @@ def main() -> None:
             rows = step_rows(rng, args.chunk, args.max_len, args.min_q, args.max_rows)
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            run_sparse_rows_paged(query, output, rows, key_cache, value_cache, table, groups, cfg, scale, 0.0,
-                                  sa.sparse_prefill_attention, SparseStats(), density_fallback=True)
+            run_recorded(SparseStats(), run_sparse_rows_paged, query, output, rows, key_cache, value_cache, table,
+                         groups, cfg, scale, 0.0, sa.sparse_prefill_attention, density_fallback=True)
             if cuda:
                 torch.cuda.synchronize()
                 used = torch.cuda.max_memory_allocated() - live

@@ -16,6 +16,7 @@ from vllm_sparse_backend.config import load_settings  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow, rank_heads  # noqa: E402
+from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
 from vllm_sparse_kernels.reference.attention import gather_paged_kv  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
@@ -64,7 +65,7 @@ def _impl(settings, h, d, hkv):
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = h, d, d ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype = hkv, "auto"  # FlashAttentionImpl.__init__ sets them
     impl.runtime = WorkerRuntime(settings)  # what SparsePrefillImpl.__init__ gets from worker_runtime()
-    # the heads the builder's prepare_group resolves for a single-GPU layer, kept by the runtime
+    # the heads the builder's resolve_group_heads resolves for a single-GPU layer, kept by the runtime
     impl.runtime.layer_heads[LAYER_NAME] = rank_heads(None, settings, 0, h, hkv)
     return impl
 
@@ -266,7 +267,7 @@ def test_an_error_in_the_sparse_path_sends_the_step_to_flash_attention(sparse_en
         impl.forward(_Layer(), query, None, None, kv_cache, md, output)
         impl.forward(_Layer(), query, None, None, kv_cache, md, output)
     assert calls == [(f"metadata of row {r.row}", r.q_len) for r in md.sparse_rows] * 2
-    assert impl.runtime.stats.dense_reasons == {common.SPARSE_PATH_ERROR: 2 * len(md.sparse_rows)}
+    assert impl.runtime.stats.dense_reasons == {DenseReason.SPARSE_PATH_ERROR: 2 * len(md.sparse_rows)}
     assert any("injected estimator fault" in line for line in logged)
 
 

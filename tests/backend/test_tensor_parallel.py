@@ -32,11 +32,13 @@ from vllm_sparse_backend.head_configs import load_head_config, resolve_head_conf
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
-from vllm_sparse_backend.prefill.plan import plan_step, rank_heads  # noqa: E402
+from vllm_sparse_backend.prefill.plan import rank_heads  # noqa: E402
+from vllm_sparse_backend.prefill.route import plan_step  # noqa: E402
 from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
-from vllm_sparse_backend.stats import SparseStats  # noqa: E402
+from vllm_sparse_backend.observability.record import run_recorded  # noqa: E402
+from vllm_sparse_backend.observability.stats import SparseStats  # noqa: E402
 
 from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64  # noqa: E402
 
@@ -136,9 +138,9 @@ def _rows(settings):
 def _run(q, k, v, heads, settings, stats=None):
     """What the CPU twin's forward does with one layer's sparse rows (backends/cpu.py)."""
     out = torch.full_like(q, float("nan"))
-    run_sparse_rows(q, out, _rows(settings), lambda r: (k[r.tok_start:r.tok_start + r.q_len],
-                                                        v[r.tok_start:r.tok_start + r.q_len]),
-                    heads.heads, settings, SCALE, 0.0, heads.share, stats or SparseStats())
+    run_recorded(stats or SparseStats(), run_sparse_rows, q, out, _rows(settings),
+                 lambda r: (k[r.tok_start:r.tok_start + r.q_len], v[r.tok_start:r.tok_start + r.q_len]),
+                 heads.heads, settings, SCALE, 0.0, heads.share)
     return out
 
 
@@ -294,7 +296,7 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
     import prometheus_client
     from prometheus_client import CollectorRegistry
 
-    from vllm_sparse_backend.metrics import PrometheusMetrics
+    from vllm_sparse_backend.observability.metrics import PrometheusMetrics
 
     settings = backend.configure(_write_file(tmp_path / "heads.json", PER_HEAD))
     q, k, v = _qkv()

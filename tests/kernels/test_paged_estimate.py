@@ -20,7 +20,8 @@ from triton_setup import CUDA, INTERPRET, kernel_module
 from kernel_helpers import assert_same_index, fp8_cache, make_row, no_host_sync
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.record import run_recorded
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_backend.prefill.patterns import PATTERNS
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.prefill.estimate import estimate_index
@@ -235,7 +236,8 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     from vllm_sparse_backend.prefill.index import count_pairs
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_kernels.reference.attention import causal_pairs
-    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.route import DenseReason
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
@@ -262,8 +264,8 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     before = stats.as_dict()
     groups = HeadGroups.from_heads(heads, device)
     with no_host_sync(device):
-        sent_dense = run_sparse_rows_paged(q_dev, out, [row], key_cache, value_cache, table[None], groups, settings,
-                                           d ** -0.5, 0.0, kernel, stats, density_fallback=True)
+        sent_dense = run_recorded(stats, run_sparse_rows_paged, q_dev, out, [row], key_cache, value_cache, table[None],
+                                  groups, settings, d ** -0.5, 0.0, kernel, density_fallback=True)
     assert sent_dense == []  # the budgets (24 keys of ~400 visible: 0.06) allow max_density 0.1
     idx = estimate_index(q.float(), k.float(), ctx, heads, settings, d ** -0.5).index
     if expect_dense:
@@ -274,7 +276,7 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     assert ((out.cpu().double() - ref).norm() / ref.norm()) < tol
     stats.flush_deferred()
     after = stats.as_dict()
-    reasons = [d["dense_reasons"].get(DENSE_MODE_REASON, 0) for d in (before, after)]
+    reasons = [d["dense_reasons"].get(DenseReason.ESTIMATED_DENSITY, 0) for d in (before, after)]
     assert reasons[1] - reasons[0] == int(expect_dense)
     if sample_every:  # measured: all causal pairs when run dense, else the pairs of the index it ran
         causal = causal_pairs(q_len, ctx, hkv * group)
@@ -296,7 +298,8 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     whose estimated index is too dense is returned to the caller (FlashAttention in the backend),
     counted as a dense row at once; the kernel never sees it. A row sparse enough runs the kernel."""
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import DENSE_MODE_REASON, run_sparse_rows_paged
+    from vllm_sparse_backend.prefill.route import DenseReason
+    from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
 
     settings = SETTINGS.model_copy(update={"max_density": max_density, "vertical_size": 8, "slash_size": 16,
                                            "estimated_dense_rows": "flash"})
@@ -306,12 +309,12 @@ def test_estimated_dense_rows_go_to_flash_attention(max_density, to_flash):
     rows = [SparseRow(0, 0, q_len, ctx)]
     kernel_rows = []
     stats = SparseStats()
-    sent_dense = run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
-                                       HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
-                                       lambda *args, **kw: kernel_rows.append(args[4]), stats, density_fallback=True)
+    sent_dense = run_recorded(stats, run_sparse_rows_paged, q, torch.zeros_like(q), rows, key_cache, key_cache,
+                              table[None], HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                              lambda *args, **kw: kernel_rows.append(args[4]), density_fallback=True)
     assert sent_dense == (rows if to_flash else [])
     assert kernel_rows == ([] if to_flash else [rows])
-    assert stats.as_dict()["dense_reasons"].get(DENSE_MODE_REASON, 0) == int(to_flash)
+    assert stats.as_dict()["dense_reasons"].get(DenseReason.ESTIMATED_DENSITY, 0) == int(to_flash)
 
 
 @cpu_only
@@ -334,10 +337,10 @@ def test_auto_reads_the_flags_only_after_a_call_that_had_flagged_rows():
                                                "estimated_dense_rows": "auto", "cost_model": False})
         heads = [resolve_head(None, settings)] * (hkv * group)
         launched = []
-        sent_dense = run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
-                                           HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
-                                           lambda *args, **kw: launched.append(kw.get("whole_rows")), SparseStats(),
-                                           density_fallback=True, history=history)
+        sent_dense = run_recorded(SparseStats(), run_sparse_rows_paged, q, torch.zeros_like(q), rows, key_cache,
+                                  key_cache, table[None], HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5,
+                                  0.0, lambda *args, **kw: launched.append(kw.get("whole_rows")),
+                                  density_fallback=True, history=history)
         whole = [None if w is None else w.tolist() for w in launched]
         return sent_dense, whole
 
@@ -362,6 +365,7 @@ def test_cost_model_sends_rows_dense_before_estimating_them():
     from vllm_sparse_backend.prefill.cost import LayerDensityHistory, RowCost
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill import run as run_mod
+    from vllm_sparse_backend.prefill.route import DenseReason
 
     q_len, ctx, hkv, group, d = 200, 300, 2, 2, 64
     q, k, key_cache, table = make_row(q_len, ctx, hkv, group, d, 16, torch.float32, 7, "cpu")
@@ -374,11 +378,11 @@ def test_cost_model_sends_rows_dense_before_estimating_them():
                                                "cost_model": cost_model})
         heads = [resolve_head(None, settings)] * (hkv * group)
         launched, stats = [], SparseStats()
-        sent = run_mod.run_sparse_rows_paged(q, torch.zeros_like(q), rows, key_cache, key_cache, table[None],
-                                             HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
-                                             lambda *args, **kw: launched.append(args[4]), stats,
-                                             density_fallback=True, history=history, row_cost=row_cost)
-        return sent, launched, stats.as_dict()["dense_reasons"].get(run_mod.COST_MODEL_REASON, 0)
+        sent = run_recorded(stats, run_mod.run_sparse_rows_paged, q, torch.zeros_like(q), rows, key_cache, key_cache,
+                            table[None], HeadGroups.from_heads(heads, "cpu"), settings, d ** -0.5, 0.0,
+                            lambda *args, **kw: launched.append(args[4]),
+                            density_fallback=True, history=history, row_cost=row_cost)
+        return sent, launched, stats.as_dict()["dense_reasons"].get(DenseReason.COST_MODEL, 0)
 
     fresh = LayerDensityHistory()
     assert call(fresh) == ([], [rows], 0)  # nothing measured: predicted = budgets (0.06), sparse wins
@@ -476,9 +480,9 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
         heads = [resolve_head(None, settings)] * (hkv * group)
         out = torch.full_like(q, float("nan"))
         before = stats.as_dict()
-        run_sparse_rows_paged(q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None],
-                              HeadGroups.from_heads(heads, "cpu", group), settings, d ** -0.5, 0.0,
-                              sparse_prefill_attention, stats)
+        run_recorded(stats, run_sparse_rows_paged, q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache,
+                     table[None], HeadGroups.from_heads(heads, "cpu", group), settings, d ** -0.5, 0.0,
+                     sparse_prefill_attention, stats_file=settings.stats_file)
         idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
         assert idx.num_heads == hkv * group
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
@@ -633,9 +637,9 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
     groups = HeadGroups.from_heads(_heads(patterns, settings, 6), "cuda")
     out = torch.empty_like(q)
 
-    real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
-        q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache, table[None], groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention, SparseStats.measuring_only()))  # a sampled forward: pairs counted too
+    real = gpu_peak_bytes(lambda: run_recorded(
+        SparseStats.measuring_only(), run_sparse_rows_paged, q, out, [SparseRow(0, 0, q_len, ctx)], key_cache,
+        value_cache, table[None], groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))  # a sampled forward: pairs counted too
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
@@ -661,9 +665,10 @@ def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     out = torch.empty_like(q)
     rows = [SparseRow(0, 0, 7168, ctx + q_len - 7168), SparseRow(1, 7168, 5120, 30000 - 5120)]
 
-    real = gpu_peak_bytes(lambda: run_sparse_rows_paged(
-        q, out, rows, key_cache, value_cache, torch.stack([table, table]), groups, settings, d ** -0.5, 0.0,
-        sparse_prefill_attention, SparseStats.measuring_only(), density_fallback=True))
+    real = gpu_peak_bytes(lambda: run_recorded(
+        SparseStats.measuring_only(), run_sparse_rows_paged, q, out, rows, key_cache, value_cache,
+        torch.stack([table, table]), groups, settings, d ** -0.5, 0.0, sparse_prefill_attention,
+        density_fallback=True))
     claim = gpu_peak_bytes(lambda: run_worst_case_steps(
         q, out, hkv, ctx + q_len, groups, settings, d ** -0.5, 0.0, sparse_prefill_attention))
     assert claim >= real > 0
@@ -694,9 +699,9 @@ def test_gpu_claim_at_a_long_max_model_len_compiles_what_short_rows_run():
     before = compiled()
     ctx = 28672
     qr, _, key_cache, table = make_row(chunk, ctx, hkv, 4, d, 16, torch.bfloat16, 6, "cuda", structure=1.5)
-    run_sparse_rows_paged(qr.cuda(), torch.empty_like(qr.cuda()), [SparseRow(0, 0, chunk, ctx)], key_cache,
-                          torch.randn_like(key_cache), table[None], groups, settings, d ** -0.5, 0.0,
-                          sparse_prefill_attention, SparseStats(), density_fallback=True)
+    run_recorded(SparseStats(), run_sparse_rows_paged, qr.cuda(), torch.empty_like(qr.cuda()),
+                 [SparseRow(0, 0, chunk, ctx)], key_cache, torch.randn_like(key_cache), table[None], groups, settings,
+                 d ** -0.5, 0.0, sparse_prefill_attention, density_fallback=True)
     torch.cuda.synchronize()
     assert compiled() == before
 
@@ -713,9 +718,9 @@ def test_rows_the_budgets_cannot_make_sparse_skip_estimation():
     heads = HeadGroups.from_heads([resolve_head(None, settings)] * 2, "cpu")
     launched = []
     empty = torch.zeros(0, 16, 1, 64)  # estimation would fail on this cache: it must not run
-    sent_dense = run_sparse_rows_paged(q, torch.empty_like(q), [SparseRow(0, 0, 4096, 0)], empty, empty,
-                                       torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
-                                       lambda *a: launched.append(a), SparseStats(), density_fallback=True)
+    sent_dense = run_recorded(SparseStats(), run_sparse_rows_paged, q, torch.empty_like(q), [SparseRow(0, 0, 4096, 0)],
+                              empty, empty, torch.zeros(1, 256, dtype=torch.int32), heads, settings, 0.125, 0.0,
+                              lambda *a: launched.append(a), density_fallback=True)
     assert sent_dense == [SparseRow(0, 0, 4096, 0)] and not launched
 
 

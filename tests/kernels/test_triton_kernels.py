@@ -23,7 +23,8 @@ from vllm_sparse_kernels.reference.attention import gather_paged_kv, sparse_atte
 
 from vllm_sparse_backend.prefill.index import build_index, num_blocks
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.record import run_recorded
+from vllm_sparse_backend.observability.stats import SparseStats
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
@@ -938,11 +939,10 @@ def _glue_case(dtype, device, seed=5):
         return gather_paged_kv(key_cache, value_cache, table[r.row].to(device), r.ctx_len + r.q_len)
 
     ref = torch.full_like(query, float("nan"))
-    run_sparse_rows(query, ref, rows, kv, heads, settings, d ** -0.5, 0.0, None, SparseStats())
+    run_recorded(SparseStats(), run_sparse_rows, query, ref, rows, kv, heads, settings, d ** -0.5, 0.0, None)
     got = torch.full_like(query, float("nan"))
-    run_sparse_rows_paged(query, got, rows, key_cache, value_cache, table.to(device),
-                          HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention,
-                          SparseStats())
+    run_recorded(SparseStats(), run_sparse_rows_paged, query, got, rows, key_cache, value_cache, table.to(device),
+                 HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention)
     assert torch.isfinite(got).all()
     rel = (got.double() - ref.double()).norm() / ref.double().norm()
     assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel

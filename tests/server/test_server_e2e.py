@@ -23,8 +23,7 @@ pytest.importorskip("vllm")
 from server_helpers import ready_server  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
-from vllm_sparse_backend.backends.common import SPARSE_PATH_ERROR  # noqa: E402
-from vllm_sparse_backend.prefill.run import EVERY_KEY_REASON  # noqa: E402
+from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -120,7 +119,7 @@ def test_dummy_weights_density_one_routes_every_prompt_through_the_sparse_path(d
     st = _stats(full_server)
     # every prompt, in each of the 2 layers, went through the sparse path, which selected every
     # key: counted as dense rows (nothing was skipped), under the reason only that path records
-    assert st["dense_reasons"] == {EVERY_KEY_REASON: 2 * len(prompts)}
+    assert st["dense_reasons"] == {DenseReason.EVERY_KEY: 2 * len(prompts)}
     assert st["dense_query_tokens"] == 2 * sum(map(len, prompts))
     assert st["sparse_rows"] == st["sparse_query_tokens"] == st["causal_pairs"] == 0
     assert not dense_server.stats_path.exists()
@@ -135,7 +134,7 @@ def test_dummy_weights_mixed_batch_routes_short_rows_dense(full_server):
     assert all(len(ids) == MAX_TOKENS for ids, _, _ in sparse)
     after = _stats(full_server)
     # the two long rows took the sparse path (selecting every key) in both layers
-    assert after["dense_reasons"][EVERY_KEY_REASON] - before["dense_reasons"].get(EVERY_KEY_REASON, 0) == 2 * 2
+    assert after["dense_reasons"][DenseReason.EVERY_KEY] - before["dense_reasons"].get(DenseReason.EVERY_KEY, 0) == 2 * 2
 
 
 def test_dummy_weights_head_config_patterns_skip_attention(mixed_server):
@@ -243,7 +242,7 @@ def test_dummy_weights_a_fault_in_the_sparse_path_keeps_the_server_answering(fau
         ids, _, _ = _complete(faulty_server, p)
         assert len(ids) == MAX_TOKENS
     st = _stats(faulty_server)
-    assert st["dense_reasons"] == {SPARSE_PATH_ERROR: 2 * len(prompts)}  # 2 layers per prompt
+    assert st["dense_reasons"] == {DenseReason.SPARSE_PATH_ERROR: 2 * len(prompts)}  # 2 layers per prompt
     assert st["sparse_rows"] == 0
     log = faulty_server.log_path.read_text(errors="replace")
     assert log.count("injected estimator fault") == 1

@@ -111,15 +111,15 @@ def test_sparse_path_verdict():
 
 
 def test_error_reason_matches_the_backend():
-    from vllm_sparse_backend.backends.common import SPARSE_PATH_ERROR
+    from vllm_sparse_backend.prefill.route import DenseReason
 
-    assert _plugin().SPARSE_PATH_ERROR == SPARSE_PATH_ERROR
+    assert _plugin().SPARSE_PATH_ERROR == DenseReason.SPARSE_PATH_ERROR
 
 
 def test_every_key_reason_matches_the_backend():
-    from vllm_sparse_backend.prefill.run import EVERY_KEY_REASON
+    from vllm_sparse_backend.prefill.route import DenseReason
 
-    assert _plugin().EVERY_KEY_REASON == EVERY_KEY_REASON
+    assert _plugin().EVERY_KEY_REASON == DenseReason.EVERY_KEY
 
 
 FAKE_SUITE = '''

@@ -18,10 +18,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_sparse_backend import metrics
+from vllm_sparse_backend.observability import metrics
 from vllm_sparse_backend.config import ConfigError, load_settings
-from vllm_sparse_backend.metrics import PrometheusMetrics, SampledTimer
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.metrics import PrometheusMetrics, SampledTimer
+from vllm_sparse_backend.observability.stats import SparseStats
+from vllm_sparse_backend.runtime import WorkerRuntime
 from fakes import ManualEvent
 
 
@@ -193,9 +194,8 @@ def test_sampled_timer_reads_device_events_only_once_they_are_done():
 
 
 def test_no_prometheus_client_means_no_metrics_but_stats_still_work(monkeypatch, tmp_path):
-    monkeypatch.setattr(metrics, "_process_metrics", None)
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
-    st = SparseStats()
+    st = SparseStats(_prom=metrics.create_metrics())
     st.record_sparse_row(10, causal=20, computed=5, head_patterns={"dense": 1})
     st.record_dense_reason("cached_context_on_cpu")
     assert st.prom is metrics.NO_METRICS
@@ -225,12 +225,13 @@ def test_metrics_host_is_validated_and_defaults_to_this_host_only():
 @pytest.mark.parametrize("env,addr", [({}, "127.0.0.1"), ({"VLLM_SPARSE_METRICS_HOST": "0.0.0.0"}, "0.0.0.0")])
 def test_the_metrics_port_binds_metrics_host(monkeypatch, env, addr):
     calls = []
-    monkeypatch.setattr(metrics, "_server_port", None)
     monkeypatch.setattr(prometheus_client, "start_http_server",
                         lambda port, addr, registry: calls.append((port, addr)))
-    st = SparseStats(_prom=metrics.NO_METRICS)
-    st.configure(load_settings({"VLLM_SPARSE_METRICS_PORT": "9400", **env}))
-    assert calls == [(9400, addr)]
+    monkeypatch.setattr(metrics, "create_metrics", lambda: metrics.NO_METRICS)  # the process's are made once
+    runtime = WorkerRuntime(load_settings({"VLLM_SPARSE_METRICS_PORT": "9400", **env}))
+    assert calls == [(9400, addr)] and runtime.metrics_served
+    assert WorkerRuntime(load_settings({"VLLM_SPARSE_METRICS_PORT": "9400", **env}), tp_rank=1).stats.prom \
+        is metrics.NO_METRICS and calls == [(9400, addr)]  # other tensor-parallel ranks serve nothing
 
 
 # A stand-in worker: records through the stats of a worker runtime, as the backends do.

@@ -261,7 +261,7 @@ def test_dockerfile_copies_every_package_source_and_the_context_keeps_them():
         assert not _dockerignored(src, pats), f"COPY source {src} is excluded by .dockerignore"
     for heavy in (".venv/bin/python", ".git/HEAD", "vllm_sparse_backend/__pycache__/x.pyc", "tests/conftest.py"):
         assert _dockerignored(heavy, pats), heavy
-    assert not _dockerignored("vllm_sparse_backend/stats.py", pats)
+    assert not _dockerignored("vllm_sparse_backend/observability/stats.py", pats)
 
 
 def test_dockerfile_builds_csrc_only_when_it_has_a_setup_py(tmp_path):
@@ -590,7 +590,7 @@ def test_check_script_exit_status_fails_the_build(tmp_path, check):
 
 
 def test_docs_document_every_setting_metric_and_container_variable():
-    from vllm_sparse_backend import metrics
+    from vllm_sparse_backend.observability import metrics
     from vllm_sparse_backend.config import SparseSettings
 
     docs = ROOT / "docs"

@@ -1,7 +1,8 @@
 import pytest
 
 from vllm_sparse_backend.config import SparseSettings
-from vllm_sparse_backend.prefill.plan import SparseRow, plan_step
+from vllm_sparse_backend.prefill.plan import SparseRow
+from vllm_sparse_backend.prefill.route import DenseReason, plan_step
 
 
 def _qsl(lens):
@@ -186,8 +187,9 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
 
     from vllm_sparse_backend.prefill import run as sparse_run
     from vllm_sparse_backend.head_configs import resolve_head
-    from vllm_sparse_backend.metrics import PrometheusMetrics
-    from vllm_sparse_backend.stats import SparseStats
+    from vllm_sparse_backend.observability.metrics import PrometheusMetrics
+    from vllm_sparse_backend.observability.record import run_recorded
+    from vllm_sparse_backend.observability.stats import SparseStats
 
     registry = CollectorRegistry()
     stats = SparseStats()
@@ -201,12 +203,12 @@ def test_rows_whose_selection_is_every_key_are_counted_dense():
     # row 0: 1000 + 1000 budgets cover its 600 keys; row 1: 30 columns + 30 diagonals do not
     settings = SparseSettings(vertical_size=30, slash_size=30)
     heads = [resolve_head(None, SparseSettings())] * 2
-    sparse_run.run_sparse_rows(query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]), heads,
-                               settings, 0.125, 0.0, None, stats)
-    sparse_run.run_sparse_rows(query, output, rows[1:], lambda r: (keys[1], keys[1]),
-                               [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None, stats)
+    run_recorded(stats, sparse_run.run_sparse_rows, query[:600], output[:600], rows[:1], lambda r: (keys[0], keys[0]),
+                 heads, settings, 0.125, 0.0, None)
+    run_recorded(stats, sparse_run.run_sparse_rows, query, output, rows[1:], lambda r: (keys[1], keys[1]),
+                 [resolve_head(None, settings)] * 2, settings, 0.125, 0.0, None)
     d = stats.as_dict()
-    assert d["dense_reasons"] == {sparse_run.EVERY_KEY_REASON: 1}
+    assert d["dense_reasons"] == {DenseReason.EVERY_KEY: 1}
     assert (d["sparse_rows"], d["sparse_query_tokens"], d["dense_query_tokens"]) == (1, 2000, 600)
     assert 0 < d["computed_pairs"] < d["causal_pairs"] == 2 * 2000 * 2001 // 2
     assert registry.get_sample_value("sparse_prefill_query_tokens_total", {"route": "dense"}) == 600
@@ -220,7 +222,6 @@ def test_rows_sparse_cannot_pay_on_stay_in_dense_runs():
     """With the model's heads given, a row on which even an empty selection costs more than
     FlashAttention (the cost model's fixed per-row cost of 1e9 pairs and the estimation, against
     its causal pairs) stays in the dense runs; a long enough row is planned sparse as before."""
-    from vllm_sparse_backend.prefill.plan import CANNOT_PAY_REASON
 
     s = SparseSettings()  # the defaults: cost model on, max_density 0.4, min_sparse_query_len 4096
     heads = (12, 128)  # Qwen2.5-1.5B's query heads, head size 128
@@ -231,7 +232,7 @@ def test_rows_sparse_cannot_pay_on_stay_in_dense_runs():
     plan = plan_step(_qsl(q), [a + b for a, b in zip(q, ctx)], s, row_heads=heads)
     assert [r.row for r in plan.sparse_rows] == [1, 2]
     assert plan.dense_runs == [(0, 1), (3, 4)]
-    assert plan.dense_reasons == {CANNOT_PAY_REASON: 1}
+    assert plan.dense_reasons == {DenseReason.CANNOT_PAY: 1}
     # without the heads, with the cost model off, or with max_density 1 (no fallback), the 4K row is sparse
     for settings, row_heads in ((s, None), (s.model_copy(update={"cost_model": False}), heads),
                                 (s.model_copy(update={"max_density": 1.0}), heads)):

@@ -7,7 +7,8 @@ from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f6
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs, num_blocks
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.plan import SparseRow
-from vllm_sparse_backend.stats import SparseStats
+from vllm_sparse_backend.observability.record import run_recorded
+from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_kernels.reference.attention import causal_pairs, gather_paged_kv, sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
@@ -129,9 +130,9 @@ def test_batch_of_rows_through_the_paged_cache(rng):
     heads = [resolve_head(HeadPattern(pattern=p), settings)
              for p in ("vertical_slash", "block_sparse", "a_shape", "flex_prefill")]
     output = torch.full_like(query, float("nan"))
-    run_sparse_rows(query, output, rows,
-                    lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
-                    heads, settings, d ** -0.5, 0.0, None, SparseStats())
+    run_recorded(SparseStats(), run_sparse_rows, query, output, rows,
+                 lambda r: gather_paged_kv(key_cache, value_cache, block_table[r.row], r.ctx_len + r.q_len),
+                 heads, settings, d ** -0.5, 0.0, None)
     assert torch.isfinite(output).all()
     from vllm_sparse_backend.prefill.estimate import estimate_index
     for r in rows:

@@ -16,7 +16,8 @@ from .._compat import (attention_layers, impl_unsupported_reason, layer_index, s
                        step_has_multimodal_prefix_ranges, tensor_parallel_rank)
 from ..config import ConfigError
 from ..head_configs import HeadConfigFile
-from ..prefill.plan import RankHeads, SparseRow, StepPlan, plan_step, rank_heads
+from ..prefill.plan import RankHeads, SparseRow, StepPlan, rank_heads
+from ..prefill.route import DenseReason, plan_step, step_may_be_sparse
 from ..runtime import WorkerRuntime
 
 
@@ -108,27 +109,34 @@ def unsupported_reason(impl) -> str | None:
 UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
-def prepare_group(runtime: WorkerRuntime, vllm_config, layer_names: list[str]) -> dict[str, RankHeads] | None:
-    """Decide at start-up whether a KV-cache group can run sparse: None if not, else each of its
-    layers' head patterns on this rank (layer name -> :class:`RankHeads`).
-
-    Every layer of a group must support the sparse path, or the whole group runs dense (one
-    metadata object serves all layers of a group). Resolving the head-config file here makes a
-    file that does not fit the model fail at start-up, naming the file, not at the first long
-    request.
-    """
-    layers = attention_layers(vllm_config, layer_names)
-    for name, layer in layers.items():
+def first_unsupported_layer(vllm_config, layer_names: list[str]) -> tuple[str, str] | None:
+    """(reason, layer name) of the first layer of a KV-cache group that cannot run sparse, or
+    None. Every layer of a group must support the sparse path, or the whole group runs dense (one
+    metadata object serves all layers of a group): :func:`..prefill.route.group_dense_reason`."""
+    for name, layer in attention_layers(vllm_config, layer_names).items():
         reason = unsupported_reason(layer.impl)
         if reason is not None:
-            runtime.log_once("layer group with %s runs dense (first such layer: %s)", reason, name)
-            return None
+            return reason, name
+    return None
+
+
+def resolve_group_heads(runtime: WorkerRuntime, vllm_config, layer_names: list[str]) -> dict[str, RankHeads]:
+    """Each layer's head patterns on this rank (layer name -> :class:`RankHeads`) of a group that
+    can run sparse. Resolving the head-config file here makes a file that does not fit the model
+    fail at start-up, naming the file, not at the first long request."""
     return {name: layer_heads(runtime, vllm_config, name, layer.impl.num_heads, layer.impl.num_kv_heads)
-            for name, layer in layers.items()}
+            for name, layer in attention_layers(vllm_config, layer_names).items()}
+
+
+def log_dense_group(runtime: WorkerRuntime, why: tuple[DenseReason, str], layer: str = "") -> None:
+    """Log once that a group's rows all run dense (``why``: :func:`..prefill.route.group_dense_reason`)."""
+    reason, detail = why
+    runtime.log_once("every row of a layer group runs dense: %s%s%s", reason.value, f" ({detail})" if detail else "",
+                     f"; first such layer: {layer}" if layer else "", info=reason is DenseReason.DISABLED)
 
 
 def distinct_head_sets(layer_heads: dict[str, RankHeads]) -> list[Counter]:
-    """The distinct per-layer head-pattern multisets of a group (what prepare_group gave)."""
+    """The distinct per-layer head-pattern multisets of a group (what :func:`resolve_group_heads` gave)."""
     out: list[Counter] = []
     for heads in layer_heads.values():
         counts = Counter(heads.heads)
@@ -153,10 +161,10 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     step's host-side query start locations and sequence lengths. ``head_sets``: the group's
     (:func:`distinct_head_sets`) where rows whose budgets no layer could make sparser than
     ``max_density`` should stay dense without estimation; ``row_heads`` (:func:`cost_model_heads`):
-    where rows the cost model says sparse cannot pay on should stay dense too (:func:`plan_step`)."""
+    where rows the cost model says sparse cannot pay on should stay dense too
+    (:func:`..prefill.route.plan_step`)."""
     cfg = runtime.settings
-    if cm.max_query_len < cfg.min_sparse_query_len or cm.causal is not True \
-            or step_has_multimodal_prefix_ranges(cm):
+    if not step_may_be_sparse(cfg, cm.max_query_len, cm.causal is True, step_has_multimodal_prefix_ranges(cm)):
         return None
     n = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
@@ -170,10 +178,6 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     if not plan.has_sparse:
         return None
     return plan, qsl, seq_lens
-
-
-# Rows that ran on the wrapped dense kernel because the sparse path raised (counted per row).
-SPARSE_PATH_ERROR = "sparse path error"
 
 
 def recoverable(error: BaseException) -> bool:
@@ -196,7 +200,7 @@ def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, rows: list[
     runtime.log_once("the sparse path raised %s: %s; the step's sparse rows ran dense (later steps try the "
                      "sparse path again; counted in dense_fallbacks_total{reason=\"sparse_path_error\"})",
                      type(error).__name__, error)
-    runtime.stats.record_dense_reason(SPARSE_PATH_ERROR, rows=len(rows), tokens=sum(r.q_len for r in rows))
+    runtime.stats.record_dense_reason(DenseReason.SPARSE_PATH_ERROR, rows=len(rows), tokens=sum(r.q_len for r in rows))
     if runtime.settings.stats_file:
         runtime.stats.dump(runtime.settings.stats_file, wait=False)
 

@@ -15,11 +15,13 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
+from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
+from ..prefill.route import group_dense_reason
 from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
-                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable,
-                     sparse_path_failed)
+                     distinct_head_sets, first_unsupported_layer, layer_heads, log_dense_group, plan_sparse_step,
+                     recoverable, resolve_group_heads, sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -32,13 +34,17 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         if sparse_backend_selected(vllm_config):
             self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
             cfg = runtime.settings
-            if not cfg.enabled:
-                runtime.log_once("disabled by VLLM_SPARSE_ENABLED; every row runs dense", info=True)
-            elif self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
-                runtime.log_once("non-decoder or sliding-window layer group runs dense")
+            unsupported = None
+            if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
+                unsupported = ("non-decoder or sliding-window attention", "")
+            elif cfg.enabled:
+                unsupported = first_unsupported_layer(vllm_config, layer_names)
+            why = group_dense_reason(cfg, unsupported=unsupported and unsupported[0])
+            if why is not None:
+                log_dense_group(runtime, why, unsupported[1] if unsupported else "")
             else:
-                layer_heads_of_group = prepare_group(runtime, vllm_config, layer_names)
-                self.sparse_enabled = layer_heads_of_group is not None
+                layer_heads_of_group = resolve_group_heads(runtime, vllm_config, layer_names)
+                self.sparse_enabled = True
                 # rows no layer's budgets could make sparser than max_density (every key, on short
                 # prompts with the default budgets) stay on vLLM's CPU kernel, far faster than the
                 # PyTorch attention of the sparse path
@@ -99,13 +105,15 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                             output_scale, output_block_scale)
         runtime = self.runtime
         count_dense_tokens(runtime, attn_metadata)
+        timing = runtime.stats.time_stages(query.device)  # a no-op unless this forward is sampled
         try:
             heads = layer_heads(runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
             # Pure prefills only (planned with allow_context=False): the chunk's fresh K/V are all keys.
-            run_sparse_rows(query, output, attn_metadata.sparse_rows,
-                            lambda r: (key[r.tok_start:r.tok_start + r.q_len], value[r.tok_start:r.tok_start + r.q_len]),
-                            heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0), heads.share,
-                            runtime.stats)
+            outcome = run_sparse_rows(query, output, attn_metadata.sparse_rows,
+                                      lambda r: (key[r.tok_start:r.tok_start + r.q_len],
+                                                 value[r.tok_start:r.tok_start + r.q_len]),
+                                      heads.heads, runtime.settings, self.scale, float(self.logits_soft_cap or 0.0),
+                                      heads.share, timing)
         except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
             if not recoverable(e):
                 raise
@@ -114,6 +122,8 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
                                 output_scale, output_block_scale)
+        else:  # what the layer did, recorded once
+            record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
         return output
 
 

@@ -44,7 +44,7 @@ import torch
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
-                                                   FlashAttentionMetadataBuilder)
+                                                   FlashAttentionMetadata, FlashAttentionMetadataBuilder)
 from vllm_sparse_kernels.reference.attention import gather_paged_kv
 
 from .. import kernels
@@ -56,12 +56,15 @@ from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
 from ..prefill.plan import RankHeads, SparseRow
 from ..prefill.cost import LayerDensityHistory
+from ..observability.record import record_layer
+from ..prefill.plan import LayerOutcome
 from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
 from .claim import claim_scratch
+from ..prefill.route import DenseReason, group_dense_reason
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
-                     cost_model_heads, count_dense_tokens,
-                     distinct_head_sets, layer_heads, plan_sparse_step, prepare_group, recoverable, sparse_path_failed,
+                     cost_model_heads, count_dense_tokens, distinct_head_sets, first_unsupported_layer,
+                     layer_heads, log_dense_group, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed,
                      unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
 
@@ -89,24 +92,25 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         selected = sparse_backend_selected(vllm_config)
         self.runtime = runtime = worker_runtime()
         cfg = runtime.settings
-        # this group's head patterns per layer (None: the group runs dense)
-        group_heads = prepare_group(runtime, vllm_config, layer_names) if cfg.enabled and selected else None
-        self.sparse_enabled = group_heads is not None
-        if vllm_config.parallel_config.decode_context_parallel_size > 1:
-            runtime.log_once("decode context parallelism is not supported; every row runs dense")
-            self.sparse_enabled = False
-        if self.sparse_enabled and runtime.claim_failed is not None:
-            runtime.log_once("the sparse path could not run in the memory-profiling run (%s); every row runs dense",
-                             runtime.claim_failed)
-            self.sparse_enabled = False
-        if self.sparse_enabled and cfg.kernel != "torch":
+        group_heads = None  # this group's head patterns per layer (None: every row runs dense)
+        if selected:
+            unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.enabled else None
+            # resolved before the other reasons are asked: a head-config file that does not fit fails here
+            heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.enabled and unsupported is None else None
             # the model's dtype: the cache's (kv_cache_spec.dtype) is uint8 for an fp8 cache
-            why = triton_unusable_reason(kv_cache_spec.head_size, vllm_config.model_config.dtype, cfg.block_size)
-            if why is not None and cfg.kernel == "triton":
-                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why}")
-            if why is not None:  # auto: the reference would be far slower than FlashAttention
-                runtime.log_once("the Triton sparse path cannot run here (%s); every row runs dense", why)
-                self.sparse_enabled = False
+            why = group_dense_reason(
+                cfg, unsupported=unsupported and unsupported[0],
+                dcp_size=vllm_config.parallel_config.decode_context_parallel_size,
+                claim_failed=runtime.claim_failed,
+                triton_why=triton_unusable_reason(kv_cache_spec.head_size, vllm_config.model_config.dtype,
+                                                  cfg.block_size))
+            if why is not None and why[0] is DenseReason.TRITON_UNUSABLE and cfg.kernel == "triton":
+                raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why[1]}")
+            if why is None:
+                group_heads = heads
+            else:  # (auto with no Triton path: the reference would be far slower than FlashAttention)
+                log_dense_group(runtime, why, unsupported[1] if unsupported else "")
+        self.sparse_enabled = group_heads is not None
         # decode_mode topk / spans: the mode plans each step once for every layer of the group
         self._decode_mode = decode_mode(cfg) if selected else None
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
@@ -120,6 +124,11 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._row_heads = cost_model_heads(group_heads, kv_cache_spec.head_size) \
             if self.sparse_enabled and cfg.kernel != "torch" else None
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
+        # Steps whose longest row is shorter have no row to route (decode batches, short prompts):
+        # build() hands them to FlashAttention's builder without reading a setting.
+        self._plan_from = cfg.min_sparse_query_len if self.sparse_enabled else float("inf")
+        # the stats file catches up once per step, not once per layer (stats.refresh)
+        self._stats_file = cfg.stats_file or None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -127,13 +136,19 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
-        try:
-            planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
-                                       row_heads=self._row_heads) if self.sparse_enabled else None
-        except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
-            sparse_path_failed(self.runtime, e, [])
-            planned = None
-        decode_plan = step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
+        if self._stats_file is not None:
+            self.runtime.stats.refresh(self._stats_file)  # counts of earlier forwards the GPU has finished
+        if cm.max_query_len < self._plan_from and self._decode_mode is None:
+            return super().build(common_prefix_len, cm, fast_build)
+        planned = None
+        if cm.max_query_len >= self._plan_from:
+            try:
+                planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
+                                           row_heads=self._row_heads)
+            except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
+                sparse_path_failed(self.runtime, e, [])
+        decode_plan = None if self._decode_mode is None else \
+            step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
         if planned is None:
             md = super().build(common_prefix_len, cm, fast_build)
             if decode_plan is None:
@@ -181,6 +196,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     _decode: LayerDecode | None = None  # decode_mode topk / spans: this layer's (None: FlashAttention decodes)
     # estimated_dense_rows="auto": whether this layer's last sparse call had too-dense rows (first sparse forward)
     _density_history: LayerDensityHistory | None = None  # this layer's (one impl per layer)
+    # The metadata type forward hands to FlashAttention before anything of ours runs: what the
+    # builder returns for a step without sparse rows. None with a decode mode, which computes
+    # pure decode batches (FlashAttention's metadata) itself.
+    _flash_only: type | None = FlashAttentionMetadata
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -189,6 +208,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         mode = decode_mode(self.runtime.settings)
         self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
                                                              self.runtime.log_once, self.runtime.decode_memory)
+        if self._decode is not None:
+            self._flash_only = None
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
@@ -198,10 +219,13 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
         the Triton path."""
         vc, cfg = self._vllm_config, self.runtime.settings
-        if (vc is None or self.runtime.claim_failed is not None or not query.is_cuda or not cfg.enabled
-                or cfg.kernel == "torch" or not sparse_backend_selected(vc)
-                or unsupported_reason(self) is not None
-                or triton_unusable_reason(self.head_size, output.dtype, cfg.block_size) is not None):
+        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc):
+            return
+        # the builder asks the same question of the layer's group
+        if group_dense_reason(cfg, unsupported=unsupported_reason(self),
+                              dcp_size=vc.parallel_config.decode_context_parallel_size,
+                              claim_failed=self.runtime.claim_failed,
+                              triton_why=triton_unusable_reason(self.head_size, output.dtype, cfg.block_size)):
             return
         claim_scratch(self.runtime, self, layer, query, output, vc, FP8_KV_CACHE_DTYPES.get(self.kv_cache_dtype))
 
@@ -266,9 +290,11 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        runtime, cfg = self.runtime, self.runtime.settings
-        if cfg.stats_file and query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            runtime.stats.refresh(cfg.stats_file)  # counts of earlier forwards the GPU has finished
+        # A step without sparse rows pays this one check per layer: nothing of ours runs for it.
+        if attn_metadata.__class__ is self._flash_only:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        runtime = self.runtime
         if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
             if self._decode is not None:
                 self._claim_decode_state(query)
@@ -287,24 +313,32 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             return output
         count_dense_tokens(runtime, step)
         if output_scale is not None or output_block_scale is not None:
-            runtime.log_once("fused output quantization: sparse rows run on FlashAttention")
+            runtime.log_once("%s: sparse rows run on FlashAttention", DenseReason.FUSED_OUTPUT_QUANT.value)
             dense = step.sparse_rows
         else:
+            timing = runtime.stats.time_stages(query.device)  # CUDA events on 1 of N forwards, read later
             try:
-                dense = self._sparse(layer, query, kv_cache, step, output)
+                outcome = self._sparse(layer, query, kv_cache, step, output, timing)
             except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
                 if not recoverable(e):
                     raise
                 sparse_path_failed(runtime, e, step.sparse_rows)
                 dense = step.sparse_rows
+            else:  # what the layer did, recorded once
+                record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+                dense = outcome.dense_rows
+                if dense and outcome.paged:
+                    runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
+                                     "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
+                                     runtime.settings.max_density, info=True)
         for r in dense:
             self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
                         slice(r.tok_start, r.tok_start + r.q_len), output, output_scale, output_block_scale)
         return output
 
-    def _sparse(self, layer, query, kv_cache, step: SparseStepMetadata, output) -> list[SparseRow]:
-        """The step's sparse rows into ``output``; returns the rows left to FlashAttention (the
-        density fallback)."""
+    def _sparse(self, layer, query, kv_cache, step: SparseStepMetadata, output, timing) -> LayerOutcome:
+        """The step's sparse rows into ``output``; the outcome names the rows left to
+        FlashAttention (the density fallback)."""
         runtime, cfg = self.runtime, self.runtime.settings
         heads = layer_heads(self.runtime, self._vllm_config, layer.layer_name, self.num_heads, self.num_kv_heads)
         key_cache, value_cache = self._kv_views(kv_cache)
@@ -315,15 +349,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if kernel is not None:
             if self._density_history is None:
                 self._density_history = LayerDensityHistory()
-            dense = run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
-                                          self._groups(heads, query.device), cfg, self.scale, softcap, kernel,
-                                          runtime.stats, density_fallback=bool(step.fallback), k_scale=k_scale,
-                                          v_scale=v_scale, history=self._density_history, row_table=step.row_table)
-            if dense:
-                runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
-                                 "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
-                                 cfg.max_density, info=True)
-            return dense
+            return run_sparse_rows_paged(q, output, step.sparse_rows, key_cache, value_cache, step.block_table,
+                                         self._groups(heads, query.device), cfg, self.scale, softcap, kernel, timing,
+                                         density_fallback=bool(step.fallback), k_scale=k_scale, v_scale=v_scale,
+                                         history=self._density_history, row_table=step.row_table)
 
         def kv_for_row(r: SparseRow):
             k, v = gather_paged_kv(key_cache, value_cache, step.block_table[r.row], r.ctx_len + r.q_len)
@@ -331,9 +360,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
                 return k, v
             return (k.float() * k_scale).to(q.dtype), (v.float() * v_scale).to(q.dtype)  # fp8: dequantised
 
-        run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
-                        heads.share, runtime.stats)
-        return []
+        return run_sparse_rows(q, output, step.sparse_rows, kv_for_row, heads.heads, cfg, self.scale, softcap,
+                               heads.share, timing)
 
     def _dense(self, layer, query, key, value, kv_cache, metadata, tokens: slice, output, output_scale=None,
                output_block_scale=None) -> None:

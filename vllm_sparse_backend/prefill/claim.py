@@ -10,14 +10,19 @@ The vLLM side (when to claim, once per layer shape) is :mod:`vllm_sparse_backend
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..config import SparseSettings
-from ..stats import SparseStats
+from ..observability.record import run_recorded
+from ..observability.stats import SparseStats
 from .estimate import HeadGroups, estimate_index_paged
 from .index import index_density
 from .plan import SparseRow
-from .run import PagedKernel, run_sparse_rows_paged
+from .run import run_sparse_rows_paged
+
+PagedKernel = Callable[..., object]  # vllm_sparse_kernels.prefill.attention.sparse_prefill_attention
 
 
 # Most sparse rows one claimed step holds (a step holds at most chunk // min_sparse_query_len).
@@ -100,8 +105,8 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
     every_row = settings.model_copy(update={"max_density": 1.0, "stats_file": None})
     flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
     for rows in runs:
-        run_sparse_rows_paged(query, output, rows, key_cache, value_cache, block_table, groups, every_row, scale,
-                              softcap, kernel, SparseStats.measuring_only(), **scales)
+        run_recorded(SparseStats.measuring_only(), run_sparse_rows_paged, query, output, rows, key_cache, value_cache,
+                     block_table, groups, every_row, scale, softcap, kernel, **scales)
         if flagged_dense:
             # the density fallback's temporaries, and rows flagged on the device running in the
             # kernel's dense mode, another variant of it: compiled here, not in the first request

@@ -27,7 +27,7 @@ from vllm_sparse_kernels.reference.attention import kv_head_map
 
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead
-from .budgets import budget_density, kv_group_share
+from .budgets import kv_group_share
 from .index import SparseIndex, build_index, num_blocks
 from .patterns import get_pattern
 from .patterns.base import HeadGroup, HeadSplit, PatternSelection
@@ -130,10 +130,6 @@ class HeadGroups:
             groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params, min_params,
                                     len(ids) == len(lists)))
         return cls(groups, len(heads), Counter(heads), share)
-
-    def budget_density(self, q_len: int, ctx_len: int, settings: SparseSettings) -> float:
-        """:func:`.budgets.budget_density` of this layer's heads."""
-        return budget_density(self.head_counts, q_len, ctx_len, settings)
 
 
 @dataclass

@@ -1,15 +1,17 @@
-"""Step planning: which rows of a vLLM step run sparse, which run dense (in contiguous runs).
+"""What a step's plan is made of: its rows (:class:`SparseRow`), the plan (:class:`StepPlan`, made
+by :func:`.route.plan_step`), each layer's heads on this rank (:class:`RankHeads`), and what a
+layer's sparse call did (:class:`LayerOutcome`, returned by :mod:`.run`).
 
-Pure Python over CPU-side lengths, so the builders can call it without a device sync and tests
-can call it without vLLM.
+Pure Python over CPU-side lengths, so the builders can use it without a device sync and tests
+without vLLM.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from .budgets import budget_density, kv_group_share
-from .cost import ROW_COST, RowCost
+from typing import Any
+from .budgets import kv_group_share
 from ..config import ConfigError, SparseSettings
 from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
@@ -22,6 +24,23 @@ class SparseRow:
     tok_start: int  # first token of the chunk in the step's flattened query/output tensors
     q_len: int
     ctx_len: int
+
+
+@dataclass
+class LayerOutcome:
+    """Rows left to the dense kernel and why; rows computed sparse with their estimates (device
+    tensors on the paged path); ``flags``: per such row, ran in the kernel's dense mode (device)."""
+
+    num_heads: int
+    paged: bool
+    dense: list[tuple[SparseRow, str]] = field(default_factory=list)
+    sparse: list[tuple[SparseRow, Any]] = field(default_factory=list)
+    every_key: set[int] = field(default_factory=set)  # rows run sparse with every key: counted dense
+    flags: Any = None  # bool tensor on the device, or None
+
+    @property
+    def dense_rows(self) -> list[SparseRow]:
+        return [row for row, _ in self.dense]
 
 
 @dataclass
@@ -77,59 +96,3 @@ def rank_heads(cfg: HeadConfigFile | None, settings: SparseSettings, layer_index
     whole_layer = layer_heads(cfg, settings, layer_index, num_heads) if tp_size > 1 else heads
     share = kv_group_share(heads, local_kv, settings) if kv_group_share(whole_layer, num_kv_heads, settings) > 1 else 1
     return RankHeads(heads, share)
-
-
-# Rows the cost model keeps in FlashAttention's runs for the whole step: even an empty selection
-# would cost more than dense (the estimation and the fixed per-row cost alone).
-CANNOT_PAY_REASON = "cost model: sparse cannot pay at this length"
-
-
-def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
-              allow_context: bool = True, head_sets: list[Counter] | None = None,
-              row_heads: tuple[int, int] | None = None, row_cost: RowCost = ROW_COST) -> StepPlan:
-    """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
-
-    A row goes sparse when its chunk has at least ``min_sparse_query_len`` queries and its
-    sequence at least ``min_sparse_seq_len`` tokens. ``allow_context=False`` (the CPU twin, which
-    cannot read vLLM's ISA-packed CPU cache) keeps rows that have cached context dense.
-    ``head_sets`` (optional: the distinct head-pattern multisets of the layers the step serves)
-    keeps long rows dense whose budgets no layer could make sparser than ``max_density``
-    (:func:`.budgets.budget_density`; with ``max_density`` 1 none is). ``row_heads`` (optional:
-    the layers' most query heads on this rank and their head size), with ``cost_model`` and
-    ``max_density`` < 1: rows the cost model says sparse could not beat FlashAttention on even
-    with an empty selection (:meth:`.cost.RowCost.sparse_pays` at density 0: what estimation and
-    the fixed per-row cost alone take, in every layer) stay in the dense runs, so that the layers
-    neither estimate nor probe them and FlashAttention runs them with the step's other dense rows
-    (short prompts, mostly). Rows with no queries (cudagraph padding) belong to no run.
-    """
-    n = len(seq_lens)
-    sparse, dense_runs, reasons = [], [], Counter()
-    run_start = None
-    for i in range(n + 1):
-        dense = False
-        if i < n:
-            q_len = query_start_loc[i + 1] - query_start_loc[i]
-            ctx = seq_lens[i] - q_len
-            long_enough = settings.enabled and q_len >= settings.min_sparse_query_len \
-                and seq_lens[i] >= settings.min_sparse_seq_len
-            if long_enough and ctx > 0 and not allow_context:
-                reasons["cached_context_on_cpu"] += 1
-                long_enough = False
-            if long_enough and head_sets and settings.max_density < 1.0 and all(
-                    budget_density(h, q_len, ctx, settings) > settings.max_density for h in head_sets):
-                reasons["budgets denser than max_density"] += 1
-                long_enough = False
-            if long_enough and row_heads is not None and settings.cost_model and settings.max_density < 1.0 \
-                    and not row_cost.sparse_pays(q_len, ctx, row_heads[0], row_heads[1], 0.0, settings.last_q):
-                reasons[CANNOT_PAY_REASON] += 1
-                long_enough = False
-            if long_enough:
-                sparse.append(SparseRow(i, query_start_loc[i], q_len, ctx))
-            else:
-                dense = q_len > 0
-        if dense and run_start is None:
-            run_start = i
-        elif not dense and run_start is not None:
-            dense_runs.append((run_start, i))
-            run_start = None
-    return StepPlan(sparse, dense_runs, reasons)

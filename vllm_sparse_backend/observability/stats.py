@@ -1,8 +1,9 @@
 """What the sparse path did, per worker process: the one place that records it.
 
 The worker's runtime holds one :class:`SparseStats` (:attr:`..runtime.WorkerRuntime.stats`); the
-sparse path calls its ``record_*`` methods, each of which updates the JSON counters
-below and the Prometheus metrics (:mod:`vllm_sparse_backend.metrics`) together. When the
+backends call its ``record_*`` methods (a layer call's through :func:`.record.record_layer`, once,
+after the call), each of which updates the JSON counters below and the Prometheus metrics
+(:mod:`.metrics`, held by the runtime) together. When the
 ``stats_file`` setting is set, the worker rewrites that JSON file (atomically) so that a client
 such as the demo or a test can read what happened inside the server. It is rewritten at most
 once per ``stats_write_interval_s``: a forward inside the interval leaves the write to a timer
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from . import metrics
-from .config import SparseSettings
+from ..config import SparseSettings
 
 logger = logging.getLogger("vllm.sparse_prefill")
 _DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
@@ -62,7 +63,7 @@ class SparseStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
-    _prom: object = field(default=None, repr=False)  # Prometheus metrics, created on first record
+    _prom: object = field(default=None, repr=False)  # the runtime's Prometheus metrics (None: none)
     timer: metrics.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
@@ -93,15 +94,13 @@ class SparseStats:
 
     @property
     def prom(self):
-        if self._prom is None:
-            self._prom = metrics.process_metrics()
-        return self._prom
+        return metrics.NO_METRICS if self._prom is None else self._prom
 
     def configure(self, settings: SparseSettings, export: bool = True) -> None:
         """Apply the settings of this process (called when the backend reads them, in the
-        worker): timing sample rate, metrics creation, and the optional metrics port.
-        ``export``: False on a tensor-parallel rank other than 0, which then records nothing
-        (no counters, no timing, no stats file, no metrics or port; see the module doc)."""
+        worker): timing sample rate and the stats file's rate. ``export``: False on a
+        tensor-parallel rank other than 0, which then records nothing (no counters, no timing, no
+        stats file; its runtime makes no metrics and serves no port; see the module doc)."""
         self.exporting = export
         if not export:
             self.timer.every = 0
@@ -110,9 +109,6 @@ class SparseStats:
         self.write_interval_s = settings.stats_write_interval_s
         if settings.stats_file and self.write_interval_s > 0:
             atexit.register(self.write_unwritten)  # the counts of the last interval
-        _ = self.prom  # metrics exist (at 0) from start-up, not from the first long request
-        if settings.metrics_port is not None:
-            metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
 
     # -- recording ---------------------------------------------------------------------------
 
@@ -279,10 +275,16 @@ class SparseStats:
 
     def refresh(self, path: str) -> None:
         """Apply the readouts the device has finished and rewrite ``path`` (at the bounded rate)
-        if any were: called by every CUDA forward while counts are pending, so the file catches
-        up at the next forward (the first decode step of a prompt, at the latest, when it runs
-        eagerly) without waiting for the GPU."""
-        if self._readouts and self.poll_readouts():
+        if any were: called by the CUDA builder once per step while the stats file is set, so the
+        file catches up at the next step (the first decode step of a prompt, at the latest)
+        without waiting for the GPU. Nothing while a CUDA graph is captured (its events cannot
+        be queried then)."""
+        if not self._readouts:
+            return
+        import torch
+
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing and self.poll_readouts():
             self._write_when_due(path)
 
     def write_unwritten(self) -> None:

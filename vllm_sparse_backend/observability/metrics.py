@@ -126,34 +126,25 @@ class _NoMetrics:
 
 
 NO_METRICS = _NoMetrics()
-_lock = threading.Lock()
-_process_metrics: PrometheusMetrics | _NoMetrics | None = None
-_server_port: int | None = None
 
 
 def _warn(msg: str, *args) -> None:
     logger.warning("sparse-prefill metrics: " + msg, *args)
 
 
-def process_metrics() -> PrometheusMetrics | _NoMetrics:
-    """This process's metrics, created on first use (in the worker, never at plugin load)."""
-    global _process_metrics
-    if _process_metrics is None:
-        with _lock:
-            if _process_metrics is None:
-                try:
-                    import prometheus_client
-                except ImportError:
-                    _warn("prometheus_client is not installed; no Prometheus metrics")
-                    _process_metrics = NO_METRICS
-                else:
-                    try:
-                        _process_metrics = PrometheusMetrics(prometheus_client)
-                    except Exception as e:  # e.g. PROMETHEUS_MULTIPROC_DIR names a missing folder
-                        _warn("cannot create the metrics (%s: %s); serving goes on without them",
-                              type(e).__name__, e)
-                        _process_metrics = NO_METRICS
-    return _process_metrics
+def create_metrics() -> PrometheusMetrics | _NoMetrics:
+    """The process's metrics, made once by its worker runtime (:attr:`..runtime.WorkerRuntime.metrics`),
+    which holds them: prometheus_client registers each name once per process."""
+    try:
+        import prometheus_client
+    except ImportError:
+        _warn("prometheus_client is not installed; no Prometheus metrics")
+        return NO_METRICS
+    try:
+        return PrometheusMetrics(prometheus_client)
+    except Exception as e:  # noqa: BLE001 - e.g. PROMETHEUS_MULTIPROC_DIR names a missing folder
+        _warn("cannot create the metrics (%s: %s); serving goes on without them", type(e).__name__, e)
+        return NO_METRICS
 
 
 def exposition_registry():
@@ -169,27 +160,20 @@ def exposition_registry():
 
 
 def serve_metrics(port: int, addr: str = "127.0.0.1") -> bool:
-    """Start prometheus_client's HTTP server in this process, once. False if it cannot run (no
-    prometheus_client, or the port is taken: with several workers on a host only one binds; with
-    PROMETHEUS_MULTIPROC_DIR set that one serves every process's samples)."""
-    global _server_port
-    with _lock:
-        if _server_port is not None:
-            if _server_port != port:
-                _warn("already serving on port %d; ignoring port %d", _server_port, port)
-            return _server_port == port
-        try:
-            import prometheus_client
-        except ImportError:
-            _warn("metrics_port=%d set but prometheus_client is not installed", port)
-            return False
-        try:
-            prometheus_client.start_http_server(port, addr=addr, registry=exposition_registry())
-        except OSError as e:
-            _warn("cannot serve on %s:%d (%s); this process's metrics are not exposed on a port of "
-                  "its own (with several workers per host, set PROMETHEUS_MULTIPROC_DIR)", addr, port, e)
-            return False
-        _server_port = port
+    """Start prometheus_client's HTTP server in this process (the worker runtime asks once).
+    False if it cannot run (no prometheus_client, or the port is taken: with several workers on a
+    host only one binds; with PROMETHEUS_MULTIPROC_DIR set that one serves every process's samples)."""
+    try:
+        import prometheus_client
+    except ImportError:
+        _warn("metrics_port=%d set but prometheus_client is not installed", port)
+        return False
+    try:
+        prometheus_client.start_http_server(port, addr=addr, registry=exposition_registry())
+    except OSError as e:
+        _warn("cannot serve on %s:%d (%s); this process's metrics are not exposed on a port of "
+              "its own (with several workers per host, set PROMETHEUS_MULTIPROC_DIR)", addr, port, e)
+        return False
     logger.info("sparse-prefill: Prometheus metrics on http://%s:%d/metrics (pid %d)", addr, port, os.getpid())
     return True
 
