@@ -106,7 +106,7 @@ def test_entrypoint_never_logs_an_api_key(run_entry):
 
 
 def test_entrypoint_closes_the_port_with_the_middleware_when_a_key_is_set(run_entry):
-    """tests/server/test_serving_auth.py starts vLLM with these same flags and checks every route."""
+    """tests/server/test_api_key_routes.py starts vLLM with these same flags and checks every route."""
     rc, argv, _, err = run_entry(MODEL="m", VLLM_API_KEY="sekrit-key", VLLM_EXTRA_ARGS="--enforce-eager")
     assert rc == 0, err
     assert argv == ["serve", "m", *DEFAULT, "--middleware", "vllm_sparse_backend.serving_auth.RequireApiKey",

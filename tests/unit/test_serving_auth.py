@@ -1,6 +1,6 @@
 """RequireApiKey driven as an ASGI app without a server: start-up without a key, the message
 kinds a server sends it (lifespan, websocket). The routes of a real vLLM server:
-tests/server/test_serving_auth.py."""
+tests/server/test_api_key_routes.py."""
 
 from __future__ import annotations
 
