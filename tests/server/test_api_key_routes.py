@@ -107,7 +107,7 @@ def test_the_metrics_port_registry_carries_vllms_samples(closed_server, prom_dir
     serves metrics.exposition_registry(), which must hold vLLM's own series too."""
     from prometheus_client import generate_latest
 
-    from vllm_sparse_backend import metrics
+    from vllm_sparse_backend.observability import metrics
 
     status, reply = _call(closed_server, "GET", "/metrics", key=KEY)
     served = {ln.split("{")[0].split(" ")[0] for ln in reply.decode().splitlines() if ln.startswith("vllm:")}
