@@ -179,7 +179,7 @@ def test_topk_mode_through_the_impl_forward(monkeypatch):
     impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
     impl.num_heads, impl.head_size, impl.scale, impl.logits_soft_cap = H, D, D ** -0.5, 0.0
     impl.num_kv_heads, impl.kv_cache_dtype, impl.runtime = HKV, "auto", WorkerRuntime(settings)
-    impl._decode = decode.LayerDecode(decode_mode(settings), impl._decode_unsupported_reason(), _no_log)
+    impl._use_decode(decode.LayerDecode(decode_mode(settings), impl._decode_unsupported_reason(), _no_log))
     dense_calls = []
     monkeypatch.setattr(cuda_backend.FlashAttentionImpl, "forward",
                         lambda self, layer, query, *a, **k: dense_calls.append(query.shape[0]))

@@ -187,8 +187,8 @@ def test_the_model_cost_counts_every_layers_cache_and_the_states_that_will_run(m
         layer_impl = object.__new__(cuda_backend.SparsePrefillImpl)  # no FlashAttention set-up on CPU
         layer_impl.num_heads, layer_impl.num_kv_heads, layer_impl.head_size = 8, HKV, D
         layer_impl.logits_soft_cap, layer_impl.kv_cache_dtype = 0.0, kv_cache_dtype
-        layer_impl._decode = decode.LayerDecode(decode_mode(settings), layer_impl._decode_unsupported_reason(),
-                                                lambda *a, **k: None)
+        layer_impl._use_decode(decode.LayerDecode(decode_mode(settings), layer_impl._decode_unsupported_reason(),
+                                                  lambda *a, **k: None))
         return SimpleNamespace(impl=layer_impl, kv_cache_dtype=kv_cache_dtype, num_kv_heads=HKV, head_size=D)
 
     layers = {"l0": impl("auto"), "l1": impl("auto"), "l2": impl("fp8"),

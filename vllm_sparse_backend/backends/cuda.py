@@ -206,14 +206,18 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         # vLLM builds this impl only where the backend is selected, in the worker
         self.runtime = worker_runtime()
         mode = decode_mode(self.runtime.settings)
-        self._decode = None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
-                                                             self.runtime.log_once, self.runtime.decode_memory)
-        if self._decode is not None:
-            self._flash_only = None
+        self._use_decode(None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
+                                                               self.runtime.log_once, self.runtime.decode_memory))
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
             check_head_config_fits_model(self.runtime, self._vllm_config)
+
+    def _use_decode(self, layer_decode: LayerDecode | None) -> None:
+        """This layer's decode mode (None: dense decode). A mode follows every step's cache writes,
+        so with one no step takes the FlashAttention-only shortcut."""
+        self._decode = layer_decode
+        self._flash_only = None if layer_decode is not None else FlashAttentionMetadata
 
     def _claim_scratch(self, layer, query: torch.Tensor, output: torch.Tensor) -> None:
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
