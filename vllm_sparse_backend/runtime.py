@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 
 from .config import ConfigError, SparseSettings, load_settings
 from .decode.memory import DecodeStateMemory
@@ -29,6 +30,7 @@ from .observability import metrics
 from .observability.stats import SparseStats
 
 logger = logging.getLogger("vllm.sparse_prefill")
+LOG_ONCE_MEMORY = 256  # distinct texts log_once remembers
 
 
 class WorkerRuntime:
@@ -54,15 +56,19 @@ class WorkerRuntime:
         # layer name -> that layer's head patterns on this rank, resolved once (backends.common.layer_heads):
         # the builder plans with them, the layer's impl runs them
         self.layer_heads: dict[str, RankHeads] = {}
-        self._logged: set[str] = set()
+        self._logged: OrderedDict[str, None] = OrderedDict()  # the texts log_once printed, least recent first
         self._fitted_models: set[str] = set()
 
     def log_once(self, msg: str, *args, info: bool = False) -> None:
         """A warning (``info``: an information line) that this process prints once per distinct text."""
         key = msg % args if args else msg
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.log(logging.INFO if info else logging.WARNING, "sparse-prefill: " + msg, *args)
+        if key in self._logged:
+            self._logged.move_to_end(key)
+            return
+        self._logged[key] = None
+        if len(self._logged) > LOG_ONCE_MEMORY:  # texts with a varying part (an error's) must not grow it forever
+            self._logged.popitem(last=False)  # the least recently logged: it may log again
+        logger.log(logging.INFO if info else logging.WARNING, "sparse-prefill: " + msg, *args)
 
     def check_head_config_fits(self, hf_text_config: dict, model: str) -> None:
         """The head-config file must have the model's layers, heads and KV-group layout

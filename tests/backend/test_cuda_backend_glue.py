@@ -284,3 +284,80 @@ def test_a_device_error_is_not_swallowed(sparse_env, monkeypatch):
     with pytest.raises(RuntimeError, match="illegal memory access"):
         impl.forward(_Layer(), query, None, None, kv_cache, md, torch.zeros(query.shape[0], h, d))
     assert common.recoverable(torch.OutOfMemoryError("CUDA out of memory")) and common.recoverable(KeyError("x"))
+
+
+def _accelerator_error(text, code):
+    error = torch.AcceleratorError(text)
+    error.error_code = code  # what torch sets where its C++ side raised the error
+    return error
+
+
+@pytest.mark.parametrize("error, fatal", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: out of memory"), False),
+    (RuntimeError("CUDA error: misaligned address"), True),
+    (RuntimeError("CUDA error: unspecified launch failure"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    (RuntimeError("CUDA error: device-side assert triggered"), True),
+    (RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"), True),
+    (_accelerator_error("CUDA error: out of memory", 2), False),
+    (_accelerator_error("CUDA error: misaligned address", 716), True),
+    (_accelerator_error("CUDA error: unspecified launch failure", 719), True),
+    (_accelerator_error("CUDA error: device-side assert triggered", 710), True),
+    (_accelerator_error("an accelerator error without CUDA's words", 700), True),
+    (KeyError("x"), False), (ValueError("shape mismatch"), False), (RuntimeError("expected a 3-D tensor"), False),
+])
+def test_recoverable_by_type_and_cuda_error_code(error, fatal):
+    """Out of memory falls back dense; any other CUDA error has lost the context and is fatal."""
+    assert common.recoverable(error) is not fatal
+
+
+def test_log_once_remembers_a_bounded_number_of_texts(monkeypatch):
+    """Distinct texts (an error's varying message) do not grow log_once's memory forever: the least
+    recently logged is forgotten, and logs again should it recur."""
+    from vllm_sparse_backend import runtime as runtime_module
+
+    rt = WorkerRuntime(load_settings())
+    logged = []
+    monkeypatch.setattr(runtime_module.logger, "log", lambda level, msg, *args: logged.append(msg % args))
+    memory = runtime_module.LOG_ONCE_MEMORY
+    for i in range(memory + 10):
+        rt.log_once("fault %d", i)
+    rt.log_once("fault %d", memory + 9)  # remembered: not logged again
+    rt.log_once("fault %d", 0)  # forgotten (the least recent): logged again
+    assert len(rt._logged) == memory
+    assert logged.count("sparse-prefill: fault 0") == 2
+    assert len(logged) == memory + 11
+
+
+def test_a_fault_recording_the_stats_keeps_the_sparse_output_and_counts_nothing_twice(sparse_env, monkeypatch):
+    """The rows ran: an error while recording them (after the first row's count) is logged, the
+    output stays the sparse path's, and no row is counted again as a sparse path error."""
+    settings = sparse_env(VLLM_SPARSE_KERNEL="torch", VLLM_SPARSE_VERTICAL_SIZE="50", VLLM_SPARSE_SLASH_SIZE="90",
+                          VLLM_SPARSE_LAST_Q="32")
+    query, kv_cache, md, (h, hkv, d) = _step(torch.float32, torch.Generator().manual_seed(3), settings)
+    healthy = torch.zeros(query.shape[0], h, d)
+    _impl(settings, h, d, hkv).forward(_Layer(), query, None, None, kv_cache, md, healthy)
+
+    def record_then_fail(stats, outcome, *args):
+        row, est = outcome.sparse[0]
+        stats.record_sparse_row(row.q_len, 1, None, est.head_patterns)
+        raise OSError("injected stats fault")
+
+    monkeypatch.setattr(cuda_backend, "record_layer", record_then_fail)
+    md.fallback = {r.row: None for r in md.sparse_rows}
+    monkeypatch.setattr(cuda_backend.FlashAttentionImpl, "forward", lambda self, *a: a[5].zero_())
+    impl = _impl(settings, h, d, hkv)
+    output = torch.zeros(query.shape[0], h, d)
+    impl.forward(_Layer(), query, None, None, kv_cache, md, output)
+    assert torch.equal(output, healthy)
+    assert impl.runtime.stats.sparse_rows == 1 and DenseReason.SPARSE_PATH_ERROR not in impl.runtime.stats.dense_reasons
+
+
+def test_a_planning_error_counts_the_long_rows_and_their_tokens(sparse_env):
+    settings = sparse_env(VLLM_SPARSE_MIN_SPARSE_QUERY_LEN="256")
+    rt = WorkerRuntime(settings)
+    cm = types.SimpleNamespace(num_reqs=3, query_start_loc_cpu=torch.tensor([0, 300, 301, 1000, 0]))
+    common.sparse_path_failed(rt, ValueError("injected planning fault"), common.long_query_lens(rt, cm))
+    assert rt.stats.dense_reasons == {DenseReason.SPARSE_PATH_ERROR: 2}
+    assert rt.stats.dense_query_tokens == 300 + 699

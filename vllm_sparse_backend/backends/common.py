@@ -170,37 +170,92 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
     seq_lens = seq_lens_host(cm)
     plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets, row_heads=row_heads)
-    for reason, count in plan.dense_reasons.items():
+    for reason in plan.dense_reasons:
         runtime.log_once("long rows with %s run dense", reason, info=True)  # routing, counted in the metrics
-        runtime.stats.record_dense_reason(reason, count)
-    if plan.dense_reasons and cfg.stats_file:
-        runtime.stats.dump(cfg.stats_file, wait=False)
+    # after the plan is made: an error counting it is no planning error (its rows would count twice)
+    guard_stats(runtime, _count_dense_reasons, runtime, plan.dense_reasons)
     if not plan.has_sparse:
         return None
     return plan, qsl, seq_lens
 
 
+def _count_dense_reasons(runtime: WorkerRuntime, reasons: dict) -> None:
+    for reason, count in reasons.items():
+        runtime.stats.record_dense_reason(reason, count)
+    if reasons and runtime.settings.stats_file:
+        runtime.stats.dump(runtime.settings.stats_file, wait=False)
+
+
+# cudaErrorMemoryAllocation: the one CUDA error after which the context still works
+CUDA_OUT_OF_MEMORY = 2
+# how torch (c10's CUDA checks), Triton's launcher and the driver API start the text of a CUDA
+# error they raise as a plain RuntimeError (torch before AcceleratorError, Triton)
+CUDA_ERROR_MARKS = ("CUDA error: ", "Triton Error [CUDA]: ", "CUDA driver error: ")
+
+
 def recoverable(error: BaseException) -> bool:
-    """Whether serving can go on after the sparse path raised ``error``: any Python-level error,
-    and running out of memory (the step's rows then run dense); not an error of the device itself
-    (an illegal memory access, a device-side assert), after which the CUDA context is lost and
-    vLLM must stop."""
+    """Whether serving can go on after the sparse path raised ``error`` (the step's sparse rows
+    then run dense): a Python-level error, or running out of device memory. Any other CUDA error
+    (an illegal or misaligned address, a launch failure, a device-side assert) has lost the CUDA
+    context: vLLM must stop. Decided by type and CUDA error code where torch gives them
+    (``torch.OutOfMemoryError``, ``torch.AcceleratorError.error_code``); the text only where the
+    error is a plain RuntimeError that a CUDA check raised."""
     if isinstance(error, torch.OutOfMemoryError):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
-        return False
+        code = getattr(error, "error_code", None)  # set by torch where the C++ side raised it
+        if isinstance(code, int):
+            return code == CUDA_OUT_OF_MEMORY
+        return (_cuda_error_text(error) or "").startswith("out of memory")
+    if not isinstance(error, RuntimeError):
+        return True
+    text = _cuda_error_text(error)
+    return text is None or text.startswith("out of memory")
+
+
+def _cuda_error_text(error: BaseException) -> str | None:
+    """What follows a CUDA error mark in ``error``'s text (cudaGetErrorString's words), or None
+    where it has none."""
     text = str(error)
-    return not any(mark in text for mark in ("CUDA error", "illegal memory access", "device-side assert"))
+    for mark in CUDA_ERROR_MARKS:
+        at = text.find(mark)
+        if at >= 0:
+            return text[at + len(mark):].strip()
+    return None
 
 
-def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, rows: list[SparseRow]) -> None:
-    """Log (once per distinct cause) and count a step whose sparse rows go to the dense kernel
-    because the sparse path raised ``error``."""
+def guard_stats(runtime: WorkerRuntime, record, *args) -> None:
+    """Call ``record(*args)``, a recording of counts; an error in it is logged once and changes
+    neither the step's output nor its routing (the output is already right), so the counts come
+    out short, never twice. A device error still reaches vLLM."""
+    try:
+        record(*args)
+    except Exception as e:  # noqa: BLE001 - the stats' own boundary
+        if not recoverable(e):
+            raise
+        runtime.log_once("recording the sparse path's counts raised %s: %s; the output is unaffected, the counts "
+                         "miss it", type(e).__name__, e)
+
+
+def long_query_lens(runtime: WorkerRuntime, cm) -> list[int]:
+    """The query lengths of a step's rows long enough to go sparse (``min_sparse_query_len``):
+    what a step whose planning failed counts as sparse path errors."""
+    qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
+    return [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= runtime.settings.min_sparse_query_len]
+
+
+def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, q_lens: list[int]) -> None:
+    """Log (once per distinct cause) and count a step whose sparse rows (``q_lens``: their query
+    lengths) go to the dense kernel because the sparse path raised ``error``."""
     runtime.log_once("the sparse path raised %s: %s; the step's sparse rows ran dense (later steps try the "
                      "sparse path again; counted in dense_fallbacks_total{reason=\"sparse_path_error\"})",
                      type(error).__name__, error)
-    runtime.stats.record_dense_reason(DenseReason.SPARSE_PATH_ERROR, rows=len(rows), tokens=sum(r.q_len for r in rows))
+    guard_stats(runtime, _count_failed, runtime, q_lens)
+
+
+def _count_failed(runtime: WorkerRuntime, q_lens: list[int]) -> None:
+    runtime.stats.record_dense_reason(DenseReason.SPARSE_PATH_ERROR, rows=len(q_lens), tokens=sum(q_lens))
     if runtime.settings.stats_file:
         runtime.stats.dump(runtime.settings.stats_file, wait=False)
 

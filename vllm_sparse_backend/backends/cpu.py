@@ -20,8 +20,8 @@ from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
 from ..prefill.route import group_dense_reason
 from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
-                     distinct_head_sets, first_unsupported_layer, layer_heads, log_dense_group, plan_sparse_step,
-                     recoverable, resolve_group_heads, sparse_path_failed)
+                     distinct_head_sets, first_unsupported_layer, guard_stats, layer_heads, log_dense_group,
+                     long_query_lens, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed)
 
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -65,16 +65,24 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             planned = plan_sparse_step(self.runtime, cm, allow_context=False, head_sets=self._head_sets) \
                 if self.sparse_enabled else None
         except Exception as e:  # noqa: BLE001 - a planning error sends the step to the CPU kernel
-            sparse_path_failed(self.runtime, e, [])
+            if not recoverable(e):
+                raise
+            sparse_path_failed(self.runtime, e, long_query_lens(self.runtime, cm))
             planned = None
         if planned is None:
             return super().build(common_prefix_len, cm, fast_build)
         plan, qsl, seq_lens = planned
-        runs = []
-        for a, b in plan.dense_runs:
-            runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build)))
-        # each sparse row alone, for the CPU kernel should the sparse path fail
-        fallback = {r.row: self._row_metadata(cm, r.row, seq_lens, fast_build) for r in plan.sparse_rows}
+        try:
+            runs = []
+            for a, b in plan.dense_runs:
+                runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build)))
+            # each sparse row alone, for the CPU kernel should the sparse path fail
+            fallback = {r.row: self._row_metadata(cm, r.row, seq_lens, fast_build) for r in plan.sparse_rows}
+        except Exception as e:  # noqa: BLE001 - the step then runs on the CPU kernel whole
+            if not recoverable(e):
+                raise
+            sparse_path_failed(self.runtime, e, [r.q_len for r in plan.sparse_rows])
+            return super().build(common_prefix_len, cm, fast_build)
         return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
                                   cm.block_table_tensor, cm.slot_mapping, fallback)
 
@@ -117,13 +125,13 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
         except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
             if not recoverable(e):
                 raise
-            sparse_path_failed(runtime, e, attn_metadata.sparse_rows)
+            sparse_path_failed(runtime, e, [r.q_len for r in attn_metadata.sparse_rows])
             for r in attn_metadata.sparse_rows:
                 s = slice(r.tok_start, r.tok_start + r.q_len)
                 super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
                                 output_scale, output_block_scale)
         else:  # what the layer did, recorded once
-            record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+            guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
         return output
 
 

@@ -64,8 +64,8 @@ from .claim import claim_scratch
 from ..prefill.route import DenseReason, group_dense_reason
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
                      cost_model_heads, count_dense_tokens, distinct_head_sets, first_unsupported_layer,
-                     layer_heads, log_dense_group, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed,
-                     unsupported_reason)
+                     guard_stats, layer_heads, log_dense_group, long_query_lens, plan_sparse_step, recoverable,
+                     resolve_group_heads, sparse_path_failed, unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
@@ -137,7 +137,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         if self._stats_file is not None:
-            self.runtime.stats.refresh(self._stats_file)  # counts of earlier forwards the GPU has finished
+            guard_stats(self.runtime, self.runtime.stats.refresh, self._stats_file)  # counts the GPU has finished
         if cm.max_query_len < self._plan_from and self._decode_mode is None:
             return super().build(common_prefix_len, cm, fast_build)
         planned = None
@@ -146,7 +146,9 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                 planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
                                            row_heads=self._row_heads)
             except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
-                sparse_path_failed(self.runtime, e, [])
+                if not recoverable(e):
+                    raise
+                sparse_path_failed(self.runtime, e, long_query_lens(self.runtime, cm))
         decode_plan = None if self._decode_mode is None else \
             step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
         if planned is None:
@@ -156,14 +158,25 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
             return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, [DenseRun(0, cm.num_actual_tokens, md)],
                                       [], cm.block_table_tensor, cm.slot_mapping, decode_plan=decode_plan)
         plan, qsl, seq_lens = planned
-        # Only the first dense run may use FA3's ahead-of-time scheduler: a second build() would
-        # overwrite the persistent scheduler buffer the first run's metadata points at.
-        runs = []
-        for k, (a, b) in enumerate(plan.dense_runs):
-            runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens), fast_build or k > 0)))
-        fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
-        for r in plan.sparse_rows:
-            fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+        try:
+            # Only the first dense run may use FA3's ahead-of-time scheduler: a second build() would
+            # overwrite the persistent scheduler buffer the first run's metadata points at.
+            runs = []
+            for k, (a, b) in enumerate(plan.dense_runs):
+                runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
+                                                                   fast_build or k > 0)))
+            fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
+            for r in plan.sparse_rows:
+                fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+        except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
+            if not recoverable(e):
+                raise
+            sparse_path_failed(self.runtime, e, [r.q_len for r in plan.sparse_rows])
+            md = super().build(common_prefix_len, cm, fast_build)
+            if decode_plan is None:
+                return md
+            return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, [DenseRun(0, cm.num_actual_tokens, md)],
+                                      [], cm.block_table_tensor, cm.slot_mapping, decode_plan=decode_plan)
         # the kernel's table of the step's sparse rows, copied to the device once for every layer
         # (without it, each layer's launch builds its own)
         row_table = None
@@ -326,10 +339,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             except Exception as e:  # noqa: BLE001 - the error boundary of the sparse path
                 if not recoverable(e):
                     raise
-                sparse_path_failed(runtime, e, step.sparse_rows)
+                sparse_path_failed(runtime, e, [r.q_len for r in step.sparse_rows])
                 dense = step.sparse_rows
             else:  # what the layer did, recorded once
-                record_layer(runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+                guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
                 dense = outcome.dense_rows
                 if dense and outcome.paged:
                     runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
