@@ -151,30 +151,27 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                 sparse_path_failed(self.runtime, e, long_query_lens(self.runtime, cm))
         decode_plan = None if self._decode_mode is None else \
             step_decode_plan(self._decode_mode, cm, self.kv_cache_spec.block_size, self.device)
+        if planned is not None:
+            plan, qsl, seq_lens = planned
+            try:
+                # Only the first dense run may use FA3's ahead-of-time scheduler: a second build() would
+                # overwrite the persistent scheduler buffer the first run's metadata points at.
+                runs = []
+                for k, (a, b) in enumerate(plan.dense_runs):
+                    runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
+                                                                       fast_build or k > 0)))
+                fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
+                for r in plan.sparse_rows:
+                    fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+            except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
+                if not recoverable(e):
+                    raise
+                sparse_path_failed(self.runtime, e, [r.q_len for r in plan.sparse_rows])
+                planned = None
         if planned is None:
             md = super().build(common_prefix_len, cm, fast_build)
             if decode_plan is None:
                 return md  # nothing of ours this step: FlashAttention's own metadata
-            return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, [DenseRun(0, cm.num_actual_tokens, md)],
-                                      [], cm.block_table_tensor, cm.slot_mapping, decode_plan=decode_plan)
-        plan, qsl, seq_lens = planned
-        try:
-            # Only the first dense run may use FA3's ahead-of-time scheduler: a second build() would
-            # overwrite the persistent scheduler buffer the first run's metadata points at.
-            runs = []
-            for k, (a, b) in enumerate(plan.dense_runs):
-                runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
-                                                                   fast_build or k > 0)))
-            fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
-            for r in plan.sparse_rows:
-                fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
-        except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
-            if not recoverable(e):
-                raise
-            sparse_path_failed(self.runtime, e, [r.q_len for r in plan.sparse_rows])
-            md = super().build(common_prefix_len, cm, fast_build)
-            if decode_plan is None:
-                return md
             return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, [DenseRun(0, cm.num_actual_tokens, md)],
                                       [], cm.block_table_tensor, cm.slot_mapping, decode_plan=decode_plan)
         # the kernel's table of the step's sparse rows, copied to the device once for every layer
