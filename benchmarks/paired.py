@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve every prompt on a YaRN copy of the model (FACTOR over the trained context)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prefill chunk (default: the whole prompt on CPU, 16384 on CUDA)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: every server without CUDA graphs")
     p.add_argument("--prompt-cache", type=pathlib.Path, default=REPO / ".gpu" / "paired-prompts",
                    help="folder of built prompts, one file per (tokenizer, text, family, template, length, seed)")
     p.add_argument("--build-workers", type=int, default=os.cpu_count() or 1)
@@ -201,7 +202,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "shard": args.shard, "families": args.families, "seed": args.seed, "yarn": args.yarn, "max_model_len": max_model_len,
             "texts": {n: paired.sha256_text(paired.read_text(t)) for n, t in texts.items()},
             "concurrency": concurrency, "ttft_prompts_per_length": args.ttft_prompts,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "gpus": gpus if cuda else None,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": args.enforce_eager, "gpus": gpus if cuda else None,
             "variants": {v.label: v.overrides for v in variants}, "commands": [" ".join(sys.argv)],
             "interval": "Newcombe method 10 (reference - variant hit rate, 95%)"}
     records = {s.key: paired.prompt_record(s) for s in samples}
@@ -233,6 +234,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         min_sparse_query_len=None, max_density=None, cuda=cuda,
                         max_num_batched_tokens=args.max_num_batched_tokens, shared_gpu=len(idx) > 1,
                         as_served=True, max_num_seqs=max(concurrency, 2), stats_write_interval_s=STATS_INTERVAL_S,
+                        enforce_eager=args.enforce_eager, prometheus_multiproc=True,
                         env={"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)
             failed: dict[int, str] = {}
             stats_before: dict[int, dict | None] = {}

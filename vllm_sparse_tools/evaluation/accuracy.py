@@ -84,7 +84,7 @@ GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
-                max_num_seqs: int = 4) -> list[str]:
+                max_num_seqs: int = 4, enforce_eager: bool = False) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
     CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
     ``max_model_len`` with headroom; ``as_served``: ``max_num_seqs`` of them, at least two) instead
@@ -92,7 +92,7 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
     sparse alike; None leaves vLLM's default (the model's dtype).
     ``as_served``: CUDA graphs and prefix caching as ``vllm serve`` has them by default, instead
-    of eager mode and every prompt a whole prefill."""
+    of eager mode and every prompt a whole prefill; ``enforce_eager`` then turns CUDA graphs off alone."""
     if dense:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
@@ -104,6 +104,8 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
              *([] if as_served else ["--enforce-eager", "--no-enable-prefix-caching"]),
              "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens),
              "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
+    if as_served and enforce_eager:
+        args.append("--enforce-eager")
     if kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", kv_cache_dtype]
     if not cuda:
@@ -204,7 +206,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
            rope: str = "native", max_num_batched_tokens: int | None = None,
            shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
            as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
-           stats_write_interval_s: float = 0) -> Launched:
+           stats_write_interval_s: float = 0, enforce_eager: bool = False,
+           prometheus_multiproc: bool = False) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -216,7 +219,9 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     ``max_num_seqs``: see :func:`server_args`; ``env``: more variables for the server (e.g.
     ``CUDA_VISIBLE_DEVICES``). ``stats_write_interval_s``: 0 rewrites the sparse servers' stats
     file after every sparse layer, for :func:`measure`'s per-prompt reads; a client that reads
-    only totals leaves the timed prefills that work with the library's interval."""
+    only totals leaves the timed prefills that work with the library's interval.
+    ``prometheus_multiproc``: the server gets its own ``PROMETHEUS_MULTIPROC_DIR`` (as the
+    deployment docs set it), so that its metric writes cost what they cost in production."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -229,6 +234,10 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     env = {"TMPDIR": str(server_tmp),
            "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS",
                                                                  "7200"), **(env or {})}
+    if prometheus_multiproc:
+        prometheus_dir = workdir / f"{label}-prometheus"
+        prometheus_dir.mkdir(exist_ok=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(prometheus_dir)
     triton_cache = None
     if own_triton_cache:
         triton_cache = workdir / f"{label}-triton-cache"
@@ -242,7 +251,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,
-                                                 as_served=as_served, max_num_seqs=max_num_seqs), env,
+                                                 as_served=as_served, max_num_seqs=max_num_seqs,
+                                                 enforce_eager=enforce_eager), env,
                          workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)
