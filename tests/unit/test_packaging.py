@@ -243,6 +243,18 @@ def test_dockerfile_base_image_arch_user_healthcheck_entrypoint():
     assert "VLLM_NO_USAGE_STATS=1" in env and "DO_NOT_TRACK=1" in env  # vLLM's usage telemetry off
 
 
+def test_every_package_folder_is_installed():
+    # An explicit list misses a new subpackage silently: tests run from the checkout, while a
+    # `pip install` then serves a plugin whose first import fails in vLLM's engine process (the
+    # observability package was missing from wheels for a day).
+    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {str(init.parent.relative_to(ROOT)).replace("/", ".")
+               for top in ("vllm_sparse_backend", "vllm_sparse_kernels", "vllm_sparse_tools")
+               for init in (ROOT / top).rglob("__init__.py") if "__pycache__" not in init.parts}
+    missing = folders - set(st["packages"])
+    assert not missing, f"package folders not in pyproject's [tool.setuptools] packages: {sorted(missing)}"
+
+
 def test_dockerfile_copies_every_package_source_and_the_context_keeps_them():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     st = pyproject["tool"]["setuptools"]
