@@ -18,9 +18,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_sparse_backend.observability import metrics
+from vllm_sparse_backend.observability import metrics, timing
 from vllm_sparse_backend.config import ConfigError, load_settings
-from vllm_sparse_backend.observability.metrics import PrometheusMetrics, SampledTimer
+from vllm_sparse_backend.observability.metrics import PrometheusMetrics
+from vllm_sparse_backend.observability.timing import SampledTimer
 from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_backend.runtime import WorkerRuntime
 from fakes import ManualEvent
@@ -120,7 +121,7 @@ class _Clock:
 
 def test_sampled_timer_times_one_of_n_forwards_on_the_host_clock(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
     seen = []
     timer = SampledTimer(lambda stage, s: seen.append((stage, s)), every=3)
     sampled = []

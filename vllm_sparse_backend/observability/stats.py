@@ -34,7 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from . import metrics
+from . import metrics, timing
 from ..config import SparseSettings
 
 logger = logging.getLogger("vllm.sparse_prefill")
@@ -64,7 +64,7 @@ class SparseStats:
     _deferred: dict = field(default_factory=dict, repr=False)  # reason -> device count of rows, read later
     _readouts: list = field(default_factory=list, repr=False)  # device values on their way to the host
     _prom: object = field(default=None, repr=False)  # the runtime's Prometheus metrics (None: none)
-    timer: metrics.SampledTimer = field(default=None, repr=False)
+    timer: timing.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
     # The stats file's rate: at most one write per interval (configure), timed by ``clock``; a
@@ -79,7 +79,7 @@ class SparseStats:
 
     def __post_init__(self):
         if self.timer is None:
-            self.timer = metrics.SampledTimer(self._observe_stage, every=_DEFAULT_SAMPLE_EVERY)
+            self.timer = timing.SampledTimer(self._observe_stage, every=_DEFAULT_SAMPLE_EVERY)
 
     @classmethod
     def measuring_only(cls) -> "SparseStats":
@@ -230,7 +230,7 @@ class SparseStats:
 
     def time_stages(self, device=None):
         """The stage timer of one sparse layer forward: a no-op unless this forward is sampled
-        (see :class:`metrics.SampledTimer`; ``.sampled`` says which). Applies the readouts that
+        (see :class:`timing.SampledTimer`; ``.sampled`` says which). Applies the readouts that
         have arrived since the last forward."""
         if self._readouts:
             self.poll_readouts()
