@@ -255,6 +255,27 @@ def test_every_package_folder_is_installed():
     assert not missing, f"package folders not in pyproject's [tool.setuptools] packages: {sorted(missing)}"
 
 
+def test_the_wheel_holds_every_source_module_and_shipped_head_config(tmp_path):
+    # Built from a copy of the tracked files, so that a stale build/ folder of the checkout
+    # cannot supply what the package list forgets.
+    import zipfile
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    for f in files:
+        if (ROOT / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, src / f)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f for f in files if f.endswith(".py") and f.split("/")[0] in
+                ("vllm_sparse_backend", "vllm_sparse_kernels", "vllm_sparse_tools")}
+    expected |= {f.replace("head_configs/", "vllm_sparse_backend/shipped_head_configs/", 1)
+                 for f in files if f.startswith("head_configs/") and f.endswith(".json")}
+    assert not expected - shipped, f"missing from the wheel: {sorted(expected - shipped)[:10]}"
+
+
 def test_dockerfile_copies_every_package_source_and_the_context_keeps_them():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     st = pyproject["tool"]["setuptools"]
