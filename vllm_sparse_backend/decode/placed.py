@@ -1,0 +1,87 @@
+"""Top-k decode over pages that a KV placement keeps (issue 54, item 2): summaries -> pages ->
+fetch -> attention.
+
+With ``kv_placement=host`` vLLM's GPU cache no longer holds every block's K/V: the placement
+keeps them (a host pool) and makes the pages a step asks for resident in a fixed set of GPU
+slots. One decode step of one layer then runs:
+
+1. the same page selection as ``decode_mode=topk`` (:func:`.topk.topk_decode`), on the page
+   summaries, which stay on the GPU (1/page of the cache's size);
+2. the union of the blocks the batch selected is read back to the host (one synchronisation per
+   layer and step: the placement's bookkeeping is host code) and fetched: hits stay where they
+   are, misses are copied into free or least recently used slots;
+3. the block table is rewritten to those slots (a lookup table indexed by block id, on the
+   device), and the same attention kernel reads the resident pages instead of vLLM's cache.
+   Pages kept as fp8 are widened to the query's dtype first (the attention kernel reads the
+   model's dtypes only).
+
+The selection and the attention are the top-k mode's own kernels; only where the pages are read
+from changes, so with every page resident the output is the top-k mode's, bit for bit. The
+read-back in step 2 makes a step with host pages uncapturable by a CUDA graph: the placement
+says so when it is wired (it is not yet: docs/decode-offload.md). Pinning a request's sink and
+recent pages (:meth:`..kv_placement.base.KVPlacement.set_pinned`) is the caller's, once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import topk_decode as kernels
+from ..kv_placement.base import KVPlacement, Residency
+from .topk import PageSummaries, TopkDecodeBudget
+
+
+def selected_blocks(block_table: torch.Tensor, selected: torch.Tensor) -> list[int]:
+    """The distinct block ids of the selected logical pages (``selected`` ``[batch, S, width]``,
+    -1 padded, as :func:`select_pages` returns them), ascending. Reads both back to the host."""
+    sel = selected.cpu().long()
+    rows = torch.arange(sel.shape[0])[:, None, None].expand_as(sel)
+    valid = sel >= 0
+    blocks = block_table.cpu().long()[rows[valid], sel[valid]]
+    return sorted(set(blocks.tolist()))
+
+
+def slot_table(block_table: torch.Tensor, blocks: list[int], residency: Residency) -> torch.Tensor:
+    """``block_table`` with every block id replaced by its resident slot. Blocks not fetched map to
+    slot 0: the attention kernel reads only the selected pages, which were all fetched."""
+    lookup = torch.zeros(int(max(blocks, default=0)) + 1, dtype=torch.int32, device=block_table.device)
+    if blocks:
+        lookup[torch.tensor(blocks, device=block_table.device)] = torch.tensor(
+            residency.slots, dtype=torch.int32, device=block_table.device)
+    ids = block_table.long().clamp(0, lookup.shape[0] - 1)
+    return lookup[ids]
+
+
+def resident_kv(placement: KVPlacement, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's resident K and V in ``dtype``: the placement's pages, widened with their scales
+    where they are kept as fp8."""
+    key, value = placement.resident_pages(layer, key_cache, value_cache)
+    scales = getattr(placement, "resident_scales", lambda _layer: None)(layer)
+    if scales is None:
+        return key, value
+    key_scale, value_scale = scales
+    return ((key.float() * key_scale[:, None, :, None]).to(dtype),
+            (value.float() * value_scale[:, None, :, None]).to(dtype))
+
+
+def topk_decode_placed(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       summaries: PageSummaries, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                       budget: TopkDecodeBudget, scale: float, out: torch.Tensor, *,
+                       placement: KVPlacement, layer: int) -> Residency:
+    """:func:`.topk.topk_decode` over the pages ``placement`` keeps for ``layer``, into ``out``.
+
+    Shapes as there; ``key_cache`` / ``value_cache`` are vLLM's views of the layer (what a ``gpu``
+    placement reads; a ``host`` one ignores them). The summaries must cover every block of the
+    batch. Returns what the fetch did (hits and copies, for the caller's counters)."""
+    page = placement.resident_pages(layer, key_cache, value_cache)[0].shape[1]
+    selected, counts = kernels.select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
+                                            sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
+                                            num_pages_budget=budget.budget_pages)
+    blocks = selected_blocks(block_table, selected)
+    residency = placement.fetch(layer, blocks)
+    key, value = resident_kv(placement, layer, key_cache, value_cache, query.dtype)
+    kernels.topk_decode_attention(query, key, value, slot_table(block_table, blocks, residency), seq_lens,
+                                  selected, counts, scale, out, topk_tokens=budget.topk_tokens,
+                                  sink_pages=budget.sink_pages, recent_pages=budget.recent_pages)
+    return residency
