@@ -242,3 +242,59 @@ def test_the_installed_vllm_has_the_hooks_a_host_placement_needs(monkeypatch):
     monkeypatch.delattr(AttentionBackend, "customize_spec")
     assert _compat.kv_placement_hooks_missing() == ["vllm.v1.attention.backend:AttentionBackend.customize_spec"]
     assert not _compat.kv_placement_hooks_available()
+
+
+
+def _write_steps(placement, layer, seqs, steps, gen):
+    """vLLM's writes of the sequences ``seqs`` (their block ids): per step, ``n`` new tokens of each
+    (a prefill chunk, then one per decode step) at slot = block x page + offset, a padding slot (-1)
+    after each sequence's tokens, in one call; ``between(step)`` runs after each step. Returns the
+    pages those tokens make, per block (zeros where nothing was written yet)."""
+    page = LAYOUT.page_size
+    want = {b: torch.zeros((2, *LAYOUT.page_shape), dtype=torch.bfloat16) for blocks in seqs for b in blocks}
+    lengths = [0] * len(seqs)
+    for step_tokens in steps:
+        slots = []
+        for i, (n, blocks) in enumerate(zip(step_tokens, seqs)):
+            slots += [blocks[p // page] * page + p % page for p in range(lengths[i], lengths[i] + n)] + [-1]
+            lengths[i] += n
+        k, v = (torch.randn(len(slots), LAYOUT.num_kv_heads, LAYOUT.head_size, generator=gen).to(torch.bfloat16)
+                for _ in range(2))
+        placement.write_tokens(layer, k, v, torch.tensor(slots))
+        for j, s in enumerate(slots):
+            if s >= 0:
+                want[s // page][0, s % page], want[s // page][1, s % page] = k[j], v[j]
+        yield want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_writes_build_the_pages_vllms_cache_would_hold(device):
+    gen = torch.Generator().manual_seed(5)
+    placement = host(hot_pages=8, device=device)
+    seqs = [[12, 3, 40, 7], [55, 21, 8]]  # page 4: room for 16 and 12 tokens
+    steps = [(6, 5)] + [(1, 1)] * 5  # a prefill chunk each, then decode steps across page ends
+    for n, want in enumerate(_write_steps(placement, 1, seqs, steps, gen)):
+        blocks = [b for b in want if want[b].abs().sum() > 0]  # the pages written so far
+        res = placement.fetch(1, blocks)  # from step 1 on, mostly hits whose pages have grown since
+        key, value = placement.resident_pages(1)
+        for b, slot in zip(blocks, res.slots):
+            assert torch.equal(key[slot].cpu(), want[b][0]) and torch.equal(value[slot].cpu(), want[b][1]), \
+                f"step {n}, block {b}"
+    assert placement.stats.hits > 0
+
+
+def test_token_writes_of_fp8_pages_stay_within_the_format_error():
+    gen = torch.Generator().manual_seed(6)
+    placement = host(dtype="fp8_e4m3")
+    seqs = [[9, 30]]
+    for want in _write_steps(placement, 0, seqs, [(3,)] + [(1,)] * 4, gen):
+        pass
+    res = placement.fetch(0, seqs[0])
+    key, value = placement.dequantized(0, res.slots)
+    for got, written in ((key, torch.stack([want[b][0] for b in seqs[0]]).float()),
+                         (value, torch.stack([want[b][1] for b in seqs[0]]).float())):
+        # a page is quantised again at each of its writes while it fills (up to 4 here, page 4):
+        # one rounding of at most 2^-4 of the value (or a subnormal step) each
+        scale = written.abs().amax(dim=(1, 3), keepdim=True) / 448
+        bound = written.abs() * ((1 + 2 ** -4) ** 4 - 1) + 4 * scale * 2 ** -10
+        assert torch.all((got - written).abs() <= bound * (1 + 1e-5))

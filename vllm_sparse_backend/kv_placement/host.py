@@ -122,6 +122,14 @@ class HostKVPool:
             raise ValueError(f"block {block_id} of layer {layer} is not in the host KV pool (never written, or freed)")
         return entry
 
+    def page(self, layer: int, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V page of a pool entry, float32 (dequantised where stored as fp8)."""
+        key, value = self.key[layer, entry].float(), self.value[layer, entry].float()
+        if self.quantized:
+            key = key * self.key_scale[layer, entry][None, :, None]
+            value = value * self.value_scale[layer, entry][None, :, None]
+        return key, value
+
     def free(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
             entry = self.entry_of_block.pop(b, None)
@@ -235,6 +243,35 @@ class HostPlacement:
             if slot is not None:
                 self._copy_in(layer, entry, slot)
         self._mark_copies()
+
+    def write_tokens(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """A step's new tokens ``[n, Hkv, D]`` at vLLM's ``slot_mapping`` (block id x page size +
+        offset, -1 = padding), as vLLM's cache update gets them: each touched page is read back
+        from the pool (zeros for a block's first write), the tokens are put at their offsets, and
+        the whole page is written again. One host copy of the tokens per call. fp8 pages are
+        quantised again from their dequantised values with the page's new scale, so a token
+        written earlier in a page that is still filling takes one more fp8 rounding per later
+        write of its page (at most page size - 1 of them)."""
+        slots = slot_mapping.cpu().long()
+        keep = slots >= 0
+        slots = slots[keep]
+        if not slots.numel():
+            return
+        key, value = key.cpu()[keep], value.cpu()[keep]
+        page = self.layout.page_size
+        blocks = sorted(set((slots // page).tolist()))
+        self.pool._check_ids(blocks)
+        key_pages = torch.zeros((len(blocks), *self.layout.page_shape), dtype=self.layout.dtype)
+        value_pages = torch.zeros_like(key_pages)
+        for i, b in enumerate(blocks):
+            entry = self.pool.entry_of_block.get(b)
+            if entry is not None and self.pool.written[layer, entry]:
+                key_pages[i], value_pages[i] = (t.to(self.layout.dtype) for t in self.pool.page(layer, entry))
+        row = {b: i for i, b in enumerate(blocks)}
+        index = torch.tensor([row[b] for b in (slots // page).tolist()])
+        key_pages[index, slots % page] = key.to(self.layout.dtype)
+        value_pages[index, slots % page] = value.to(self.layout.dtype)
+        self.write(layer, blocks, key_pages, value_pages)
 
     def fetch(self, layer: int, block_ids: Sequence[int]) -> Residency:
         entries = {b: self.pool.entry(layer, b) for b in block_ids}  # before any slot changes hands
