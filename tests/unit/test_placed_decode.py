@@ -115,3 +115,38 @@ def test_fp8_host_pages_match_float64_topk_attention_over_the_dequantized_pages(
     exact = topk_ref.reference_topk_decode_attention(q.double(), key_cache.double(), value_cache.double(),
                                                      block_table, seq_lens, selected, counts, 0.2)
     assert (got.double() - exact).abs().max() > 1e-3
+
+
+def test_summaries_folded_from_new_keys_are_the_min_and_max_of_each_pages_written_prefix():
+    from vllm_sparse_backend.decode.placed import fold_page_summaries
+    g = torch.Generator().manual_seed(7)
+    page, pages, hkv, d = 4, 12, 2, 8
+    smin = torch.randn(pages, hkv, d, generator=g).to(DEV)  # stale content of earlier owners
+    smax = smin + 1
+    held: dict[int, list[torch.Tensor]] = {}  # the keys each page holds now
+    # (block table of a sequence, tokens per call): a prefill chunk, decode steps, then block 5
+    # handed to a new sequence, whose first write starts it over
+    calls = [([(5, 2, 9), 7], [(0, 11, 6), 5]), ([(5, 2, 9), 1], [(0, 11, 6), 1]), ([(5, 2, 9), 1], [(0, 11, 6), 2]),
+             ([(5, 7), 3], [(0, 11, 6), 1])]
+    lengths = {}
+    for call in calls:
+        slots, keys = [], []
+        for blocks, n in call:
+            start = lengths.get(blocks, 0)
+            if blocks == (5, 7):  # the new owner of block 5
+                start = lengths.setdefault(blocks, 0)
+            for pos in range(start, start + n):
+                b = blocks[pos // page]
+                k = torch.randn(hkv, d, generator=g)
+                if pos % page == 0:
+                    held[b] = []
+                held[b].append(k)
+                slots.append(b * page + pos % page)
+                keys.append(k)
+            lengths[blocks] = start + n
+            slots.append(-1)
+            keys.append(torch.tensor([1e6, -1e6]).repeat(hkv, d // 2))  # padding rows carry garbage (to page 0)
+        fold_page_summaries(smin, smax, torch.stack(keys).to(DEV), torch.tensor(slots).to(DEV), page)
+        for b, ks in held.items():
+            torch.testing.assert_close(smin[b].cpu(), torch.stack(ks).amin(0), rtol=0, atol=0)
+            torch.testing.assert_close(smax[b].cpu(), torch.stack(ks).amax(0), rtol=0, atol=0)

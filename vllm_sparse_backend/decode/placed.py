@@ -31,6 +31,31 @@ from ..kv_placement.base import KVPlacement, Residency
 from .topk import PageSummaries, TopkDecodeBudget
 
 
+def fold_page_summaries(summary_min: torch.Tensor, summary_max: torch.Tensor, key: torch.Tensor,
+                        slot_mapping: torch.Tensor, page_size: int) -> None:
+    """Bring the page summaries up to date with a step's new keys ``[n, Hkv, D]`` at vLLM's
+    ``slot_mapping`` (-1 = padding), in place, from the new keys alone: with the pages in host
+    memory the GPU holds no page to re-read. Pages fill from offset 0 in order, so a token at
+    offset 0 starts its page's summary afresh (a block vLLM gave new content, or a first write)
+    and every later token folds into the min / max. On the device, no host read: a decode step
+    stays capturable."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping.long().clamp(min=0)
+    pages = slots // page_size
+    starts = valid & (slots % page_size == 0)
+    # pages starting in this call forget what they held (stale content of a reused block)
+    reset = torch.zeros(summary_min.shape[0], dtype=torch.bool, device=key.device)
+    reset[pages[starts]] = True
+    summary_min[reset] = torch.finfo(summary_min.dtype).max
+    summary_max[reset] = torch.finfo(summary_max.dtype).min
+    # padding rows are folded into a page as +inf / -inf (no effect on its min / max)
+    k = key.to(summary_min.dtype)
+    index = pages[:, None, None].expand_as(k)
+    big = torch.finfo(summary_min.dtype).max
+    summary_min.scatter_reduce_(0, index, torch.where(valid[:, None, None], k, big), "amin")
+    summary_max.scatter_reduce_(0, index, torch.where(valid[:, None, None], k, -big), "amax")
+
+
 def selected_blocks(block_table: torch.Tensor, selected: torch.Tensor) -> list[int]:
     """The distinct block ids of the selected logical pages (``selected`` ``[batch, S, width]``,
     -1 padded, as :func:`select_pages` returns them), ascending. Reads both back to the host."""
