@@ -261,5 +261,6 @@ def _count_failed(runtime: WorkerRuntime, q_lens: list[int]) -> None:
 
 
 def count_dense_tokens(runtime: WorkerRuntime, md: SparseStepMetadata) -> None:
-    """The query tokens of a step with sparse rows that ran on the dense kernel."""
-    runtime.stats.record_dense_tokens(sum(r.tok_end - r.tok_start for r in md.dense_runs))
+    """The query tokens of a step with sparse rows that ran on the dense kernel (a recording:
+    guarded, as the layer's own is, since it runs before the sparse path's boundary)."""
+    guard_stats(runtime, runtime.stats.record_dense_tokens, sum(r.tok_end - r.tok_start for r in md.dense_runs))

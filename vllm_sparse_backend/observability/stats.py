@@ -67,6 +67,7 @@ class SparseStats:
     timer: timing.SampledTimer = field(default=None, repr=False)
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
+    _export_failed: bool = field(default=False, repr=False)  # the last metrics update failed (logged once)
     # The stats file's rate: at most one write per interval (configure), timed by ``clock``; a
     # write left for later is done by a callback that ``schedule(delay, callback)`` runs.
     write_interval_s: float = 0.0
@@ -126,7 +127,7 @@ class SparseStats:
                 self.causal_pairs += causal
                 self.computed_pairs += computed
             self.head_patterns.update(head_patterns)
-        self.prom.sparse_row(q_len, causal, computed, head_patterns)
+        self._export(self.prom.sparse_row, q_len, causal, computed, head_patterns)
 
     def record_measured_pairs(self, causal: int, computed: int, head_patterns: Mapping[str, int] | None = None) -> None:
         """The measured part of a row recorded earlier with ``computed=None`` (read back later):
@@ -138,7 +139,7 @@ class SparseStats:
             self.computed_pairs += computed
             if head_patterns:
                 self.head_patterns.update(head_patterns)
-        self.prom.sparse_row_measured(causal, computed, head_patterns or {})
+        self._export(self.prom.sparse_row_measured, causal, computed, head_patterns or {})
 
     def record_dense_tokens(self, n: int) -> None:
         """Query tokens x layers that ran on the dense kernel in a step with sparse rows."""
@@ -146,7 +147,7 @@ class SparseStats:
             return
         with self._lock:
             self.dense_query_tokens += n
-        self.prom.dense_tokens(n)
+        self._export(self.prom.dense_tokens, n)
 
     def record_dense_reason(self, reason: str, rows: int = 1, tokens: int = 0) -> None:
         """Long rows kept dense (``reason`` a snake_case key); ``tokens`` of them are counted as
@@ -156,9 +157,9 @@ class SparseStats:
         with self._lock:
             self.dense_reasons[reason] += rows
             self.dense_query_tokens += tokens
-        self.prom.dense_fallback(reason, rows)
+        self._export(self.prom.dense_fallback, reason, rows)
         if tokens:
-            self.prom.dense_tokens(tokens)
+            self._export(self.prom.dense_tokens, tokens)
 
     def defer_dense_rows(self, reason: str, flags) -> None:
         """Rows decided on the GPU (``flags``: bool tensor, one per row) that ran dense for
@@ -240,7 +241,23 @@ class SparseStats:
         with self._lock:
             self.stage_seconds[stage] += seconds
             self.stage_samples[stage] += 1
-        self.prom.stage_seconds(stage, seconds)
+        self._export(self.prom.stage_seconds, stage, seconds)
+
+    def _export(self, update: Callable, *args) -> None:
+        """One update of the Prometheus metrics, which must not stop serving: an update that raises
+        (prometheus-client's multiprocess files on a full disk) is logged once and the metrics miss
+        it; the counters above have it. The stage timer reports from inside the sparse path (on
+        CPU) or before it (on CUDA), where an error would otherwise send the rows dense or reach
+        vLLM."""
+        try:
+            update(*args)
+        except Exception as e:  # noqa: BLE001 - the metrics' own boundary
+            if not self._export_failed:
+                self._export_failed = True
+                logger.warning("sparse-prefill: updating the Prometheus metrics raised %s: %s; serving goes on, "
+                               "and later updates try again", type(e).__name__, e)
+            return
+        self._export_failed = False
 
     # -- the JSON file -----------------------------------------------------------------------
 
