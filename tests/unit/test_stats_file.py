@@ -129,3 +129,23 @@ def test_the_write_interval_is_validated_naming_the_variable():
     for bad in ("-1", "inf", "nan", "soon", "7200"):
         with pytest.raises(ConfigError, match=f"VLLM_SPARSE_STATS_WRITE_INTERVAL_S='{bad}'"):
             load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": bad})
+
+
+def test_a_readout_whose_recording_raises_is_logged_once_and_the_next_ones_still_count(rig, caplog):
+    # readouts are applied at the start of a later layer's forward, outside the sparse path's
+    # error boundary: a recording that raises there must not reach vLLM
+    import torch
+
+    st, clock, scheduled, writes, path = rig
+
+    def broken(values):
+        raise RuntimeError("counter broke")
+
+    for then in (broken, broken, lambda v: st.record_measured_pairs(200, v[0])):
+        event = ManualEvent()
+        event.done = True
+        st._readouts.append((event, torch.tensor([30]), then))
+    with caplog.at_level("WARNING", logger="vllm.sparse_prefill"):
+        assert st.time_stages() is not None  # applies the three readouts
+    assert st.computed_pairs == 30 and not st._readouts
+    assert sum("counter broke" in r.getMessage() for r in caplog.records) == 1

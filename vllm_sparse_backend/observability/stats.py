@@ -68,6 +68,7 @@ class SparseStats:
     exporting: bool = True  # False on tensor-parallel ranks other than 0: nothing is recorded (configure)
     _write_failed: bool = field(default=False, repr=False)  # the last stats-file write failed (logged once)
     _export_failed: bool = field(default=False, repr=False)  # the last metrics update failed (logged once)
+    _readout_failed: bool = field(default=False, repr=False)  # a readout's recording failed (logged once)
     # The stats file's rate: at most one write per interval (configure), timed by ``clock``; a
     # write left for later is done by a callback that ``schedule(delay, callback)`` runs.
     write_interval_s: float = 0.0
@@ -202,7 +203,7 @@ class SparseStats:
 
         flat = torch.stack([v.reshape(()).to(torch.int64) for v in values])
         if flat.device.type != "cuda":
-            then(flat.tolist())
+            self._apply_readout(then, flat.tolist())
             return
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
@@ -226,8 +227,20 @@ class SparseStats:
         for done, host, then in ready:
             if wait:
                 done.synchronize()
-            then(host.tolist())
+            self._apply_readout(then, host.tolist())
         return len(ready)
+
+    def _apply_readout(self, then: Callable[[list[int]], None], values: list[int]) -> None:
+        # Readouts are applied at the start of a later layer's forward (time_stages), outside
+        # the sparse path's error boundary: a recording that raises there is logged once and
+        # its counts are lost, never the forward.
+        try:
+            then(values)
+        except Exception as e:  # noqa: BLE001 - the counters' own boundary
+            if not self._readout_failed:
+                self._readout_failed = True
+                logger.warning("sparse-prefill: recording counts read back from the device raised %s: %s; serving "
+                               "goes on, and the counts miss them", type(e).__name__, e)
 
     def time_stages(self, device=None):
         """The stage timer of one sparse layer forward: a no-op unless this forward is sampled
