@@ -59,7 +59,8 @@ class SparseSettings(BaseModel):
     # them (load_settings' ``names``), so that these settings import none of the modules using them;
     # "registry" tells the docs generator which names to list.
     default_pattern: str = Field(
-        "vertical_slash", json_schema_extra={"registry": "pattern"}, description="Pattern of heads that no head-config file covers (a registered pattern's name).")
+        "vertical_slash", json_schema_extra={"registry": "pattern"},
+        description="Pattern of heads that no head-config file covers (a registered pattern's name).")
     block_size: int = Field(64, description=(
         "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
