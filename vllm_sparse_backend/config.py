@@ -14,7 +14,7 @@ import ipaddress
 import json
 import os
 import re
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -23,53 +23,6 @@ ENV_PREFIX = "VLLM_SPARSE_"
 CONFIG_FILE_ENV = "VLLM_SPARSE_CONFIG"
 # Variables with the prefix that are not settings: the settings file itself and the asset cache.
 NON_SETTING_ENV = frozenset({CONFIG_FILE_ENV, "VLLM_SPARSE_CACHE"})
-
-
-def check_pattern_name(name: str) -> str:
-    """A pydantic validator: ``name`` must be a registered prefill pattern
-    (:data:`vllm_sparse_backend.prefill.patterns.PATTERNS`)."""
-    from .prefill.patterns import PATTERNS  # the patterns import these settings: resolved when validating
-
-    if name not in PATTERNS:
-        raise PydanticCustomError("unknown_pattern", "unknown pattern '{name}' (known: {known})",
-                                  {"name": name, "known": ", ".join(PATTERNS)})
-    return name
-
-
-# A prefill pattern's name, as the settings and head-config files spell it.
-PatternName = Annotated[str, AfterValidator(check_pattern_name)]
-
-
-def check_decode_mode_name(name: str) -> str:
-    """A pydantic validator: ``name`` must be ``dense`` or a registered decode mode
-    (:data:`vllm_sparse_backend.decode.DECODE_MODES`)."""
-    from .decode import DECODE_MODES  # the modes import these settings: resolved when validating
-
-    if name != "dense" and name not in DECODE_MODES:
-        raise PydanticCustomError("unknown_decode_mode", "unknown decode mode '{name}' (known: {known})",
-                                  {"name": name, "known": ", ".join(["dense", *DECODE_MODES])})
-    return name
-
-
-DecodeModeName = Annotated[str, AfterValidator(check_decode_mode_name)]
-
-
-def check_kv_placement_name(name: str) -> str:
-    """A pydantic validator: ``name`` must be a registered KV placement
-    (:data:`vllm_sparse_backend.kv_placement.KV_PLACEMENTS`) that serving runs."""
-    from .kv_placement import KV_PLACEMENTS  # the placements import these settings: resolved when validating
-
-    if name not in KV_PLACEMENTS:
-        raise PydanticCustomError("unknown_kv_placement", "unknown KV placement '{name}' (known: {known})",
-                                  {"name": name, "known": ", ".join(KV_PLACEMENTS)})
-    if not KV_PLACEMENTS[name].wired:
-        raise PydanticCustomError("kv_placement_not_wired",
-                                  "kv_placement={name} is not wired into serving yet, see docs/decode-offload.md",
-                                  {"name": name})
-    return name
-
-
-KVPlacementName = Annotated[str, AfterValidator(check_kv_placement_name)]
 
 
 def check_host(host: str) -> str:
@@ -102,8 +55,12 @@ class SparseSettings(BaseModel):
     # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
     # measurements behind them: docs/configuration-notes.md.
     enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
-    default_pattern: PatternName = Field(
-        "vertical_slash", description="Pattern of heads that no head-config file covers (a registered pattern's name).")
+    # default_pattern, decode_mode and kv_placement name registered things: the registries check
+    # them (load_settings' ``names``), so that these settings import none of the modules using them;
+    # "registry" tells the docs generator which names to list.
+    default_pattern: str = Field(
+        "vertical_slash", json_schema_extra={"registry": "pattern"},
+        description="Pattern of heads that no head-config file covers (a registered pattern's name).")
     block_size: int = Field(64, description=(
         "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
     # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
@@ -199,7 +156,7 @@ class SparseSettings(BaseModel):
 
     # Decode (issue 8): how decode steps attend; widths are fixed so a step can be captured in a
     # CUDA graph. How the modes work: docs/decode-modes.md.
-    decode_mode: DecodeModeName = Field("dense", description=(
+    decode_mode: str = Field("dense", json_schema_extra={"registry": "decode_mode"}, description=(
         "Decode attention (CUDA): dense = vLLM's FlashAttention; topk = sink, recent and the best-bounded pages "
         "(Quest page summaries); spans = sink, recent, persistent and best-matching pages by span index "
         "(Ltri-LLM). topk and spans are opt-in and experimental; batches mixing prefills decode dense."))
@@ -229,7 +186,7 @@ class SparseSettings(BaseModel):
                              "decode_span_persist=index is an error.")
 
     # KV placement (issue 54): where each block's full K/V lives. docs/decode-offload.md.
-    kv_placement: KVPlacementName = Field("gpu", description=(
+    kv_placement: str = Field("gpu", json_schema_extra={"registry": "kv_placement"}, description=(
         "Where each KV-cache block's K/V lives: gpu = vLLM's cache. host (a pinned host pool with a GPU hot "
         "cache of host_kv_hot_pages pages per layer) exists as a library but is not wired into serving yet: "
         "setting it is a start-up error."))
@@ -278,9 +235,18 @@ def _format_error(where: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
-    """Build settings from ``VLLM_SPARSE_CONFIG`` (JSON file) and ``VLLM_SPARSE_*`` variables."""
+# A check of a field whose value names a registered thing: returns the name, or raises ValueError
+# saying which names are known.
+NameCheck = Callable[[str], str]
+
+
+def load_settings(env: Mapping[str, str] | None = None,
+                  names: Mapping[str, NameCheck] | None = None) -> SparseSettings:
+    """Build settings from ``VLLM_SPARSE_CONFIG`` (JSON file) and ``VLLM_SPARSE_*`` variables.
+    ``names`` checks, by field, the values that name registered things (the registries own them:
+    ``startup.load_checked_settings`` passes them all)."""
     env = os.environ if env is None else env
+    names = names or {}
     values: dict[str, Any] = {}
     path = env.get(CONFIG_FILE_ENV)
     if path:
@@ -297,6 +263,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
             SparseSettings(**data)
         except ValidationError as e:
             raise ConfigError(_format_error(path, e)) from None
+        for name, check in names.items():
+            if name in data:
+                try:
+                    check(data[name])
+                except ValueError as e:
+                    raise ConfigError(f"{path}: field '{name}': {e}") from None
         values.update(data)
     fields = SparseSettings.model_fields
     for key, raw in env.items():
@@ -312,6 +284,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
             TypeAdapter(Annotated[field.annotation, field]).validate_python(values[name])
         except ValidationError as e:
             raise ConfigError(f"environment variable {key}={raw!r}: {e.errors()[0]['msg']}") from None
+        if name in names and values[name] is not None:
+            try:
+                names[name](values[name])
+            except ValueError as e:
+                raise ConfigError(f"environment variable {key}={raw!r}: {e}") from None
     try:
         return SparseSettings(**values)
     except ValidationError as e:

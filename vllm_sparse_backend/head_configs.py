@@ -27,13 +27,22 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-from .config import ConfigError, PatternName, SparseSettings
+from .config import ConfigError, SparseSettings
+from .prefill.patterns import check_pattern_name
 
 FORMAT_NAME = "vllm-sparse-head-config"
+
+
+def _registered_pattern(name: str) -> str:
+    try:
+        return check_pattern_name(name)
+    except ValueError as e:  # pydantic's own wording would prefix "Value error, "
+        raise PydanticCustomError("unknown_pattern", str(e)) from None
 
 
 class HeadPattern(BaseModel):
@@ -41,7 +50,7 @@ class HeadPattern(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    pattern: PatternName
+    pattern: Annotated[str, AfterValidator(_registered_pattern)]
     vertical_size: int | None = Field(None, ge=1)
     slash_size: int | None = Field(None, ge=1)
     topk_blocks: int | None = Field(None, ge=1)

@@ -21,11 +21,11 @@ import functools
 import logging
 from collections import OrderedDict
 
-from .config import ConfigError, SparseSettings, load_settings
+from .config import ConfigError, SparseSettings
 from .decode.memory import DecodeStateMemory
 from .head_configs import HeadConfigFile, check_fits_hf_config, resolve_head_config
 from .prefill.plan import RankHeads
-from .startup import report_startup_error
+from .startup import load_checked_settings, report_startup_error
 from .observability import metrics
 from .observability.stats import SparseStats
 
@@ -88,4 +88,4 @@ def worker_runtime() -> WorkerRuntime:
     """This process's runtime, made on the first call (in a vLLM worker: see the module doc)."""
     from ._compat import tensor_parallel_rank
 
-    return WorkerRuntime(load_settings(), tensor_parallel_rank())
+    return WorkerRuntime(load_checked_settings(), tensor_parallel_rank())

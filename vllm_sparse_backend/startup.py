@@ -37,8 +37,11 @@ import os
 import sys
 from typing import Mapping
 
-from .config import ENV_PREFIX, ConfigError, SparseSettings, load_settings
+from .config import ENV_PREFIX, ConfigError, NameCheck, SparseSettings, load_settings
+from .decode import check_decode_mode_name
 from .head_configs import HeadConfigFile, HeadConfigMisfit, check_fits_hf_config, resolve_head_config
+from .kv_placement import check_kv_placement_name
+from .prefill.patterns import check_pattern_name
 
 logger = logging.getLogger("vllm.sparse_prefill")
 
@@ -51,10 +54,22 @@ EXIT_STATUS = 2
 STARTUP_REPORT_ENV = "SPARSE_PREFILL_STARTUP_REPORT"
 
 
+def name_checks() -> dict[str, NameCheck]:
+    """The settings fields that name a registered thing, each with its registry's check."""
+    return {"default_pattern": check_pattern_name, "decode_mode": check_decode_mode_name,
+            "kv_placement": check_kv_placement_name}
+
+
+def load_checked_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
+    """:func:`~.config.load_settings` with the names checked by their registries: what serving,
+    the worker and the command line use."""
+    return load_settings(env, name_checks())
+
+
 def check_settings(env: Mapping[str, str] | None = None) -> tuple[SparseSettings, HeadConfigFile | None]:
     """The settings and the head-config file they name, validated (ConfigError naming the
     variable or file and the field otherwise)."""
-    settings = load_settings(env)
+    settings = load_checked_settings(env)
     head_config = resolve_head_config(settings.head_config) if settings.head_config else None
     if settings.stats_file:
         check_stats_file(settings.stats_file)

@@ -26,11 +26,11 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_sparse_backend.config import ConfigError, load_settings
+from vllm_sparse_backend.config import ConfigError
 from vllm_sparse_backend.head_configs import (check_fits_model, import_minference, load_head_config,
                                               read_model_shape, resolve_head_config, save_head_config,
                                               shipped_head_config_names)
-from vllm_sparse_backend.startup import check_settings
+from vllm_sparse_backend.startup import check_settings, load_checked_settings
 
 from . import assets, demo, layer_budgets
 
@@ -222,7 +222,7 @@ def _search_patterns(args: argparse.Namespace) -> int:
                                       args.samples, args.seed)
     except ValueError as e:
         raise ConfigError(f"{text_path}: {e}") from None
-    settings = load_settings()
+    settings = load_checked_settings()
     selection = args.selection
     if selection == "auto":
         selection = "group" if settings.kv_group_shared else "head"

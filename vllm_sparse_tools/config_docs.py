@@ -19,8 +19,7 @@ from pathlib import Path
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from vllm_sparse_backend.config import (CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings, check_decode_mode_name,
-                                        check_kv_placement_name, check_pattern_name)
+from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings
 from vllm_sparse_backend.decode import DECODE_MODES
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS
 from vllm_sparse_backend.prefill.patterns import PATTERNS
@@ -83,13 +82,12 @@ def describe_type(field: FieldInfo) -> str:
         optional = len(members) < len(typing.get_args(annotation))
         annotation = members[0] if len(members) == 1 else annotation
     values = _literal_values(annotation)
-    validators = [getattr(m, "func", None) for m in field.metadata]
-    if check_pattern_name in validators:
-        values = list(PATTERNS)  # a pattern's name: the registered ones
-    elif check_decode_mode_name in validators:
-        values = ["dense", *DECODE_MODES]
-    elif check_kv_placement_name in validators:
-        values = [name for name, placement in KV_PLACEMENTS.items() if placement.wired]  # what start-up accepts
+    registered = {"pattern": list(PATTERNS), "decode_mode": ["dense", *DECODE_MODES],
+                  # what start-up accepts (startup.name_checks)
+                  "kv_placement": [name for name, placement in KV_PLACEMENTS.items() if placement.wired]}
+    registry = (field.json_schema_extra or {}).get("registry")
+    if registry is not None:
+        values = registered[registry]
     if values is not None:
         text = ", ".join(f"`{v}`" for v in values)
     elif annotation is bool:

@@ -7,6 +7,7 @@ import pytest
 from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
+from vllm_sparse_backend.startup import load_checked_settings
 
 
 def test_defaults_follow_the_papers():
@@ -48,7 +49,7 @@ def test_env_overrides_file(tmp_path):
 ])
 def test_bad_env_is_named(env, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_settings(env)
+        load_checked_settings(env)  # what start-up loads: the registries check the names
 
 
 def test_bad_file_is_named(tmp_path):
@@ -234,3 +235,20 @@ def test_cli_check_head_config_against_a_model_and_settings_check_the_file(tmp_p
     assert main(["settings"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["head_config"] == str(path) and "OK (toy, 2 layers x 3 heads)" in out.err
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("default_pattern", "banana", "unknown pattern 'banana' (known: dense, a_shape, vertical_slash, block_sparse, "
+                                  "flex_prefill)"),
+    ("decode_mode", "sparse", "unknown decode mode 'sparse' (known: dense, topk, spans)"),
+    ("kv_placement", "disk", "unknown KV placement 'disk' (known: gpu, host)"),
+])
+def test_start_up_checks_registered_names_in_the_settings_file_and_variables(tmp_path, field, value, want):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({field: value}))
+    with pytest.raises(ConfigError) as err:
+        load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    assert str(err.value) == f"{f}: field '{field}': {want}"
+    with pytest.raises(ConfigError) as err:
+        load_checked_settings({"VLLM_SPARSE_" + field.upper(): value})
+    assert str(err.value) == f"environment variable VLLM_SPARSE_{field.upper()}={value!r}: {want}"

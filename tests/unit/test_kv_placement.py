@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from vllm_sparse_backend import _compat
-from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.config import ConfigError, SparseSettings
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS, KVLayout, kv_placement
 from vllm_sparse_backend.kv_placement.gpu import GPUPlacement
 from vllm_sparse_backend.kv_placement.host import HostKVPoolFull, HostPlacement, HotCacheTooSmall
+from vllm_sparse_backend.startup import load_checked_settings
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, page_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
 BF16_BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 2  # layers x (K, V) x page x heads x dim x 2 bytes
@@ -222,15 +223,15 @@ def test_registry_names_the_placements_and_settings_refuse_the_unwired_one(monke
     assert SparseSettings().kv_placement == "gpu"
     with pytest.raises(ConfigError, match="VLLM_SPARSE_KV_PLACEMENT='host'.*not wired into serving yet, see "
                                           "docs/decode-offload.md"):
-        load_settings({"VLLM_SPARSE_KV_PLACEMENT": "host"})
+        load_checked_settings({"VLLM_SPARSE_KV_PLACEMENT": "host"})
     with pytest.raises(ConfigError, match="unknown KV placement 'disk' \\(known: gpu, host\\)"):
-        load_settings({"VLLM_SPARSE_KV_PLACEMENT": "disk"})
+        load_checked_settings({"VLLM_SPARSE_KV_PLACEMENT": "disk"})
 
     class Mine(GPUPlacement):  # a new placement: a class and one registry line
         name = "mine"
 
     monkeypatch.setitem(KV_PLACEMENTS, "mine", Mine)
-    settings = load_settings({"VLLM_SPARSE_KV_PLACEMENT": "mine"})
+    settings = load_checked_settings({"VLLM_SPARSE_KV_PLACEMENT": "mine"})
     assert isinstance(kv_placement(settings, LAYOUT), Mine)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.config import ConfigError, SparseSettings
 from vllm_sparse_backend.head_configs import parse_head_config, resolve_head
 from vllm_sparse_backend.prefill.budgets import budget_density, budgets_cover_every_key, kv_group_share
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index, estimate_index_paged
@@ -21,6 +21,7 @@ from vllm_sparse_backend.prefill.index import num_blocks, query_block_bounds
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
 from vllm_sparse_backend.prefill.patterns.base import PagedSelection, Pattern, PatternSelection
+from vllm_sparse_backend.startup import load_checked_settings
 from vllm_sparse_kernels.reference.attention import sparse_attention
 
 
@@ -78,7 +79,7 @@ def _brute_force_mask(q_len: int, ctx_len: int, window: int, block_size: int) ->
 def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(registered):
     settings = SparseSettings(default_pattern="local_blocks")
     assert resolve_head(None, settings).pattern == "local_blocks"
-    assert load_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"}).default_pattern == "local_blocks"
+    assert load_checked_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"}).default_pattern == "local_blocks"
     cfg = parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
                              "num_heads": 2, "layers": [{"heads": [{"pattern": "local_blocks", "local_window": 64},
                                                                    {"pattern": "dense"}]}]}, "file.json")
@@ -87,7 +88,7 @@ def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(regi
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():
     with pytest.raises(ConfigError, match="local_blocks.*known: dense, a_shape"):
-        load_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"})
+        load_checked_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"})
     with pytest.raises(ConfigError, match="layer 0, head 0, field 'pattern'.*unknown pattern 'local_blocks'"):
         parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
                            "num_heads": 1, "layers": [{"heads": [{"pattern": "local_blocks"}]}]}, "file.json")

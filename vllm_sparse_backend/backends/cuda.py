@@ -50,7 +50,6 @@ from vllm_sparse_kernels.reference.attention import gather_paged_kv
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,
                        current_vllm_config, kv_cache_request, layer_kv_scales, slice_rows, sparse_backend_selected)
-from ..config import load_settings
 from ..decode import decode_mode
 from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
@@ -60,6 +59,7 @@ from ..observability.record import record_layer
 from ..prefill.plan import LayerOutcome
 from ..prefill.run import run_sparse_rows, run_sparse_rows_paged
 from ..runtime import worker_runtime
+from ..startup import load_checked_settings
 from .claim import claim_scratch
 from ..prefill.route import DenseReason, group_dense_reason
 from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, check_head_config_fits_model,
@@ -421,7 +421,7 @@ class SparsePrefillBackend(FlashBackendVersions, FlashAttentionBackend):
     def get_preferred_block_size(cls, default_block_size: int) -> int:
         """Asked by vLLM only when --block-size is not given: pages of 64 keys on Hopper and
         later, where the kernel loads a 64-key page as one TMA box (setting kv_block_size)."""
-        cfg = load_settings()  # a class method: no engine object holds them here
+        cfg = load_checked_settings()  # a class method: no engine object holds them here
         if cfg.kv_block_size == "auto":
             # decode_mode topk / spans count their budgets in pages measured at vLLM's default
             size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \

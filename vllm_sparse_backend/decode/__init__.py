@@ -17,6 +17,14 @@ DECODE_MODES: dict[str, type] = {
 }
 
 
+def check_decode_mode_name(name: str) -> str:
+    """``name`` if it is ``dense`` or a registered mode (the ``decode_mode`` setting); ValueError
+    naming the known ones otherwise."""
+    if name != "dense" and name not in DECODE_MODES:
+        raise ValueError(f"unknown decode mode '{name}' (known: {', '.join(['dense', *DECODE_MODES])})")
+    return name
+
+
 def decode_mode(settings: SparseSettings) -> DecodeMode | None:
     """The mode ``settings.decode_mode`` names; None for dense (the wrapped backend's decode)."""
     if settings.decode_mode == "dense":

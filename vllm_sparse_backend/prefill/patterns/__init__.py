@@ -23,6 +23,14 @@ PATTERNS: dict[str, Pattern] = {p.name: p for p in (
 )}
 
 
+def check_pattern_name(name: str) -> str:
+    """``name`` if a pattern is registered under it (the ``default_pattern`` setting, a head-config
+    file's ``pattern``); ValueError naming the known ones otherwise."""
+    if name not in PATTERNS:
+        raise ValueError(f"unknown pattern '{name}' (known: {', '.join(PATTERNS)})")
+    return name
+
+
 def get_pattern(name: str) -> Pattern:
     """The registered pattern called ``name`` (KeyError naming the known ones otherwise)."""
     try:
