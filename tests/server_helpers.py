@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from vllm_sparse_tools.demo import ServerHandle, start_server, wait_ready
@@ -19,3 +20,15 @@ def ready_server(model_dir, args: list[str], env: dict[str, str], logs: Path, ti
         raise
     handle.stats_path = logs / "stats.json"
     return handle
+
+
+def plugin_pythonpath(folder: Path, module: str, source: str, entry_point: str) -> str:
+    """PYTHONPATH with a one-module vLLM general plugin in front: ``module``.py holding ``source``
+    and the dist-info vLLM finds its ``entry_point`` (``register``, say) through, so that every
+    server process loads it (a fault injected into the real server, for instance)."""
+    (folder / f"{module}.py").write_text(source)
+    info = folder / f"{module}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:{entry_point}\n")
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from server_helpers import ready_server  # noqa: E402
+from server_helpers import plugin_pythonpath, ready_server  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
 from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
@@ -218,14 +218,7 @@ def register():
 
 @pytest.fixture(scope="module")
 def faulty_server(model_dir, tmp_path_factory):
-    site = tmp_path_factory.mktemp("faulty-plugin")
-    (site / "faulty_pattern.py").write_text(_FAULTY_PLUGIN)
-    info = site / "faulty_pattern-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: faulty-pattern\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nfaulty = faulty_pattern:register\n")
-    import os
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    path = plugin_pythonpath(tmp_path_factory.mktemp("faulty-plugin"), "faulty_pattern", _FAULTY_PLUGIN, "register")
     h = _server(model_dir, tmp_path_factory, "sparse-faulty",
                 {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000",
                  "VLLM_SPARSE_MAX_DENSITY": "1", "PYTHONPATH": path})

@@ -17,13 +17,12 @@ fallback (no third server to start for it).
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from server_helpers import ready_server  # noqa: E402
+from server_helpers import plugin_pythonpath, ready_server  # noqa: E402
 from vllm_sparse_tools import assets  # noqa: E402
 from vllm_sparse_tools.demo import demo_server_args  # noqa: E402
 from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
@@ -84,13 +83,7 @@ def dense_server(model_and_text, tmp_path_factory):
 
 def _fault_plugin_path(tmp_path_factory) -> str:
     """PYTHONPATH with the fault plugin's folder (module and entry point) in front."""
-    site = tmp_path_factory.mktemp("fault-plugin")
-    (site / "kernel_fault.py").write_text(_FAULT_PLUGIN)
-    info = site / "kernel_fault-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kernel-fault\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nkernel_fault = kernel_fault:register\n")
-    return os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    return plugin_pythonpath(tmp_path_factory.mktemp("fault-plugin"), "kernel_fault", _FAULT_PLUGIN, "register")
 
 
 @pytest.fixture(scope="module")
