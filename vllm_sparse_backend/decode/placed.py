@@ -28,6 +28,7 @@ import torch
 
 from ..kernels import topk_decode as kernels
 from ..kv_placement.base import KVPlacement, Residency
+from ..kv_placement.host import dequantize_pages
 from .topk import PageSummaries, TopkDecodeBudget
 
 
@@ -77,19 +78,6 @@ def slot_table(block_table: torch.Tensor, blocks: list[int], residency: Residenc
     return lookup[ids]
 
 
-def resident_kv(placement: KVPlacement, layer: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's resident K and V in ``dtype``: the placement's pages, widened with their scales
-    where they are kept as fp8."""
-    key, value = placement.resident_pages(layer, key_cache, value_cache)
-    scales = getattr(placement, "resident_scales", lambda _layer: None)(layer)
-    if scales is None:
-        return key, value
-    key_scale, value_scale = scales
-    return ((key.float() * key_scale[:, None, :, None]).to(dtype),
-            (value.float() * value_scale[:, None, :, None]).to(dtype))
-
-
 def topk_decode_placed(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        summaries: PageSummaries, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        budget: TopkDecodeBudget, scale: float, out: torch.Tensor, *,
@@ -99,13 +87,16 @@ def topk_decode_placed(query: torch.Tensor, key_cache: torch.Tensor, value_cache
     Shapes as there; ``key_cache`` / ``value_cache`` are vLLM's views of the layer (what a ``gpu``
     placement reads; a ``host`` one ignores them). The summaries must cover every block of the
     batch. Returns what the fetch did (hits and copies, for the caller's counters)."""
-    page = placement.resident_pages(layer, key_cache, value_cache)[0].shape[1]
+    key, value = placement.resident_pages(layer, key_cache, value_cache)  # the fetch fills these in place
+    page = key.shape[1]
     selected, counts = kernels.select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
                                             sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
                                             num_pages_budget=budget.budget_pages)
     blocks = selected_blocks(block_table, selected)
     residency = placement.fetch(layer, blocks)
-    key, value = resident_kv(placement, layer, key_cache, value_cache, query.dtype)
+    scales = getattr(placement, "resident_scales", lambda _layer: None)(layer)
+    if scales is not None:  # fp8 pages: the attention kernel reads the model's dtypes only
+        key, value = (dequantize_pages(t, s).to(query.dtype) for t, s in zip((key, value), scales))
     kernels.topk_decode_attention(query, key, value, slot_table(block_table, blocks, residency), seq_lens,
                                   selected, counts, scale, out, topk_tokens=budget.topk_tokens,
                                   sink_pages=budget.sink_pages, recent_pages=budget.recent_pages)

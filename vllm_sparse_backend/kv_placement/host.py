@@ -53,6 +53,11 @@ def quantize_pages(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (pages.float() / scale[:, None, :, None]).to(FP8), scale
 
 
+def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`quantize_pages`: fp8 ``[n, page, Hkv, D]`` x scale ``[n, Hkv]``, float32."""
+    return pages.float() * scale[:, None, :, None]
+
+
 class HostKVPool:
     """Every layer's K/V pages of the blocks written so far, in host memory."""
 
@@ -124,11 +129,11 @@ class HostKVPool:
 
     def page(self, layer: int, entry: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V page of a pool entry, float32 (dequantised where stored as fp8)."""
-        key, value = self.key[layer, entry].float(), self.value[layer, entry].float()
+        at = slice(entry, entry + 1)
         if self.quantized:
-            key = key * self.key_scale[layer, entry][None, :, None]
-            value = value * self.value_scale[layer, entry][None, :, None]
-        return key, value
+            return (dequantize_pages(self.key[layer, at], self.key_scale[layer, at])[0],
+                    dequantize_pages(self.value[layer, at], self.value_scale[layer, at])[0])
+        return self.key[layer, entry].float(), self.value[layer, entry].float()
 
     def free(self, block_ids: Iterable[int]) -> None:
         for b in block_ids:
@@ -259,7 +264,8 @@ class HostPlacement:
             return
         key, value = key.cpu()[keep], value.cpu()[keep]
         page = self.layout.page_size
-        blocks = sorted(set((slots // page).tolist()))
+        page_of = slots // page
+        blocks = sorted(set(page_of.tolist()))
         self.pool._check_ids(blocks)
         key_pages = torch.zeros((len(blocks), *self.layout.page_shape), dtype=self.layout.dtype)
         value_pages = torch.zeros_like(key_pages)
@@ -268,7 +274,7 @@ class HostPlacement:
             if entry is not None and self.pool.written[layer, entry]:
                 key_pages[i], value_pages[i] = (t.to(self.layout.dtype) for t in self.pool.page(layer, entry))
         row = {b: i for i, b in enumerate(blocks)}
-        index = torch.tensor([row[b] for b in (slots // page).tolist()])
+        index = torch.tensor([row[b] for b in page_of.tolist()])
         key_pages[index, slots % page] = key.to(self.layout.dtype)
         value_pages[index, slots % page] = value.to(self.layout.dtype)
         self.write(layer, blocks, key_pages, value_pages)
@@ -298,12 +304,11 @@ class HostPlacement:
     def dequantized(self, layer: int, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident K and V of ``slots`` as float32 ``[n, page, Hkv, D]``."""
         index = torch.tensor(list(slots), dtype=torch.long, device=self.hot_key.device)
-        key, value = self.hot_key[layer][index].float(), self.hot_value[layer][index].float()
+        key, value = self.hot_key[layer][index], self.hot_value[layer][index]
         scales = self.resident_scales(layer)
-        if scales is not None:
-            key = key * scales[0][index][:, None, :, None]
-            value = value * scales[1][index][:, None, :, None]
-        return key, value
+        if scales is None:
+            return key.float(), value.float()
+        return dequantize_pages(key, scales[0][index]), dequantize_pages(value, scales[1][index])
 
     def set_pinned(self, block_ids: Sequence[int]) -> None:
         self.pinned = frozenset(block_ids)
