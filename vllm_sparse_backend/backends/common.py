@@ -8,50 +8,64 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 
 from .._compat import (attention_layers, impl_unsupported_reason, layer_index, seq_lens_host,
                        step_has_multimodal_prefix_ranges, tensor_parallel_rank)
 from ..config import ConfigError
+from ..decode.base import StepDecodePlan
 from ..head_configs import HeadConfigFile
 from ..prefill.plan import RankHeads, SparseRow, StepPlan, rank_heads
 from ..prefill.route import DenseReason, plan_step, step_may_be_sparse
 from ..runtime import WorkerRuntime
 
+if TYPE_CHECKING:  # the kernel package needs Triton, which a CPU install lacks
+    from vllm_sparse_kernels.prefill.packing import RowTable
+
+
+# The wrapped backend's metadata type (CUDA: FlashAttentionMetadata; CPU: vLLM's CPU backend's).
+WrappedMetadata = TypeVar("WrappedMetadata")
+
 
 @dataclass
-class DenseRun:
+class DenseRun(Generic[WrappedMetadata]):
     tok_start: int
     tok_end: int
-    metadata: Any  # the wrapped backend's own metadata for rows of this run
+    metadata: WrappedMetadata  # the wrapped backend's own, for the rows of this run alone
 
 
 @dataclass
-class SparseStepMetadata:
+class SparseStepMetadata(Generic[WrappedMetadata]):
     """The metadata of a step with work of ours: sparse rows, or a decode mode's plan of its
     prefill rows. A step with neither gets the wrapped backend's own metadata, untouched, so
     decode batches, short prompts and CUDA-graph capture are the wrapped backend's.
 
-    The wrapped backend computes :attr:`dense_runs` (contiguous runs of rows with their own
-    metadata; the whole step when no row is sparse) and the sparse path :attr:`sparse_rows`.
+    A step's tokens, rows in vLLM's order (here two decode rows, a long prefill row, a short one)::
+
+        tokens   | d | d | long prefill row ............ | short prefill |
+        runs     |  dense_runs[0] |                       | dense_runs[1] |
+        sparse   |                | sparse_rows[0]        |               |
+
+    The wrapped backend computes each of :attr:`dense_runs` (contiguous rows, with metadata of
+    their own; the whole step when no row is sparse), the sparse path :attr:`sparse_rows`.
     """
 
     num_actual_tokens: int
     max_query_len: int
-    dense_runs: list[DenseRun]
+    dense_runs: list[DenseRun[WrappedMetadata]]
     sparse_rows: list[SparseRow]
-    block_table: Any = None  # [num_reqs, max_pages] of the whole step (sparse rows index it by row)
-    slot_mapping: Any = None  # [num_tokens] cache slots the step wrote (the decode modes' state follows them)
+    block_table: torch.Tensor | None = None  # [num_reqs, max_pages], the whole step's (rows index it)
+    slot_mapping: torch.Tensor | None = None  # [num_tokens] cache slots the step wrote (decode modes follow them)
     # row index -> the wrapped backend's metadata for that row alone, so the impl can still send
     # a sparse row to the dense kernel: its estimated index turned out too dense, or the sparse
     # path failed
-    fallback: dict[int, Any] = field(default_factory=dict)
-    # the kernel's per-step table of the sparse rows (CUDA, Triton path): built once per step,
-    # reused by every layer that runs all of the step's sparse rows
-    row_table: Any = None
-    decode_plan: Any = None  # decode_mode spans: the step's plan (backends/decode.py); the prefill path ignores it
+    fallback: dict[int, WrappedMetadata] = field(default_factory=dict)
+    # the kernel's table of the sparse rows (CUDA, Triton path): built once per step, reused by
+    # every layer that runs all of the step's sparse rows
+    row_table: RowTable | None = None
+    decode_plan: StepDecodePlan | None = None  # decode_mode spans: the step's plan; the prefill path ignores it
 
 
 def layer_heads(runtime: WorkerRuntime, vllm_config, layer_name: str, local_heads: int,

@@ -19,13 +19,13 @@ sizes the cache (:func:`claim_decode_state`), and the layers take their state ou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from .._compat import KVCacheRequest, seq_lens_host
 from ..config import ConfigError
-from ..decode.base import DecodeMode, DecodeState
+from ..decode.base import DecodeMode, DecodeState, StepDecodePlan
 from ..decode.memory import DecodeStateMemory, StateBuffer, StateCost
 from ..startup import report_startup_error
 from .common import SparseStepMetadata
@@ -33,7 +33,7 @@ from .common import SparseStepMetadata
 GIB = 2 ** 30
 
 
-def step_decode_plan(mode: DecodeMode | None, cm, page_size: int, device) -> Any | None:
+def step_decode_plan(mode: DecodeMode | None, cm, page_size: int, device) -> StepDecodePlan | None:
     """The decode mode's plan of a step with prefill rows (None: nothing to plan). ``cm``: the
     step's CommonAttentionMetadata."""
     if mode is None or not mode.plans_steps or cm.max_query_len <= 1:

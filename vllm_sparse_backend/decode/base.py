@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,7 +19,7 @@ class DecodeState(Protocol):
     def update(self, key_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """After vLLM's cache update of a step: follow the pages ``slot_mapping`` wrote."""
 
-    def prefill(self, query: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, plan: Any,
+    def prefill(self, query: torch.Tensor, key: torch.Tensor, key_cache: torch.Tensor, plan: StepDecodePlan,
                 block_table: torch.Tensor, scale: float) -> None:
         """The step's prefill rows, with the mode's plan of the step (after :meth:`update`: the
         cache holds the step's keys)."""
@@ -29,13 +29,19 @@ class DecodeState(Protocol):
         """Decode attention of one query token per sequence, into ``out``."""
 
 
+class StepDecodePlan(Protocol):
+    """A decode mode's plan of one step (spans: :class:`SpanSegments`), made once by the builder
+    for every layer of the step and read only by the mode's own layers: the backend carries it."""
+
+
 class DecodeMode(Protocol):
     """A decode mode, made from the settings (``DECODE_MODES[name](settings)``)."""
 
     name: str  # the decode_mode setting
     plans_steps: bool  # whether plan_step plans anything (else the builder skips the step's host lists)
 
-    def plan_step(self, query_start_loc: list[int], seq_lens: list[int], page_size: int, device) -> Any | None:
+    def plan_step(self, query_start_loc: list[int], seq_lens: list[int], page_size: int,
+                  device) -> StepDecodePlan | None:
         """The step's plan, shared by every layer (None: nothing to plan)."""
 
     def unsupported_page_size(self, page_size: int) -> str | None:
