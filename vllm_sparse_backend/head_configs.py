@@ -13,7 +13,8 @@ Schema (JSON, validated with pydantic; see head_configs/README.md)::
 
 Head numbers are global query-head indices; under tensor parallelism rank r uses heads
 ``r * local_heads .. (r+1) * local_heads - 1``. A head entry names its pattern and may set that
-pattern's budgets; anything left out comes from the global settings.
+pattern's parameters (its ``head_params``, ``prefill/patterns``); anything left out comes from
+the global settings. Nothing here names a pattern's parameters: the registry says them.
 
 The MInference format (a list of layers, each ``{"<head>": [pattern, vertical, slash, score]}``
 with patterns ``vertical_and_slash``, ``stream_llm`` and ``block_sparse``) is converted by
@@ -33,7 +34,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from .config import ConfigError, SparseSettings
-from .prefill.patterns import check_pattern_name
+from .prefill.patterns import check_pattern_name, get_pattern
 
 FORMAT_NAME = "vllm-sparse-head-config"
 
@@ -46,18 +47,38 @@ def _registered_pattern(name: str) -> str:
 
 
 class HeadPattern(BaseModel):
-    """Pattern of one query head. Unset budgets fall back to the global settings."""
+    """One query head's entry: its pattern, the parameters of that pattern the entry sets
+    (validated by the pattern's ``head_params``; the rest come from the settings), and the
+    search's score. ``HeadPattern(pattern="a_shape", local_window=512)``."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # the parameters arrive as extra fields, checked against the pattern's model below
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     pattern: Annotated[str, AfterValidator(_registered_pattern)]
-    vertical_size: int | None = Field(None, ge=1)
-    slash_size: int | None = Field(None, ge=1)
-    topk_blocks: int | None = Field(None, ge=1)
-    sink_tokens: int | None = Field(None, ge=0)
-    local_window: int | None = Field(None, ge=1)
-    gamma: float | None = Field(None, gt=0.0, le=1.0)
     score: float | None = None
+
+    @model_validator(mode="after")
+    def _parameters_of_its_pattern(self) -> "HeadPattern":
+        params = get_pattern(self.pattern).head_params
+        try:
+            params.model_validate(self.params)
+        except ValidationError as e:
+            known = ", ".join(params.model_fields) or "none"
+            problems = []
+            for err in e.errors():
+                field = ".".join(str(x) for x in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"field '{field}': not a parameter of pattern '{self.pattern}' (its "
+                                    f"parameters: {known})")
+                else:
+                    problems.append(f"field '{field}': {err['msg']}")
+            raise PydanticCustomError("head_parameters", "; ".join(problems)) from None
+        return self
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The pattern parameters this entry sets."""
+        return dict(self.model_extra or {})
 
 
 class LayerHeads(BaseModel):
@@ -111,7 +132,9 @@ def parse_head_config(data: Any, source: str) -> HeadConfigFile:
     try:
         return HeadConfigFile.model_validate(data)
     except ValidationError as e:
-        msgs = [f"{source}: {_describe_loc(tuple(err['loc']))}: {err['msg']}" for err in e.errors()]
+        # a head's parameter errors name their fields already ("field 'x': ...")
+        msgs = [f"{source}: {_describe_loc(tuple(err['loc']))}" + (", " if err["type"] == "head_parameters" else ": ")
+                + err["msg"] for err in e.errors()]
         raise ConfigError("invalid head config\n" + "\n".join(msgs)) from None
 
 
@@ -321,26 +344,38 @@ def import_minference(data: Any, model: str, source: str = "<minference config>"
 
 @dataclass(frozen=True)
 class ResolvedHead:
-    """A head's pattern with every budget filled in (what the estimators consume)."""
+    """A head's pattern with each of that pattern's parameters filled in (what the planner and
+    the estimators consume). Hashable: equal heads are counted and grouped together."""
 
     pattern: str  # a registered pattern's name (vllm_sparse_backend.prefill.patterns)
-    vertical_size: int
-    slash_size: int
-    topk_blocks: int
-    sink_tokens: int
-    local_window: int
-    gamma: float
+    params: tuple[tuple[str, int | float], ...] = ()  # (name, value), in the order of the pattern's head_params
+
+    def param(self, name: str) -> int | float:
+        for n, value in self.params:
+            if n == name:
+                return value
+        raise KeyError(f"pattern {self.pattern!r} has no head parameter {name!r} "
+                       f"(its parameters: {', '.join(n for n, _ in self.params) or 'none'})")
 
 
 def resolve_head(hp: HeadPattern | None, settings: SparseSettings) -> ResolvedHead:
-    def pick(name):
-        v = getattr(hp, name) if hp is not None else None
-        return getattr(settings, name) if v is None else v
-
-    return ResolvedHead(
-        pattern=hp.pattern if hp is not None else settings.default_pattern,
-        vertical_size=pick("vertical_size"), slash_size=pick("slash_size"), topk_blocks=pick("topk_blocks"),
-        sink_tokens=pick("sink_tokens"), local_window=pick("local_window"), gamma=pick("gamma"))
+    """``hp``'s pattern with every parameter of it: the entry's value, else the setting of that
+    name, else the parameter's own default (``hp`` None: ``default_pattern`` from the settings)."""
+    pattern = get_pattern(hp.pattern if hp is not None else settings.default_pattern)
+    given = hp.params if hp is not None else {}
+    defaults = pattern.head_params()
+    params = []
+    for name in pattern.head_fields:
+        value = given.get(name)
+        if value is None:
+            value = getattr(settings, name, None)
+        if value is None:
+            value = getattr(defaults, name)
+        if value is None:
+            raise ConfigError(f"pattern {pattern.name!r}: head parameter {name!r} has no value (no entry, "
+                              "no setting of that name, no default)")
+        params.append((name, value))
+    return ResolvedHead(pattern.name, tuple(params))
 
 
 def layer_heads(

@@ -196,7 +196,7 @@ def test_per_head_file_ranks_equal_single_gpu(tmp_path, backend, tp):
     # each rank got its own heads of the file (global numbers), in vLLM's order
     got = [h for heads, _, _ in ranks for h in heads.heads]
     assert got == single.heads and len({h.pattern for h in single.heads}) == 5
-    assert [h.vertical_size for h in single.heads[0:5:4]] == [16, 48]
+    assert [h.param("vertical_size") for h in single.heads[0:5:4]] == [16, 48]
     _assert_ranks_equal_single(settings, q, k, single, single_out, ranks)
     # the single-GPU output is the sparse attention of its selection (float64, explicit mask),
     # and that selection skips keys: a wrong slice would select differently
@@ -267,7 +267,7 @@ def test_head_config_is_checked_against_the_global_model(tmp_path, backend):
     vc = _vllm_config(2)
     with backend.as_rank(1):
         WorkerRuntime(settings).check_head_config_fits(hf, "toy")  # global counts: fits
-        assert _resolve(vc, settings, 4, 1).heads[0].topk_blocks == 2  # rank 1: group 1
+        assert _resolve(vc, settings, 4, 1).heads[0].param("topk_blocks") == 2  # rank 1: group 1
     local = json.loads((tmp_path / "groups.json").read_text())
     local.update(num_heads=4, num_kv_heads=1)
     local["layers"] = [{"heads": layer["heads"][:4]} for layer in local["layers"]]

@@ -22,7 +22,7 @@ from kernel_helpers import assert_same_index, fp8_cache, make_row, no_host_sync
 from vllm_sparse_backend.config import SparseSettings
 from vllm_sparse_backend.observability.record import run_recorded
 from vllm_sparse_backend.observability.stats import SparseStats
-from vllm_sparse_backend.prefill.patterns import PATTERNS
+from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.budgets import kv_group_share
@@ -46,9 +46,10 @@ def _heads(patterns: list[str], settings: SparseSettings, seed: int):
     out = []
     for i, p in enumerate(patterns):
         r = int(torch.randint(0, 3, (), generator=gen))
-        out.append(resolve_head(HeadPattern(pattern=p, vertical_size=20 + 15 * r, slash_size=40 + 30 * r,
-                                            topk_blocks=1 + r, sink_tokens=32 * r, local_window=64 + 64 * r,
-                                            gamma=0.85 + 0.05 * r), settings))
+        values = dict(vertical_size=20 + 15 * r, slash_size=40 + 30 * r, topk_blocks=1 + r, sink_tokens=32 * r,
+                      local_window=64 + 64 * r, gamma=0.85 + 0.05 * r)
+        own = {f: values[f] for f in get_pattern(p).head_fields}  # an entry sets its pattern's parameters only
+        out.append(resolve_head(HeadPattern(pattern=p, **own), settings))
     return out
 
 

@@ -84,9 +84,10 @@ def test_head_config_round_trip_and_resolution(tmp_path):
     s = SparseSettings(local_window=999)
     heads = layer_heads(cfg, s, 1, 3)
     assert [h.pattern for h in heads] == ["vertical_slash"] * 2 + ["a_shape"]
-    assert heads[0].vertical_size == 100 and heads[2].sink_tokens == 64 and heads[2].local_window == 999
+    assert heads[0].param("vertical_size") == 100 and heads[2].param("sink_tokens") == 64
+    assert heads[2].param("local_window") == 999  # left out of the file: the setting
     # tensor parallel: rank 1 of 3 local heads... of a 3-head layer with 1 head per rank
-    assert layer_heads(cfg, s, 0, 1, tp_rank=2)[0].vertical_size == 102
+    assert layer_heads(cfg, s, 0, 1, tp_rank=2)[0].param("vertical_size") == 102
     assert layer_heads(None, s, 7, 4) == [resolve_head(None, s)] * 4
 
 
@@ -127,7 +128,7 @@ def test_import_minference_format():
     h = cfg.layers[0].heads
     assert h[0] == HeadPattern(pattern="vertical_slash", vertical_size=1000, slash_size=6096, score=0.91)
     assert h[1] == HeadPattern(pattern="a_shape", sink_tokens=100, local_window=800, score=0.5)
-    assert h[2].pattern == "block_sparse" and h[2].topk_blocks is None
+    assert h[2].pattern == "block_sparse" and h[2].params == {}
     assert cfg.layers[1].heads[1].vertical_size == 3500
 
 

@@ -4,8 +4,10 @@ patterns handles it (settings, head-config files, the planner's budget checks, b
 estimators, the attention that follows), with nothing else edited.
 
 The pattern here is a toy made for this test: each query sees only the key blocks within
-``local_window`` keys of its own block (an A-shape with no sink). Its selection is checked
-against a brute-force mask and its attention against float64 attention under that mask.
+``reach`` keys of its own block (an A-shape with no sink), ``reach`` being a per-head parameter
+of its own that no setting has (the pattern declares it, with its bound and default). Its
+selection is checked against a brute-force mask and its attention against float64 attention
+under that mask.
 """
 
 from __future__ import annotations
@@ -14,28 +16,34 @@ import pytest
 import torch
 
 from vllm_sparse_backend.config import ConfigError, SparseSettings
-from vllm_sparse_backend.head_configs import parse_head_config, resolve_head
+from pydantic import Field
+
+from vllm_sparse_backend.head_configs import HeadPattern, parse_head_config, resolve_head
 from vllm_sparse_backend.prefill.budgets import budget_density, budgets_cover_every_key, kv_group_share
 from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index, estimate_index_paged
 from vllm_sparse_backend.prefill.index import num_blocks, query_block_bounds
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
-from vllm_sparse_backend.prefill.patterns.base import PagedSelection, Pattern, PatternSelection
+from vllm_sparse_backend.prefill.patterns.base import HeadParams, PagedSelection, Pattern, PatternSelection
 from vllm_sparse_backend.startup import load_checked_settings
 from vllm_sparse_kernels.reference.attention import sparse_attention
 
 
+class LocalBlocksParams(HeadParams):
+    reach: int | None = Field(100, ge=1, description="keys reached back from each query block")
+
+
 class LocalBlocks(Pattern):
-    """Toy pattern: the key blocks reaching back ``local_window`` keys from each query block."""
+    """Toy pattern: the key blocks reaching back ``reach`` keys from each query block."""
 
     name = "local_blocks"
-    head_fields = ("local_window",)
+    head_params = LocalBlocksParams
 
     def keys_per_query(self, head, kv_len, visible, settings):
-        return head.local_window
+        return head.param("reach")
 
     def covers_every_key(self, head, kv_len, settings):
-        return head.local_window >= kv_len
+        return head.param("reach") >= kv_len
 
     def _selection(self, window: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> PatternSelection:
         q_first, q_last = query_block_bounds(q_len, ctx_len, block_size, window.device)
@@ -46,13 +54,13 @@ class LocalBlocks(Pattern):
         return PatternSelection.blocks_only(near & causal)
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
-        return self._selection(params["local_window"], q.shape[0], ctx_len, settings.block_size), {
+        return self._selection(params["reach"], q.shape[0], ctx_len, settings.block_size), {
             self.name: q.shape[1]}
 
     def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group, num_lists, settings, scale, share,
                        k_scale=None):
         q_len, b = q_row.shape[0], settings.block_size
-        return PagedSelection(self._selection(group.params["local_window"], q_len, ctx_len, b).to_index(
+        return PagedSelection(self._selection(group.params["reach"], q_len, ctx_len, b).to_index(
             b, q_len, ctx_len))
 
 
@@ -81,9 +89,20 @@ def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(regi
     assert resolve_head(None, settings).pattern == "local_blocks"
     assert load_checked_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"}).default_pattern == "local_blocks"
     cfg = parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
-                             "num_heads": 2, "layers": [{"heads": [{"pattern": "local_blocks", "local_window": 64},
+                             "num_heads": 2, "layers": [{"heads": [{"pattern": "local_blocks", "reach": 64},
                                                                    {"pattern": "dense"}]}]}, "file.json")
     assert [h.pattern for h in cfg.layers[0].heads] == ["local_blocks", "dense"]
+    # its parameter: from the entry, else its own default (no setting has it)
+    assert resolve_head(cfg.layers[0].heads[0], settings).param("reach") == 64
+    assert resolve_head(None, settings).param("reach") == 100
+    # an entry may set only its pattern's parameters, within their bounds
+    for entry, why in (({"pattern": "local_blocks", "local_window": 64}, "field 'local_window': not a parameter "
+                        "of pattern 'local_blocks' \\(its parameters: reach\\)"),
+                       ({"pattern": "local_blocks", "reach": 0}, "field 'reach': Input should be greater than or "
+                        "equal to 1")):
+        with pytest.raises(ConfigError, match="file.json: layer 0, head 0, " + why):
+            parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
+                               "num_heads": 1, "layers": [{"heads": [entry]}]}, "file.json")
 
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():
@@ -97,21 +116,21 @@ def test_an_unregistered_pattern_fails_naming_the_known_ones():
 
 
 def test_the_budget_checks_ask_the_registered_pattern(registered):
-    settings = SparseSettings(default_pattern="local_blocks", local_window=128)
-    heads = [resolve_head(None, settings)] * 4
+    settings = SparseSettings(default_pattern="local_blocks")
+    heads = [resolve_head(HeadPattern(pattern="local_blocks", reach=128), settings)] * 4
     q_len, ctx_len = 1024, 1024
     visible = ctx_len + (q_len + 1) / 2
     assert budget_density(heads, q_len, ctx_len, settings) == pytest.approx(128 / visible)
     assert not budgets_cover_every_key(heads, q_len, ctx_len, settings)
-    wide = [resolve_head(None, settings.model_copy(update={"local_window": 4096}))] * 4
+    wide = [resolve_head(HeadPattern(pattern="local_blocks", reach=4096), settings)] * 4
     assert budgets_cover_every_key(wide, q_len, ctx_len, settings)
     assert kv_group_share(heads, 2, settings) == 2  # group_shareable by default
 
 
 @pytest.mark.parametrize("q_len,ctx_len", [(300, 0), (200, 150)])
 def test_both_estimators_and_the_attention_follow_the_registered_pattern(registered, q_len, ctx_len, rng):
-    block, window = 64, 100
-    settings = SparseSettings(default_pattern="local_blocks", local_window=window, kv_group_shared=False)
+    block, window = 64, 100  # the pattern's default reach
+    settings = SparseSettings(default_pattern="local_blocks", kv_group_shared=False)
     # two heads of the toy pattern beside two dense ones: the registry serves mixed layers too
     heads = [resolve_head(None, settings)] * 2 + [resolve_head(None, settings.model_copy(
         update={"default_pattern": "dense"}))] * 2

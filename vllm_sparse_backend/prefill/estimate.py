@@ -72,7 +72,7 @@ def estimate_index(q: torch.Tensor, k: torch.Tensor, ctx_len: int, heads: list[R
     for name, ids_list in _groups_by_pattern(heads).items():
         pattern = get_pattern(name)
         ids = torch.tensor(ids_list, device=device)
-        params = {f: torch.tensor([getattr(heads[i], f) for i in ids_list], device=device)
+        params = {f: torch.tensor([heads[i].param(f) for i in ids_list], device=device)
                   for f in pattern.head_fields}
         sel, labels = pattern.select(q[:, ids], k, kvh[ids], ctx_len, params, settings, scale, share)
         counts.update(labels)
@@ -124,7 +124,7 @@ class HeadGroups:
             pattern = get_pattern(name)
             params, max_params, min_params = {}, {}, {}
             for f in pattern.head_fields:
-                vals = [getattr(lists[i], f) for i in ids]
+                vals = [lists[i].param(f) for i in ids]
                 params[f] = torch.tensor(vals, device=device)
                 max_params[f], min_params[f] = max(vals), min(vals)
             groups.append(HeadGroup(pattern, torch.tensor(ids, device=device), params, max_params, min_params,

@@ -7,10 +7,11 @@ first ``sink_tokens`` keys and the blocks reaching back ``local_window`` keys fr
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from ...kernels import estimate
 from ..index import num_blocks, query_block_bounds
-from .base import HeadGroup, PagedSelection, Pattern, PatternSelection
+from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection
 
 
 def a_shape_selection(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_len: int, ctx_len: int,
@@ -25,15 +26,20 @@ def a_shape_selection(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_l
     return PatternSelection.blocks_only(sink | local)
 
 
+class AShapeParams(HeadParams):
+    sink_tokens: int | None = Field(None, ge=0, description="first keys kept (sinks)")
+    local_window: int | None = Field(None, ge=1, description="keys kept before each query block")
+
+
 class AShape(Pattern):
     name = "a_shape"
-    head_fields = ("sink_tokens", "local_window")
+    head_params = AShapeParams
 
     def keys_per_query(self, head, kv_len, visible, settings):
-        return head.sink_tokens + head.local_window
+        return head.param("sink_tokens") + head.param("local_window")
 
     def covers_every_key(self, head, kv_len, settings):
-        return head.sink_tokens + head.local_window >= kv_len
+        return head.param("sink_tokens") + head.param("local_window") >= kv_len
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
         sel = a_shape_selection(params["sink_tokens"], params["local_window"], q.shape[0], ctx_len,

@@ -4,7 +4,8 @@ A pattern is one class in its own file of this folder, registered by one line in
 :data:`vllm_sparse_backend.prefill.patterns.PATTERNS`. It says everything the rest of the
 backend needs to know about it:
 
-* which per-head budgets it reads (:attr:`Pattern.head_fields`, fields of a resolved head);
+* its per-head parameters (:attr:`Pattern.head_params`, a pydantic model): what a head-config
+  entry of the pattern may set, with their bounds; a resolved head carries exactly these;
 * what its budgets allow before anything is estimated (:meth:`Pattern.keys_per_query`,
   :meth:`Pattern.covers_every_key`: the planner and the density gate use them);
 * whether the heads of a KV group may share one selection (:attr:`Pattern.group_shareable`);
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ..index import SparseIndex, build_index
@@ -32,6 +34,15 @@ if TYPE_CHECKING:
     from ...head_configs import ResolvedHead
 
 
+class HeadParams(BaseModel):
+    """A pattern's per-head parameters, as a head-config entry of the pattern sets them. A
+    subclass declares one field per parameter, with its bounds and ``None`` as the default: a head
+    that leaves a parameter out takes the setting of the same name (``SparseSettings``); a
+    parameter no setting has gives its own default instead. Fields nobody declares are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 @dataclass
 class HeadGroup:
     """The heads (or, with a shared selection, the KV groups) of one layer that have one pattern,
@@ -39,7 +50,7 @@ class HeadGroup:
 
     pattern: "Pattern"
     ids: torch.Tensor  # int64 [n] lists of the layer with this pattern (query heads, or KV heads when shared)
-    params: dict[str, torch.Tensor]  # per-list budgets [n], one entry per Pattern.head_fields
+    params: dict[str, torch.Tensor]  # per-list budgets [n], one entry per field of Pattern.head_params
     max_params: dict[str, float]  # the largest of each, as host numbers (output widths)
     min_params: dict[str, float]  # the smallest (equal to the largest: one budget for the group)
     all_heads: bool  # the group is the whole layer (no head selection or scatter needed)
@@ -70,12 +81,17 @@ class Pattern(ABC):
     """One prefill pattern. Subclasses set :attr:`name` and implement the four methods."""
 
     name: ClassVar[str]
-    # Fields of ResolvedHead this pattern reads per head (each becomes a [heads] tensor for the
-    # estimators; nothing else of a head reaches them).
-    head_fields: ClassVar[tuple[str, ...]] = ()
+    # The per-head parameters (each becomes a [heads] tensor for the estimators; nothing else of
+    # a head reaches them). The base class: none.
+    head_params: ClassVar[type[HeadParams]] = HeadParams
     # Whether the query heads of a KV group may share one key selection (kv_group_shared). A
     # pattern whose per-head decision has no group form says False.
     group_shareable: ClassVar[bool] = True
+
+    @property
+    def head_fields(self) -> tuple[str, ...]:
+        """The names of :attr:`head_params`' fields, in their order."""
+        return tuple(self.head_params.model_fields)
 
     @abstractmethod
     def keys_per_query(self, head: ResolvedHead, kv_len: int, visible: float, settings: SparseSettings) -> float:
@@ -94,7 +110,7 @@ class Pattern(ABC):
                share: int) -> tuple["PatternSelection", dict[str, int]]:
         """PyTorch estimator. q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D] (all
         keys of the row), kvh: [h] the KV head of each head; ``params``: per-head budgets
-        (:attr:`head_fields`). Returns the selection and the heads per pattern label for the
+        (one per field of :attr:`head_params`). Returns the selection and the heads per pattern label for the
         stats (normally ``{name: h}``)."""
 
     @abstractmethod

@@ -13,13 +13,14 @@ has two) so that every query sees at least its own position."""
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 from vllm_sparse_kernels.prefill.estimate_math import mass_block_counts, scored_block_mass
 from vllm_sparse_kernels.kv_quant import scale_operand
 from vllm_sparse_kernels.reference.attention import gather_pages
 
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask
-from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
+from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
 
 
 def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
@@ -61,15 +62,19 @@ def row_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int
     return k if ks is None else k * ks.to(dtype)
 
 
+class BlockSparseParams(HeadParams):
+    topk_blocks: int | None = Field(None, ge=1, description="key blocks kept per query block")
+
+
 class BlockSparse(Pattern):
     name = "block_sparse"
-    head_fields = ("topk_blocks",)
+    head_params = BlockSparseParams
 
     def keys_per_query(self, head, kv_len, visible, settings):
-        return head.topk_blocks * settings.block_size
+        return head.param("topk_blocks") * settings.block_size
 
     def covers_every_key(self, head, kv_len, settings):
-        return head.topk_blocks >= -(-kv_len // settings.block_size)
+        return head.param("topk_blocks") >= -(-kv_len // settings.block_size)
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
         sel = block_sparse_selection(q, k, kvh, ctx_len, params["topk_blocks"], block_size=settings.block_size,

@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from pydantic import Field
 from vllm_sparse_kernels.prefill.estimate_math import rescale_block_mask, sqrt_js_divergence
 
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
-from .base import (HeadGroup, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget, keep_top,
+from .base import (HeadGroup, HeadParams, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget, keep_top,
                    last_queries_probs, vertical_and_slash_sums)
 from .vertical_slash import vertical_slash_to_selection
 
@@ -96,11 +97,15 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     return PatternSelection(block_mask, vs.columns, column_keep), FlexDecision(query_aware, jsd)
 
 
+class FlexPrefillParams(HeadParams):
+    gamma: float | None = Field(None, gt=0.0, le=1.0, description="share of the attention mass kept")
+
+
 class FlexPrefill(Pattern):
     """Per input, each head is query-aware or vertical-slash (the stats count both labels)."""
 
     name = "flex_prefill"
-    head_fields = ("gamma",)
+    head_params = FlexPrefillParams
     group_shareable = False  # the per-head query-aware decision has no group form
 
     def keys_per_query(self, head, kv_len, visible, settings):

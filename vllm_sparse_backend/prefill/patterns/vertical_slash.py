@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import Field
 
 from ...kernels import estimate, vs_index
 from ..index import SparseIndex, compact, num_blocks, query_block_bounds
-from .base import (HeadGroup, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
+from .base import (HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
                    sum_head_groups, vertical_and_slash_sums)
 
 
@@ -238,15 +239,20 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
                                          slash_tiles=settings.slash_tiles)
 
 
+class VerticalSlashParams(HeadParams):
+    vertical_size: int | None = Field(None, ge=1, description="columns (keys) kept")
+    slash_size: int | None = Field(None, ge=1, description="diagonals kept")
+
+
 class VerticalSlash(Pattern):
     name = "vertical_slash"
-    head_fields = ("vertical_size", "slash_size")
+    head_params = VerticalSlashParams
 
     def keys_per_query(self, head, kv_len, visible, settings):
-        return sum(vs_budgets(head.vertical_size, head.slash_size, kv_len, settings))
+        return sum(vs_budgets(head.param("vertical_size"), head.param("slash_size"), kv_len, settings))
 
     def covers_every_key(self, head, kv_len, settings):
-        return max(vs_budgets(head.vertical_size, head.slash_size, kv_len, settings)) >= kv_len
+        return max(vs_budgets(head.param("vertical_size"), head.param("slash_size"), kv_len, settings)) >= kv_len
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
         # budgets that grow with the row (vertical_share / slash_share) as on the GPU path
