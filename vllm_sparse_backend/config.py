@@ -129,6 +129,10 @@ class SparseSettings(BaseModel):
         "dense where they cannot run (no triton, head size other than 64/128, model dtype other than "
         "fp16/bf16); triton = the same but a start-up error there; torch = estimation and reference attention "
         "on K/V gathered from the cache (slow, for debugging)."))
+    skip_tile_below: float = Field(0.0, ge=0.0, lt=1.0, description=(
+        "Skip-softmax filter in the Triton kernel (0 = off): a key tile of a sparse row's listed blocks below "
+        "the diagonal is left out when each of its weights is below this share of its row's largest so far "
+        "(e.g. 1e-4). Not calibrated or measured on a GPU yet; the torch path ignores it."))
     kv_block_size: Literal["auto", "16", "32", "64", "128"] = Field("auto", description=(
         "CUDA: KV-cache page size asked of vLLM when --block-size is not given. auto = 64 on compute capability "
         "9.0+ with decode_mode=dense (each 64-key kernel tile is then one page, loaded with TMA), vLLM's "

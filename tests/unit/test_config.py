@@ -46,6 +46,8 @@ def test_env_overrides_file(tmp_path):
      "decode_persist_next runs of persistent pages need decode_span_persist=attention"),
     ({"VLLM_SPARSE_DECODE_SINK_PAGES": "0", "VLLM_SPARSE_DECODE_RECENT_PAGES": "0",
       "VLLM_SPARSE_DECODE_BUDGET_PAGES": "0"}, "decode_budget_pages"),
+    ({"VLLM_SPARSE_SKIP_TILE_BELOW": "1"}, "VLLM_SPARSE_SKIP_TILE_BELOW"),
+    ({"VLLM_SPARSE_SKIP_TILE_BELOW": "-0.001"}, "VLLM_SPARSE_SKIP_TILE_BELOW"),
 ])
 def test_bad_env_is_named(env, needle):
     with pytest.raises(ConfigError, match=needle):

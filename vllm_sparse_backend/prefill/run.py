@@ -73,7 +73,7 @@ def run_sparse_rows_paged(query, output, rows: list[SparseRow], key_cache, value
         if row_table is not None and len(todo) == len(rows):
             extra["row_table"] = row_table  # the step's table holds exactly these rows
         kernel(query, key_cache, value_cache, block_table, [r for r, _ in todo], [e.index for _, e in todo], scale,
-               output, softcap, whole_rows=outcome.flags, **extra)
+               output, softcap, whole_rows=outcome.flags, skip_below=settings.skip_tile_below, **extra)
         timing.lap("kernel")
     timing.done()
     return outcome

@@ -50,6 +50,7 @@ vllm_sparse_backend: torch, triton and this package only.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -89,7 +90,7 @@ def _sparse_fwd_kernel(
     q_strides, o_strides, k_strides, v_strides,  # [T, H, D] and [pages, page, Hkv, D] strides
     s_bt, s_lh,  # block-table row stride, list owner stride of the lists (TQB)
     num_qb, maxb, maxc, maxr,
-    qk_scale, softcap,
+    qk_scale, softcap, skip_log2,
     GROUP: tl.constexpr,  # query heads per KV head
     GH: tl.constexpr,  # query heads stacked in one program (one key list for all of them)
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -97,6 +98,7 @@ def _sparse_fwd_kernel(
     FALLBACK: tl.constexpr,  # rows flagged in whole_ptr run every causal key block instead of their lists
     KV_SCALED: tl.constexpr,  # dequantised K/V = stored * k_scale / v_scale (fp32 scalars on the device)
     TMA: tl.constexpr,  # listed blocks loaded through k_desc / v_desc (needs BLOCK_N == BLOCK, PAGE % BLOCK == 0)
+    SKIP: tl.constexpr,  # the skip-softmax filter on listed blocks below the diagonal (tiles.py)
 ):
     """The serving kernel: one program per (list owner, query block), KV-head-major order, the
     next tile's list entries and page lookups prefetched. Per program: the listed key blocks, the
@@ -114,9 +116,9 @@ def _sparse_fwd_kernel(
 
     lrow, blist, n_full, n_all, whole = block_list(bcnt_ptr, bidx_ptr, whole_ptr, maxb, s_lh, pid_h, qb, qpos0, nq,
                                                     False, FALLBACK)
-    m_i, l_i, acc = block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blist, None,
+    m_i, l_i, acc = block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, skip_log2, blist, None,
                                  n_full, n_all, whole, PAGE, BLOCK_N, HEAD_DIM, False, False, True, FALLBACK, SOFTCAP,
-                                 TMA)
+                                 TMA, SKIP)
     rlist, n_rng = list_row(rcnt_ptr, ridx_ptr, maxr, lrow, whole, FALLBACK)
     m_i, l_i, acc = range_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, rlist, n_rng,
                                  PAGE, BLOCK_N, HEAD_DIM, SOFTCAP)
@@ -136,9 +138,9 @@ def _sparse_fwd_variants_kernel(
     q_strides, o_strides, k_strides, v_strides,
     s_bt, s_lh, s_lse_h,  # ... and the lse head stride
     num_qb, num_lists, maxb, maxc, maxr,
-    qk_scale, softcap,
+    qk_scale, softcap, skip_log2,
     GROUP: tl.constexpr, GH: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SOFTCAP: tl.constexpr, FALLBACK: tl.constexpr, KV_SCALED: tl.constexpr, TMA: tl.constexpr,
+    SOFTCAP: tl.constexpr, FALLBACK: tl.constexpr, KV_SCALED: tl.constexpr, TMA: tl.constexpr, SKIP: tl.constexpr,
     DENSE: tl.constexpr,  # no lists: every causal key block (benchmarks' dense baseline)
     MERGED: tl.constexpr,  # merged lists of GH heads with a head bitmask per entry (bbits_ptr / cbits_ptr)
     WRITE_LSE: tl.constexpr,  # also the natural-log LSE into lse_ptr [H, T]
@@ -162,9 +164,9 @@ def _sparse_fwd_variants_kernel(
 
     lrow, blist, n_full, n_all, whole = block_list(bcnt_ptr, bidx_ptr, whole_ptr, maxb, s_lh, pid_h, qb, qpos0, nq,
                                                     DENSE, FALLBACK)
-    m_i, l_i, acc = block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blist,
+    m_i, l_i, acc = block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, skip_log2, blist,
                                  bbits_ptr + lrow * maxb, n_full, n_all, whole,
-                                 PAGE, BLOCK_N, HEAD_DIM, DENSE, MERGED, PREFETCH, FALLBACK, SOFTCAP, TMA)
+                                 PAGE, BLOCK_N, HEAD_DIM, DENSE, MERGED, PREFETCH, FALLBACK, SOFTCAP, TMA, SKIP)
     if not DENSE:
         rlist, n_rng = list_row(rcnt_ptr, ridx_ptr, maxr, lrow, whole, FALLBACK)
         m_i, l_i, acc = range_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, rlist, n_rng,
@@ -305,7 +307,7 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
                              num_stages: int | None = None, block_n: int | None = None,
                              kv_major: bool | None = None, prefetch: bool | None = None,
                              whole_rows: torch.Tensor | None = None, k_scale=None, v_scale=None,
-                             tma: bool | None = None, row_table: RowTable | None = None):
+                             tma: bool | None = None, row_table: RowTable | None = None, skip_below: float = 0.0):
     """Sparse (or dense causal) prefill attention of a varlen batch of rows, in place into ``out``.
 
     q, out: [T, H, D] (any strides); key_cache, value_cache: [num_pages, page_size, Hkv, D] views
@@ -337,7 +339,14 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     ``row_table`` (optional, :func:`plan_rows` of ``rows``, built once per step): the rows'
     metadata and the ``whole_rows`` expansion come from it instead of being built and copied to
     the device at every launch. None: built here, as before.
+    ``skip_below`` (0 <= skip_below < 1; 0: off): the skip-softmax filter. A key tile of listed
+    blocks below the diagonal whose every weight, relative to its row's largest score so far, is
+    below ``skip_below`` (for all of the program's rows) is left out of the sum; each row's output
+    then misses at most ``skip_below`` per key of the tiles left out, relative to that row's
+    largest weight. Range and column tiles, and the blocks at the diagonal, are always computed.
     """
+    if not 0.0 <= skip_below < 1.0:
+        raise ValueError(f"skip_below={skip_below}: 0 (off) or a weight ratio below 1")
     t, h, d, page, hkv = _check_operands(q, key_cache, value_cache, block_table, out)
     if rows is not None:
         _check_rows(rows, t, block_table, page)
@@ -426,9 +435,9 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
     other_ptrs = (whole, rcnt, ridx, bcnt if ks is None else ks, bcnt if vs is None else vs,  # (not read unless
                   k_desc, v_desc)                                                               # KV_SCALED / TMA)
     strides = (q.stride(), out.stride(), key_cache.stride(), value_cache.stride())
-    scalars = (float(scale), float(softcap) if softcap > 0 else 1.0)
+    scalars = (float(scale), float(softcap) if softcap > 0 else 1.0, -math.log2(skip_below) if skip_below > 0 else 0.0)
     modes = dict(GROUP=group, GH=gh, PAGE=page, BLOCK_N=bn, HEAD_DIM=d, SOFTCAP=softcap > 0, FALLBACK=fallback,
-                 KV_SCALED=ks is not None, TMA=use_tma, num_warps=warps, num_stages=stages)
+                 KV_SCALED=ks is not None, TMA=use_tma, SKIP=skip_below > 0, num_warps=warps, num_stages=stages)
     grid = (lists * tqb,)
     if _serving_launch(bix.dense, bix.merged, return_lse, kvm, pf, use_tma):
         _sparse_fwd_kernel[grid](q, key_cache, value_cache, out, block_table, *lists_ptrs, *other_ptrs, *strides,

@@ -45,9 +45,26 @@ def _heads_using(bits, head_bit):
 
 
 @triton.jit
-def _online_softmax(m_i, l_i, acc, q, kt, v, allow, qk_scale, softcap, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+def _fold_tile(m_i, l_i, acc, s, v):
+    """The online softmax's update by one tile of scores s (log2 domain) and its values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _online_softmax(m_i, l_i, acc, q, kt, v, allow, qk_scale, softcap, skip_log2,
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, SKIP: tl.constexpr):
     """Fold one key tile (kt: [HEAD_DIM, BLOCK_N], v: [BLOCK_N, HEAD_DIM]) into the running
-    online softmax (log2 domain): row maxima m_i, row sums l_i, output accumulator acc."""
+    online softmax (log2 domain): row maxima m_i, row sums l_i, output accumulator acc.
+
+    SKIP: a tile whose every row's largest score lies more than ``skip_log2`` below that row's
+    running maximum (each of its weights < 2^-skip_log2 of the row's largest so far) is left out:
+    no exponentials, no P.V (the skip-softmax filter; only ever given to tiles of listed blocks
+    below the diagonal, whose running maxima already hold earlier keys)."""
     # an fp8 cache is widened to the query's dtype here (its scales are in qk_scale and the
     # output); for a cache of the query's dtype these are no-ops
     kt = kt.to(q.dtype)
@@ -62,18 +79,20 @@ def _online_softmax(m_i, l_i, acc, q, kt, v, allow, qk_scale, softcap, MASKED: t
         s = s * (qk_scale * LOG2E)
     if MASKED:
         s = tl.where(allow, s, NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    if SKIP:
+        if tl.max(tl.max(s, 1) - m_i, 0) < -skip_log2:
+            m_out, l_out, acc_out = m_i, l_i, acc
+        else:
+            m_out, l_out, acc_out = _fold_tile(m_i, l_i, acc, s, v)
+    else:
+        m_out, l_out, acc_out = _fold_tile(m_i, l_i, acc, s, v)
+    return m_out, l_out, acc_out
 
 
 @triton.jit
 def _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
-                 s_kd, s_vd, qk_scale, softcap,
-                 MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                 s_kd, s_vd, qk_scale, softcap, skip_log2,
+                 MASKED: tl.constexpr, LOAD_MASKED: tl.constexpr, SOFTCAP: tl.constexpr, SKIP: tl.constexpr):
     """One BLOCK_N-wide key tile gathered through per-key row offsets k_off/v_off ([BLOCK_N])."""
     if LOAD_MASKED:
         kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd, mask=kv_ok[None, :], other=0.0)
@@ -81,7 +100,7 @@ def _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, al
     else:
         kt = tl.load(k_ptr + k_off[None, :] + offs_d[:, None] * s_kd)
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :] * s_vd)
-    return _online_softmax(m_i, l_i, acc, q, kt, v, allow, qk_scale, softcap, MASKED, SOFTCAP)
+    return _online_softmax(m_i, l_i, acc, q, kt, v, allow, qk_scale, softcap, skip_log2, MASKED, SOFTCAP, SKIP)
 
 
 @triton.jit
@@ -92,9 +111,9 @@ def _tile_page_slot(bt_row_ptr, kb, ok, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh, kv_ok, allow, qk_scale, softcap,
+def _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh, kv_ok, allow, qk_scale, softcap, skip_log2,
                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, SKIP: tl.constexpr):
     """One key tile of BLOCK_N consecutive keys of one page, loaded with the tensor memory
     accelerator (4-D descriptors over the [pages, page, Hkv, D] caches)."""
     k = tl.reshape(k_desc.load([page, slot, kvh, 0]), [BLOCK_N, HEAD_DIM])
@@ -102,7 +121,8 @@ def _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh, kv_ok, a
     if MASKED:
         # the page's keys past the row's end hold whatever the cache holds: keep them out of p @ v
         v = tl.where(kv_ok[:, None], v, tl.zeros_like(v))
-    return _online_softmax(m_i, l_i, acc, q, tl.trans(k), v, allow, qk_scale, softcap, MASKED, SOFTCAP)
+    return _online_softmax(m_i, l_i, acc, q, tl.trans(k), v, allow, qk_scale, softcap, skip_log2, MASKED, SOFTCAP,
+                           SKIP)
 
 
 @triton.jit
@@ -219,15 +239,16 @@ def list_row(cnt_ptr, idx_ptr, width, lrow, whole, FALLBACK: tl.constexpr):
 
 
 @triton.jit
-def block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blist, bits_row, n_full, n_all, whole,
-                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DENSE: tl.constexpr,
+def block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, skip_log2, blist, bits_row, n_full,
+                 n_all, whole, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DENSE: tl.constexpr,
                  MERGED: tl.constexpr, PREFETCH: tl.constexpr, FALLBACK: tl.constexpr, SOFTCAP: tl.constexpr,
-                 TMA: tl.constexpr):
+                 TMA: tl.constexpr, SKIP: tl.constexpr):
     """The listed key blocks (:func:`block_list`), KPT = BLOCK_N // BLOCK per key tile: 1) the
     tiles of blocks strictly below the diagonal, unmasked (but for merged heads' bits); 2) the
     rest, causally masked: the (at most two) blocks reaching the queries' own positions, an odd
     block left. TMA: tiles loaded through the descriptors (one 64-key block per tile), else
-    gathered per key. bits_row: the entries' head bits (MERGED only)."""
+    gathered per key. bits_row: the entries' head bits (MERGED only). SKIP: the skip-softmax
+    filter (:func:`_online_softmax`) on the tiles of 1)."""
     KPT: tl.constexpr = BLOCK_N // BLOCK  # listed key blocks per key tile (1 or 2)
     n_full_tiles = n_full // KPT
     n_tiles = (n_all + KPT - 1) // KPT
@@ -251,10 +272,12 @@ def block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blis
             if MERGED:
                 allow = _heads_using(tl.load(bits_row + t) + zero_n, head_bit)
                 m_i, l_i, acc = _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh_i, within >= 0,
-                                                 allow, qk_scale, softcap, BLOCK_N, HEAD_DIM, True, SOFTCAP)
+                                                 allow, qk_scale, softcap, skip_log2, BLOCK_N, HEAD_DIM, True, SOFTCAP,
+                                                 SKIP)
             else:
                 m_i, l_i, acc = _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh_i, within >= 0,
-                                                 within >= 0, qk_scale, softcap, BLOCK_N, HEAD_DIM, False, SOFTCAP)
+                                                 within >= 0, qk_scale, softcap, skip_log2, BLOCK_N, HEAD_DIM, False,
+                                                 SOFTCAP, SKIP)
             page = page_n
             slot = slot_n
     else:
@@ -280,11 +303,12 @@ def block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blis
             if MERGED:
                 allow = _heads_using(tl.load(bits_row + e) + zero_n, head_bit)  # e: a scalar or [BLOCK_N]
                 m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0, allow,
-                                             k_strides[3], v_strides[3], qk_scale, softcap, True, False, SOFTCAP)
+                                             k_strides[3], v_strides[3], qk_scale, softcap, skip_log2, True, False,
+                                             SOFTCAP, SKIP)
             else:
                 m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, within >= 0,
-                                             within >= 0, k_strides[3], v_strides[3], qk_scale, softcap, False, False,
-                                             SOFTCAP)
+                                             within >= 0, k_strides[3], v_strides[3], qk_scale, softcap, skip_log2,
+                                             False, False, SOFTCAP, SKIP)
             if PREFETCH:
                 k_off = k_off_n
                 v_off = v_off_n
@@ -302,11 +326,12 @@ def block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, blis
         if TMA:
             page, slot = _tile_page_slot(bt_row_ptr, kb, e_ok, PAGE)
             m_i, l_i, acc = _attend_tile_tma(m_i, l_i, acc, q, k_desc, v_desc, page, slot, kvh_i, kv_ok, allow,
-                                             qk_scale, softcap, BLOCK_N, HEAD_DIM, True, SOFTCAP)
+                                             qk_scale, softcap, 0.0, BLOCK_N, HEAD_DIM, True, SOFTCAP, False)
         else:
             k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, k_strides, v_strides, PAGE)
             m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
-                                         k_strides[3], v_strides[3], qk_scale, softcap, True, True, SOFTCAP)
+                                         k_strides[3], v_strides[3], qk_scale, softcap, 0.0, True, True, SOFTCAP,
+                                         False)
     return m_i, l_i, acc
 
 
@@ -332,7 +357,7 @@ def range_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, rlis
         k_off, v_off = _kv_offsets(bt_row_ptr, kpos, kv_ok, kvh, k_strides, v_strides, PAGE)
         allow = (kpos[None, :] <= qpos[:, None]) & kv_ok[None, :]
         m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, kv_ok, allow,
-                                     k_strides[3], v_strides[3], qk_scale, softcap, True, True, SOFTCAP)
+                                     k_strides[3], v_strides[3], qk_scale, softcap, 0.0, True, True, SOFTCAP, False)
     return m_i, l_i, acc
 
 
@@ -356,7 +381,7 @@ def column_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, cli
         if MERGED:
             allow = allow & _heads_using(tl.load(bits_row + j + offs_n, mask=c_ok, other=0), head_bit)
         m_i, l_i, acc = _attend_tile(m_i, l_i, acc, q, k_ptr, v_ptr, k_off, v_off, offs_d, c_ok, allow,
-                                     k_strides[3], v_strides[3], qk_scale, softcap, True, True, SOFTCAP)
+                                     k_strides[3], v_strides[3], qk_scale, softcap, 0.0, True, True, SOFTCAP, False)
     return m_i, l_i, acc
 
 
