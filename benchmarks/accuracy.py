@@ -156,22 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         old = json.loads(out_json.read_text())
         # Results of tasks or lengths not asked for now stay (a later run may cover a subset);
         # those of prompts asked for again must be of the same prompts: same model and text,
-        # and per (task, length, seed) the same depth and token count.
-        for field, now in (("model", model_name), ("text", text_name)):
-            if old["meta"][field] != now:
-                p.error(f"{out_json} was run with {field} {old['meta'][field]}, not {now}")
+        # and per (task, length, seed) the same depth and token count; and the same servers.
+        for field, now in (("model", model_name), ("text", text_name),
+                           ("min_sparse_query_len", gating["min_sparse_query_len"]),
+                           ("max_density", gating["max_density"]), ("yarn", args.yarn),
+                           ("max_num_batched_tokens", args.max_num_batched_tokens),
+                           ("kv_cache_dtype", args.kv_cache_dtype)):
+            if old["meta"].get(field) != now:
+                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {now}")
         prompts = {(s.task, s.target_tokens, s.seed): (s.depth, s.n_tokens) for s in samples}
         kept = [acc.Result(**r) for r in old["results"]]
         if any(prompts.get((r.task, r.target_tokens, r.seed), (r.depth, r.n_tokens))
                != (r.depth, r.n_tokens) for r in kept):
             p.error(f"{out_json} holds results of other prompts (other --samples or --seed?); "
                     "use another --out")
-        for field, now in (("min_sparse_query_len", gating["min_sparse_query_len"]),
-                           ("max_density", gating["max_density"]), ("yarn", args.yarn),
-                           ("max_num_batched_tokens", args.max_num_batched_tokens),
-                           ("kv_cache_dtype", args.kv_cache_dtype)):
-            if old["meta"].get(field) != now:
-                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {now}")
         done = list(dict.fromkeys(r.variant for r in kept))
         results += kept
         # Earlier runs' variants stay in the table, first and in their order.

@@ -132,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {} if args.min_budget is None else {"min_budget": args.min_budget}
 
     date = datetime.date.today().isoformat()
-    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" /
-                       f"attention_recall_{device.split(':')[0]}_{run.short_name}_{date}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out_json, out_txt = inputs.result_paths(args.out, REPO / "benchmarks" / "results" /
+                                            f"attention_recall_{device.split(':')[0]}_{run.short_name}_{date}")
     t_load = time.monotonic()
     cap = ac.CaptureModel(str(model_dir), device, args.dtype, args.yarn, args.yarn_original)
     print(f"{model_name}: {cap.num_layers} layers, {cap.num_heads} / {cap.num_kv_heads} heads, "
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[sample.n_tokens] = ac.summarize(checker.results)
         meta.setdefault("capture_diff", {})[sample.n_tokens] = checker.capture_diff
         meta.setdefault("seconds", {})[sample.n_tokens] = round(time.monotonic() - t0, 1)
-        out.with_name(out.name + ".json").write_text(json.dumps(
+        out_json.write_text(json.dumps(
             {"meta": meta, "summary": summary, "layers": per_length}, indent=1) + "\n")
 
     how = (f"{meta['dtype']}" + (f", YaRN x{args.yarn:g}" if args.yarn else "")
@@ -194,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_layer:
         for n, res in per_length.items():
             lines += ["", format_layers(res, n)]
-    out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
+    out_txt.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(f"wrote {out}.json and {out}.txt")
+    print(f"wrote {out_json} and {out_txt}")
     return 0
 
 

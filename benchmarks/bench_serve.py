@@ -49,6 +49,7 @@ from vllm_sparse_tools.evaluation.inputs import (add_model_and_variants_argument
                                                  result_paths, short_model_name)
 
 from . import load  # noqa: E402  (its servers: the same flags as the load test)
+from .paired import stats_now  # noqa: E402  (the stats file once the library has rewritten it)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # What the table reports from a result, under vLLM's own names (the saved JSON's keys).
@@ -297,16 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                     # the seed of a cell is its place in the grid: a resumed run sends the same prompts
                     seed = args.seed + cell_index(args.input_lens, args.num_prompts, input_len, n)
                     name = f"run-{input_len}-{n}"
-                    before = None
-                    if target.stats_path:
-                        time.sleep(1.5)  # the library rewrites the file at most once a second
-                        before = acc.settled_stats(target.stats_path)
+                    before = stats_now(target) if target.stats_path else None
                     numbers = run_client(bench_command(num_prompts=n, seed=seed, result_name=f"{name}.json", **common),
                                          folder / f"{name}.json", folder / f"{name}.log", args.run_timeout)
-                    density = None
-                    if target.stats_path:
-                        time.sleep(1.5)  # the library rewrites the file at most once a second
-                        density = density_of_run(before, acc.settled_stats(target.stats_path))
+                    density = density_of_run(before, stats_now(target)) if target.stats_path else None
                     runs.append({"variant": v.label, "input_len": input_len, "num_prompts": n, "seed": seed,
                                  "density": density, **numbers})
                     print(f"[{v.label}] input {input_len}, {n} prompts: ttft p50 {numbers['p50_ttft_ms']} ms, "

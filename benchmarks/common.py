@@ -1,5 +1,5 @@
-"""CUDA timing and model shapes shared by the GPU benchmarks (kernels, decode_topk and the
-scratch_memory study); torch only, so a study can read it before choosing whether triton interprets."""
+"""CUDA timing and model shapes shared by the GPU benchmarks (kernels, decode_topk); torch only, so a
+script can read it before choosing whether triton interprets."""
 
 from __future__ import annotations
 

@@ -752,8 +752,8 @@ def main(argv: list[str] | None = None) -> int:
 
     date = datetime.date.today().isoformat()
     lengths = "-".join(f"{round(n / 1000)}k" for n in args.lengths)
-    out = pathlib.Path(args.out or REPO / "benchmarks" / "results" / f"decode_accuracy_cpu_{short}_{lengths}_{date}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out_json, out_txt = inputs.result_paths(args.out, REPO / "benchmarks" / "results" /
+                                            f"decode_accuracy_cpu_{short}_{lengths}_{date}")
 
     import transformers
     from transformers import AttentionInterface, AutoModelForCausalLM
@@ -817,10 +817,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"total {timings['total_s']:.0f} s; torch {torch.__version__}, transformers "
                      f"{transformers.__version__}")
         meta.update(dense_vs_sdpa_max_per_layer=attention.dense_check, prefill_row_check_max=attention.prefill_check)
-        out.with_name(out.name + ".json").write_text(json.dumps(
+        out_json.write_text(json.dumps(
             {"meta": meta, "rows": rows, "overall": summary, "relative_to_dense": relative,
              "results": [asdict(r) for r in results]}, indent=1) + "\n")
-        out.with_name(out.name + ".txt").write_text("\n".join(lines) + "\n")
+        out_txt.write_text("\n".join(lines) + "\n")
         return lines
 
     for sample in samples:
@@ -829,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     lines = save()
     print("\n".join(lines))
-    print(f"wrote {out}.json and {out}.txt")
+    print(f"wrote {out_json} and {out_txt}")
     worst = max(attention.dense_check.values(), default=0.0)
     if worst > DENSE_CHECK_RTOL:
         print(f"CHECK FAILED: the dense selector differs from SDPA by up to {worst:.1e} (relative), more than "

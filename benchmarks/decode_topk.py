@@ -63,7 +63,6 @@ import argparse
 import gc
 import json
 import math
-import statistics
 import sys
 import time
 
@@ -93,29 +92,16 @@ HOT_BOOST = (2.0, 7.0)  # added mean logit of a hot page's keys, uniform in this
 FLUSH_BYTES = 256 * 2**20  # > L2 of an H100 / H200
 
 GRAPH_FAILURES: list[str] = []
-_FLUSH: dict[str, torch.Tensor] = {}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
 
-def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50, graphs: bool = True,
-          label: str = "") -> float:
-    """Median milliseconds of ``fn()`` (see the module doc). On a CPU device: wall clock of two
-    calls after one warm-up (smoke tests under the Triton interpreter only)."""
-    if device.type != "cuda":
-        fn()
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+def bench(fn, device: torch.device, flush: torch.Tensor, budget_ms: float = 300.0, max_reps: int = 50,
+          graphs: bool = True, label: str = "") -> float:
+    """Median milliseconds of ``fn()`` on a CUDA ``device``, ``flush`` zeroed before each call (see
+    the module doc)."""
     fn()  # compiles
     torch.cuda.synchronize(device)
     run = fn
@@ -125,10 +111,6 @@ def bench(fn, device: torch.device, budget_ms: float = 300.0, max_reps: int = 50
         except Exception as e:  # not capturable: time it eagerly
             GRAPH_FAILURES.append(f"{label}: {type(e).__name__}: {str(e)[:120]}")
             torch.cuda.synchronize(device)
-    key = str(device)
-    if key not in _FLUSH:
-        _FLUSH[key] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-    flush = _FLUSH[key]
     t0 = time.perf_counter()
     run()
     torch.cuda.synchronize(device)
@@ -144,7 +126,7 @@ def make_inputs(h: int, hkv: int, d: int, n: int, batch: int, device: torch.devi
     """q ``[B, H, D]``; key / value cache ``[B * pages, PAGE, Hkv, D]`` (vLLM's flash-attn layout,
     K and V halves of one tensor); block table int32 ``[B, pages]`` (a random permutation of the
     physical pages); seq_lens int32 ``[B]`` = n. Hot pages planted (module doc)."""
-    n_pages = cdiv(n, PAGE)
+    n_pages = triton.cdiv(n, PAGE)
     kv = torch.empty(2, batch * n_pages, PAGE, hkv, d, dtype=DTYPE, device=device)
     kv.normal_(generator=gen)
     key_cache, value_cache = kv[0], kv[1]
@@ -207,7 +189,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def exact_attention(q, key_cache, block_table, n, scale):
     """Raw scores and softmax probabilities ``[Hkv, group, n]`` (fp32) of sequence 0 over its
     whole context."""
-    n_pages = cdiv(n, PAGE)
+    n_pages = triton.cdiv(n, PAGE)
     hkv, d = key_cache.shape[2:]
     k = key_cache[block_table[0, :n_pages].long()].reshape(n_pages * PAGE, hkv, d)[:n].float()
     qg = q[0].float().view(hkv, -1, d)
@@ -230,7 +212,7 @@ def selection_mass(s, p, selected, counts, topk_tokens):
     """(mass on the selected pages' tokens, mass on the tokens the token top-k keeps), means over
     query heads; selected ``[Hkv, width]`` logical pages (-1 padded), counts ``[Hkv]``."""
     hkv, _, n = p.shape
-    n_pages = cdiv(n, PAGE)
+    n_pages = triton.cdiv(n, PAGE)
     width = selected.shape[-1]
     ok = torch.arange(width, device=p.device)[None] < counts[:, None].to(p.device)
     idx = torch.where(ok, selected.long().to(p.device), n_pages)  # padding -> a spare column
@@ -269,21 +251,15 @@ def sdpa_case(q, key_cache, value_cache, block_table, n, group, scale, ref_out, 
     batch, h, d = q.shape
     res = {}
     need = 2 * batch * h * n * d * q.element_size()
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        if need > 0.85 * free:
-            res["sdpa_note"] = f"skipped: expanded K/V need {need / 2**30:.0f} GiB, {free / 2**30:.0f} free"
-            return res
-        backends = (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION))
-    else:
-        backends = (("cpu", None),)
+    free = torch.cuda.mem_get_info(device)[0]
+    if need > 0.85 * free:
+        res["sdpa_note"] = f"skipped: expanded K/V need {need / 2**30:.0f} GiB, {free / 2**30:.0f} free"
+        return res
     kd = dense_kv(key_cache, block_table, n, group)
     vd = dense_kv(value_cache, block_table, n, group)
     qd = q[:, :, None, :]
-    for name, backend in backends:
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
         def call(backend=backend):
-            if backend is None:
-                return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale)
             with sdpa_kernel([backend]):
                 return torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale)
         try:
@@ -301,11 +277,12 @@ def run_case(h: int, hkv: int, d: int, n: int, batch: int, device="cuda", *, see
     gen = torch.Generator(device=device).manual_seed(seed)
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
-    n_pages = cdiv(n, PAGE)
+    n_pages = triton.cdiv(n, PAGE)
     tag = f"H{h}/{hkv} D{d} n={n} B={batch}"
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
 
     def time_it(label, fn):
-        return bench(fn, device, budget_ms, max_reps, graphs, f"{tag} {label}")
+        return bench(fn, device, flush, budget_ms, max_reps, graphs, f"{tag} {label}")
 
     rec = {"h": h, "hkv": hkv, "d": d, "n": n, "batch": batch, "pages": n_pages}
     t_start = time.perf_counter()
@@ -475,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = []
         for n in contexts:
             for batch in batches:
-                cache_gb = 2 * batch * cdiv(n, PAGE) * PAGE * hkv * d * DTYPE.itemsize / 1e9
+                cache_gb = 2 * batch * triton.cdiv(n, PAGE) * PAGE * hkv * d * DTYPE.itemsize / 1e9
                 if cache_gb > args.max_cache_gb:
                     print(skip_row(n, batch, f"skipped: cache {cache_gb:.1f} GB"), flush=True)
                     continue

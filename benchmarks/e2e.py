@@ -668,12 +668,11 @@ def main() -> None:
             for cat, sec in pr["categories_s"].items():
                 print(f"| {cat} | {sec:.3f} | {sec / pr['busy_s']:.1%} |")
             print("largest kernels: " + "; ".join(f"{k['name'][:60]} {k['s']:.3f} s x{k['calls']}" for k in pr["top"]))
-            if "idle_by_gap_s" in pr:
-                print("GPU idle by gap length (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pr["idle_by_gap_s"].items()))
-                print("largest gaps: " + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
-                                                   for g in pr["largest_gaps"][:6]))
-                print("host calls that may wait: " + ", ".join(f"{k} x{v['calls']} {v['s']:.3f} s"
-                                                            for k, v in pr["host_waits"].items()))
+            print("GPU idle by gap length (s): " + ", ".join(f"{k} {v:.3f}" for k, v in pr["idle_by_gap_s"].items()))
+            print("largest gaps: " + "; ".join(f"{g['us']:.0f} us after {g['after'][:40]} before {g['before'][:40]}"
+                                               for g in pr["largest_gaps"][:6]))
+            print("host calls that may wait: " + ", ".join(f"{k} x{v['calls']} {v['s']:.3f} s"
+                                                        for k, v in pr["host_waits"].items()))
     for label in labels:
         st = get(label, "stats")
         if st:

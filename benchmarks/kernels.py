@@ -22,6 +22,7 @@ Run from the repo root: ``python -m benchmarks.kernels`` (``--sizes 16,32`` pick
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -51,17 +52,6 @@ def random_qkv(n, shape, gen, device="cuda"):
     """Standard normal bf16 q [n, H, D], k and v [n, Hkv, D] of a model shape (drawn in that order)."""
     h, hkv, d = SHAPES[shape]
     return tuple(torch.randn(n, heads, d, device=device, dtype=torch.bfloat16, generator=gen) for heads in (h, hkv, hkv))
-
-
-def line_printer():
-    """(lines, say): say(msg) prints msg at once and keeps it in lines."""
-    lines = []
-
-    def say(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    return lines, say
 
 
 def paged_cache(k, v, page, gen_device):
@@ -160,7 +150,7 @@ def sdpa_times(q, k, v, group):
     return res
 
 
-def run_shape(shape, sizes, args, gen, results):
+def run_shape(shape, sizes, gen, results):
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
@@ -226,16 +216,16 @@ def timed_line(label: str, fn, out, ref, best: float, pairs: int, d: int) -> str
         return f"{label}: {type(e).__name__}: {str(e)[:160]}"
 
 
-def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> list[str]:
+def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> None:
     """Launch variants for one shape, dense and with group-shared lists of scattered single
     diagonals (the real models' structure), including padded head stacks (groups of 6 stacked
     4 at a time). Prints one line per (n, index, variant) with ms, speedup vs the best SDPA and
-    TFLOP/s of the computed pairs; returns the lines."""
+    TFLOP/s of the computed pairs."""
     h, hkv, d = SHAPES[shape]
     group = h // hkv
     scale = 1.0 / math.sqrt(d)
     dev = "cuda"
-    lines, say = line_printer()
+    say = functools.partial(print, flush=True)
     stacks = [g for g in (1, 2, 4) if g <= group]
     for nk in sizes:
         n = nk * 1024
@@ -259,13 +249,9 @@ def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> list[str]:
             for gh in stacks:
                 for var in variants:
                     var = dict(heads_per_program=gh, num_warps=4 * gh, **var)
-                    try:
-                        t = bench(lambda: sa.sparse_prefill_attention(q, key_cache, value_cache, table, rows, dense,
-                                                                      scale, out, **var))
-                        say(f"  page {page} dense {vtag(var)}: {t:.2f} ms ({best / t:.2f}x, "
-                            f"{4 * d * dense_pairs / (t * 1e-3) / 1e12:.0f} TFLOP/s)")
-                    except Exception as e:
-                        say(f"  page {page} dense {vtag(var)}: {type(e).__name__}: {str(e)[:160]}")
+                    say(timed_line(f"  page {page} dense {vtag(var)}", lambda: sa.sparse_prefill_attention(
+                        q, key_cache, value_cache, table, rows, dense, scale, out, **var), out, None, best,
+                        dense_pairs, d))
             for gh in stacks:
                 lists = ix_kv.repeat_heads(-(-group // gh))
                 shared = sa.pack_rows(rows, [lists], device=dev, heads_per_list=gh)
@@ -283,7 +269,6 @@ def config_sweep(sizes, gen, shape="qwen2.5-1.5b") -> list[str]:
         del ix_kv
         del q, k, v, out, ref
         torch.cuda.empty_cache()
-    return lines
 
 
 def fmt_table(shape, recs, d):
@@ -293,8 +278,8 @@ def fmt_table(shape, recs, d):
              "VS 1000/6096 ms (x, TFLOP/s, density) | VS 100/800 ms (x, TFLOP/s, density) | BS top-100 ms (x, TFLOP/s, density) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in recs:
-        best = min(x for x in (r.get("sdpa_flash", float("nan")), r.get("sdpa_cudnn", float("nan"))) if x == x) \
-            if any(r.get(k, float("nan")) == r.get(k, float("nan")) for k in ("sdpa_flash", "sdpa_cudnn")) else float("nan")
+        sdpa = [r[k] for k in ("sdpa_flash", "sdpa_cudnn") if k in r and r[k] == r[k]]  # x == x: not NaN
+        best = min(sdpa, default=float("nan"))
         ours = r.get("ours_dense", float("nan"))
         tf = lambda pairs, ms: 4 * d * pairs / (ms * 1e-3) / 1e12  # noqa: E731
         dp = r.get("dense_pairs", 0)
@@ -327,7 +312,7 @@ def main():
     tables, results = [], []
     for shape in args.shapes.split(","):
         recs = []
-        run_shape(shape, sizes, args, gen, recs)
+        run_shape(shape, sizes, gen, recs)
         results += recs
         tables.append(fmt_table(shape, recs, SHAPES[shape][2]))
     if args.json:

@@ -59,21 +59,19 @@ SERVER_ERRORS = (ServerError, OSError, http.client.HTTPException, json.JSONDecod
 
 
 def stats_now(server: acc.Launched) -> dict | None:
-    """The server's stats file once the counts of its last forward are in it."""
+    """The server's stats file once the counts of its last forward are in it (``server``: anything
+    with a ``stats_path``; bench_serve passes its load targets)."""
     time.sleep(STATS_INTERVAL_S + 0.5)
     return acc.settled_stats(server.stats_path)
-# Where each known text comes from on a machine with network (gcide: the Debian dictionary).
-TEXT_ASSETS = {"austen": "austen", "shakespeare": "shakespeare", "bible": "bible", "gcide": "gcide"}
-
-
 def stage_texts(folder: pathlib.Path) -> list[str]:
-    """Write every known text, xz-compressed, into ``folder``; return the --text arguments."""
+    """Write every known text (each named as its asset), xz-compressed, into ``folder``; return the
+    --text arguments."""
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    for name, asset in TEXT_ASSETS.items():
+    for name in families.TEXT_SPLITS:
         path = folder / f"{name}.txt.xz"
         if not path.is_file():
-            data = assets.ASSETS[asset]().read_bytes()
+            data = assets.ASSETS[name]().read_bytes()
             path.with_suffix(".tmp").write_bytes(lzma.compress(data, preset=6))
             path.with_suffix(".tmp").replace(path)
         out.append(f"--text {name}={path}")
@@ -83,7 +81,7 @@ def stage_texts(folder: pathlib.Path) -> list[str]:
 def parse_texts(p: argparse.ArgumentParser, specs: list[str] | None, split: str) -> dict[str, str]:
     """NAME=PATH pairs; without any, the split's texts from the asset cache (fetched on first use)."""
     if not specs:
-        return {n: str(assets.ASSETS[TEXT_ASSETS[n]]()) for n, s in families.TEXT_SPLITS.items() if s == split}
+        return {n: str(assets.ASSETS[n]()) for n, s in families.TEXT_SPLITS.items() if s == split}
     texts = {}
     for spec in specs:
         name, sep, path = spec.partition("=")

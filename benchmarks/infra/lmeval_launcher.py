@@ -82,15 +82,14 @@ def ruler_dir() -> pathlib.Path:
     return pathlib.Path(lm_eval.tasks.__file__).resolve().parent / "ruler"
 
 
-def cap_generators(samples: int, generators: dict[str, str] | None = None) -> dict[str, Any]:
+def cap_generators(samples: int) -> dict[str, Any]:
     """Load each RULER utils module as lm-eval's YAML loader does (it keeps and reuses the module
     object, see ``lm_eval.tasks._yaml_loader``) and wrap its generator there; returns the modules
     by name."""
     from lm_eval.tasks import _yaml_loader  # noqa: PLC0415
 
-    generators = GENERATORS if generators is None else generators
     modules = {}
-    for module_name, function_name in generators.items():
+    for module_name, function_name in GENERATORS.items():
         path = ruler_dir() / f"{module_name}.py"
         if not path.exists():
             raise LauncherError(f"no {path}")
@@ -104,12 +103,11 @@ def cap_generators(samples: int, generators: dict[str, str] | None = None) -> di
     return modules
 
 
-def verify(samples: int, generators: dict[str, str] | None = None) -> list[str]:
+def verify(samples: int) -> list[str]:
     """Every RULER task YAML, loaded by lm-eval's own loader: its dataset function must call a
     generator capped at ``samples``. Returns the task names checked."""
     from lm_eval.tasks._yaml_loader import load_yaml  # noqa: PLC0415
 
-    generators = GENERATORS if generators is None else generators
     checked = []
     for path in sorted(ruler_dir().glob("*.yaml")):
         config = load_yaml(path, resolve_func=True)
@@ -117,7 +115,7 @@ def verify(samples: int, generators: dict[str, str] | None = None) -> list[str]:
         if dataset_function is None:
             continue  # the group file
         module_name = dataset_function.__module__.rpartition(".")[2]
-        function_name = generators.get(module_name)
+        function_name = GENERATORS.get(module_name)
         called = dataset_function.__globals__.get(function_name) if function_name else None
         if getattr(called, "samples_cap", None) != samples:
             raise LauncherError(f"{path.name}: its dataset function {dataset_function.__module__}."

@@ -86,15 +86,11 @@ def unpack(stage: pathlib.Path, dest: pathlib.Path) -> list[str]:
                 raise SystemExit(f"{e['name']}: truncated (a chunk is missing or damaged)")
         else:
             buf = bytearray(e["size"])
-            off, n = e["high"]
+            (high, n_high), (low, n_low) = e["high"], e["low"]
             try:
-                buf[1::2] = zlib.decompress(blob[off:off + n])
+                buf[1::2] = zlib.decompress(blob[high:high + n_high])
+                buf[0::2] = blob[low:low + n_low]
             except (zlib.error, ValueError) as err:
-                raise SystemExit(f"{e['name']}: cannot rebuild ({err}): a chunk is missing or damaged") from None
-            off, n = e["low"]
-            try:
-                buf[0::2] = blob[off:off + n]
-            except ValueError as err:
                 raise SystemExit(f"{e['name']}: cannot rebuild ({err}): a chunk is missing or damaged") from None
             data = buf
         if hashlib.sha256(data).hexdigest() != e["sha256"]:

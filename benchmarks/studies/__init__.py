@@ -1,2 +1,2 @@
-"""One-off investigations behind design decisions (``python -m benchmarks.studies.X``); their
-findings are recorded in docs/history/kernel-notes.md. No test imports them."""
+"""One-off investigations (``python -m benchmarks.studies.X``); an answered one leaves once its
+finding is in docs/ (git history keeps the script). No test imports them."""

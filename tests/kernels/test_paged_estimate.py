@@ -651,7 +651,7 @@ def test_gpu_worst_case_steps_peak_covers_a_real_row(patterns):
 def test_gpu_worst_case_steps_peak_covers_a_real_two_row_step(budgets):
     """A step of two unequal sparse rows keeps both rows' index lists until its one kernel
     launch; the claim's split steps must cover it (one row of the whole chunk did not: 1.8x at
-    budgets near the context, benchmarks/studies/scratch_memory.py)."""
+    budgets near the context, the scratch_memory study in git history)."""
     from vllm_sparse_backend.prefill.plan import SparseRow
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_backend.prefill.claim import run_worst_case_steps

@@ -13,7 +13,8 @@ The source scans make sure the server check cannot pass only because a code path
 
 Then the guards of issue 52: no test imports ``benchmarks.studies``; every file in
 ``benchmarks/results/`` is cited by its ``SUMMARY.md`` and every file the summary names exists;
-and no two modules of the serving package need each other at import time.
+no two modules of the serving package need each other at import time; the manual stays under
+2,000 lines and the benchmarks under 6,000 lines of Python.
 """
 
 from __future__ import annotations
@@ -303,3 +304,10 @@ def test_the_manual_stays_under_two_thousand_lines():
     # go to docs/history/ (issue 52)
     lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "docs").glob("*.md"))
     assert lines < 2000, f"docs/*.md has {lines} lines: move history to docs/history/ or cut"
+
+
+def test_the_benchmarks_stay_under_six_thousand_lines_of_python():
+    # a study whose question is answered leaves benchmarks/ once its finding is in docs/ (git
+    # history keeps the script), and scripts share helpers instead of copying them (issue 52)
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / BENCHMARKS).rglob("*.py"))
+    assert lines < 6000, f"benchmarks/ has {lines} lines of Python: close answered studies or cut duplication"

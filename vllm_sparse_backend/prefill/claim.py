@@ -34,7 +34,7 @@ def worst_case_steps(q_len: int, kv_len: int, min_query_len: int,
     """The steps the profiling-run claim runs. A step's sparse rows share its chunk of ``q_len``
     queries, each at least ``min_query_len`` long, and every row's index lists live until the
     layer's one kernel launch, so several rows can need more scratch than one row of the whole
-    chunk (measured by ``benchmarks/studies/scratch_memory.py``). Each row
+    chunk (measured by ``benchmarks/studies/scratch_memory.py``, now in git history). Each row
     sits at the longest context (``kv_len`` tokens, its queries included), in its own block-table
     row. The chunk as one row; then for k = 2 .. min(max_rows, q_len // min_query_len) rows, the
     corners and the middle of the ways to split it: k nearly equal rows, and one long row with
