@@ -32,18 +32,12 @@ from ..kv_quant import check_kv_dtypes, scale_operand
 from ..topk_select import aligned_rows, topk_ascending
 
 
-_ROW_COUNTS: dict[tuple, torch.Tensor] = {}
-
-
 def _row_counts(h: int, wv: int, ws: int, dev) -> torch.Tensor:
-    """int32 [2h]: wv for the h vertical rows, ws for the h slash rows (cached per shape; built
-    on the device, so also inside a CUDA-graph capture)."""
-    key = (h, wv, ws, str(dev))
-    if key not in _ROW_COUNTS:
-        t = torch.full((2 * h,), ws, dtype=torch.int32, device=dev)
-        t[:h] = wv
-        _ROW_COUNTS[key] = t
-    return _ROW_COUNTS[key]
+    """int32 [2h]: wv for the h vertical rows, ws for the h slash rows (built on the device, so
+    also inside a CUDA-graph capture)."""
+    t = torch.full((2 * h,), ws, dtype=torch.int32, device=dev)
+    t[:h] = wv
+    return t
 
 
 def vs_topk(vertical: torch.Tensor, slash: torch.Tensor, v_count: torch.Tensor | int, s_count: torch.Tensor | int,
