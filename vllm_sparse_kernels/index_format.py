@@ -92,6 +92,11 @@ def num_blocks(n: int, block_size: int) -> int:
     return (n + block_size - 1) // block_size
 
 
+def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:
+    """(query, key) pairs of dense causal attention for one row, over all heads."""
+    return num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
+
+
 def query_block_bounds(q_len: int, ctx_len: int, block_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absolute first and last (inclusive) query position of every query block: int64 [NQB]."""
     starts = torch.arange(0, q_len, block_size, device=device, dtype=torch.int64)

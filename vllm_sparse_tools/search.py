@@ -46,7 +46,7 @@ from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_he
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_block_mask, slash_ranges
 from vllm_sparse_backend.prefill.budgets import budget_density, kv_group_share
 from vllm_sparse_backend.prefill.patterns.vertical_slash import vs_budgets
-from vllm_sparse_kernels.reference.attention import kv_head_map
+from vllm_sparse_kernels.kv_layout import kv_head_map
 from .evaluation.attention_check import (COLUMNS_PER_TILE, CaptureModel, LayerChecker, capture_attention,
                                          kernel_tiles_per_head, resolve_device, rope_description, score_rows,
                                          selection_stats)

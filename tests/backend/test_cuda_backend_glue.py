@@ -17,7 +17,7 @@ from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E40
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow, rank_heads  # noqa: E402
 from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
-from vllm_sparse_kernels.reference.attention import gather_paged_kv  # noqa: E402
+from vllm_sparse_kernels.kv_layout import gather_paged_kv  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
 from vllm_sparse_kernels.reference.dense import masked_attention_f64  # noqa: E402

@@ -36,7 +36,7 @@ from vllm_sparse_backend.prefill.patterns import PATTERNS  # noqa: E402
 from vllm_sparse_backend.prefill.plan import rank_heads  # noqa: E402
 from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
-from vllm_sparse_kernels.reference.attention import gather_paged_kv  # noqa: E402
+from vllm_sparse_kernels.kv_layout import gather_paged_kv  # noqa: E402
 from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 

@@ -34,7 +34,7 @@ from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.budgets import kv_group_share  # noqa: E402
 from vllm_sparse_backend.prefill.plan import rank_heads  # noqa: E402
 from vllm_sparse_backend.prefill.route import plan_step  # noqa: E402
-from vllm_sparse_kernels.reference.attention import causal_pairs  # noqa: E402
+from vllm_sparse_kernels.index_format import causal_pairs  # noqa: E402
 from vllm_sparse_backend.prefill.run import run_sparse_rows  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 from vllm_sparse_backend.observability.record import run_recorded  # noqa: E402

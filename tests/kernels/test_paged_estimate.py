@@ -236,7 +236,7 @@ def check_density_fallback(max_density, expect_dense, device, dtype, tol, sample
     from vllm_sparse_kernels.reference.index import index_to_dense_mask
     from vllm_sparse_backend.prefill.index import count_pairs
     from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_kernels.reference.attention import causal_pairs
+    from vllm_sparse_kernels.index_format import causal_pairs
     from vllm_sparse_backend.prefill.route import DenseReason
     from vllm_sparse_backend.prefill.run import run_sparse_rows_paged
     from vllm_sparse_kernels.prefill.attention import sparse_prefill_attention

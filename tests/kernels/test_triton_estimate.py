@@ -28,7 +28,7 @@ from vllm_sparse_backend.prefill.patterns.base import block_means
 from vllm_sparse_backend.prefill.patterns.flex_prefill import flex_prefill_selection
 from vllm_sparse_kernels.prefill.estimate_math import scored_block_mass
 from vllm_sparse_backend.prefill.patterns.block_sparse import row_keys
-from vllm_sparse_kernels.reference.attention import kv_head_map
+from vllm_sparse_kernels.kv_layout import kv_head_map
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 

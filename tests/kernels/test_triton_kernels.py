@@ -19,7 +19,9 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_kernels.reference.attention import gather_paged_kv, sparse_attention, sparse_attention_lse
+from vllm_sparse_kernels.kv_layout import gather_paged_kv
+from vllm_sparse_kernels.reference.dense import sparse_attention_lse
+from vllm_sparse_kernels.torch_attention import sparse_attention
 
 from vllm_sparse_backend.prefill.index import build_index, num_blocks
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
@@ -729,7 +731,7 @@ def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diag
     the reference sums the per-head float scores afterwards. ``odd_row``: the row's block table
     at an address that is not 16-byte aligned (:func:`odd_table_row`)."""
     from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_kernels.reference.attention import kv_head_map
+    from vllm_sparse_kernels.kv_layout import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx_len + q_len
@@ -826,7 +828,7 @@ def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagon
     in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
     of into the keys)."""
     from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_kernels.reference.attention import kv_head_map
+    from vllm_sparse_kernels.kv_layout import kv_head_map
 
     gen = torch.Generator().manual_seed(seed)
     kv_len = ctx_len + q_len

@@ -15,7 +15,7 @@ from vllm_sparse_backend.head_configs import resolve_head
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask, count_pairs
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
-from vllm_sparse_kernels.reference.attention import causal_pairs
+from vllm_sparse_kernels.index_format import causal_pairs
 
 N, H, HKV, D = 600, 4, 2, 16
 SCALE = D ** -0.5

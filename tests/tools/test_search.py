@@ -25,7 +25,7 @@ from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.prefill.budgets import kv_group_share
-from vllm_sparse_kernels.reference.attention import kv_head_map
+from vllm_sparse_kernels.kv_layout import kv_head_map
 from vllm_sparse_tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_tools.search import search_head, search_layer
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_sparse_backend.prefill.cost import RowCost, LayerDensityHistory
-from vllm_sparse_kernels.reference.attention import causal_pairs
+from vllm_sparse_kernels.index_format import causal_pairs
 
 
 def hand_costs(q_len, ctx_len, heads, head_size, density, last_q, cost):

@@ -13,8 +13,9 @@ The source scans make sure the server check cannot pass only because a code path
 
 Then the guards of issue 52: no test imports ``benchmarks.studies``; every file in
 ``benchmarks/results/`` is cited by its ``SUMMARY.md`` and every file the summary names exists;
-no two modules of the serving package need each other at import time; the manual stays under
-2,000 lines and the benchmarks under 6,000 lines of Python.
+no two modules of the serving package need each other at import time; the serving package runs
+no oracle (nothing of ``vllm_sparse_kernels.reference``); the manual stays under 2,000 lines and
+the benchmarks under 6,000 lines of Python.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def test_the_serving_package_imports_neither_the_tools_nor_the_benchmarks():
     sources = _sources(SERVING)
     assert len(sources) > 20 and any(p.name == "run.py" and p.parent.name == "prefill" for _, p in sources)
     assert _imports_of(SERVING, {TOOLS, BENCHMARKS}) == []
+
+
+def test_the_serving_package_imports_no_oracle():
+    """``vllm_sparse_kernels.reference`` holds what the tests compare against; production code
+    that lived there (the CPU path's attention, the paged-cache gathers) moved out (issue 52), so
+    that no test's oracle is the code it checks."""
+    oracles = f"{KERNELS}.reference"
+    assert [f"{path.relative_to(ROOT)}: {name}" for base, path in _sources(SERVING)
+            for name in _imported_modules(path, base) if name == oracles or name.startswith(oracles + ".")] == []
 
 
 def test_the_import_scan_resolves_relative_imports(tmp_path):

@@ -26,7 +26,7 @@ from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
 from vllm_sparse_backend.prefill.patterns.base import HeadParams, PagedSelection, Pattern, PatternSelection
 from vllm_sparse_backend.startup import load_checked_settings
-from vllm_sparse_kernels.reference.attention import sparse_attention
+from vllm_sparse_kernels.torch_attention import sparse_attention
 
 
 class LocalBlocksParams(HeadParams):

@@ -163,7 +163,7 @@ def test_budgets_cover_every_key_only_where_every_key_is_selected(head, settings
     from vllm_sparse_backend.prefill.index import count_pairs
     from vllm_sparse_backend.prefill.estimate import estimate_index
     from vllm_sparse_backend.prefill.budgets import budgets_cover_every_key
-    from vllm_sparse_kernels.reference.attention import causal_pairs
+    from vllm_sparse_kernels.index_format import causal_pairs
 
     s = SparseSettings(last_q=32, **settings_kw)
     heads = [resolve_head(HeadPattern(**head), s)] * 2

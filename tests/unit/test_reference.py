@@ -9,7 +9,9 @@ from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.observability.record import run_recorded
 from vllm_sparse_backend.observability.stats import SparseStats
-from vllm_sparse_kernels.reference.attention import causal_pairs, gather_paged_kv, sparse_attention
+from vllm_sparse_kernels.index_format import causal_pairs
+from vllm_sparse_kernels.kv_layout import gather_paged_kv
+from vllm_sparse_kernels.torch_attention import sparse_attention
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
     (4, 4, 64), (8, 2, 128), (7, 1, 64), (14, 2, 64),

@@ -45,7 +45,7 @@ from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.flash_attn import (FlashAttentionBackend, FlashAttentionImpl,
                                                    FlashAttentionMetadata, FlashAttentionMetadataBuilder)
-from vllm_sparse_kernels.reference.attention import gather_paged_kv
+from vllm_sparse_kernels.kv_layout import gather_paged_kv
 
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,

@@ -11,7 +11,7 @@ read (:meth:`.stats.SparseStats.flush_deferred`). On the CPU path every row is m
 from __future__ import annotations
 
 import torch
-from vllm_sparse_kernels.reference.attention import causal_pairs
+from vllm_sparse_kernels.index_format import causal_pairs
 
 from ..prefill.index import count_pairs, count_pairs_tensor
 from ..prefill.route import DenseReason

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm_sparse_kernels.reference.attention import causal_pairs
+from vllm_sparse_kernels.index_format import causal_pairs
 
 
 @dataclass(frozen=True)

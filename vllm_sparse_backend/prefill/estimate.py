@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from vllm_sparse_kernels.reference.attention import kv_head_map
+from vllm_sparse_kernels.kv_layout import kv_head_map
 
 from ..config import SparseSettings
 from ..head_configs import ResolvedHead

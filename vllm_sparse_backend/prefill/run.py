@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from vllm_sparse_kernels.reference.attention import causal_pairs, sparse_attention
+from vllm_sparse_kernels.index_format import causal_pairs
+from vllm_sparse_kernels.torch_attention import sparse_attention
 
 from .cost import ROW_COST
 from .estimate import estimate_index, estimate_index_paged

@@ -1,11 +1,15 @@
-"""Dense masked attention in float64 with an explicit mask: the ground truth that the sparse
-references (:mod:`.attention`) and the kernels are checked against, written independently of
-both (GQA by repeating K/V, a materialised mask). Tiny sizes only. Torch only.
+"""Dense masked attention in float64 with an explicit mask: the ground truth that the torch
+sparse attention (:mod:`vllm_sparse_kernels.torch_attention`) and the kernels are checked
+against, written independently of both (GQA by repeating K/V, a materialised mask); and the
+log-sum-exp of the same scores. Tiny sizes only. Torch only.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..index_format import SparseIndex
+from .index import index_to_dense_mask
 
 
 def masked_attention_f64(q, k, v, mask, scale):
@@ -31,3 +35,17 @@ def causal_mask(h, q_len, ctx_len):
     qpos = torch.arange(q_len) + ctx_len
     m = torch.arange(kv_len)[None, :] <= qpos[:, None]
     return m[None].expand(h, -1, -1)
+
+
+def sparse_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex, ctx_len: int,
+                         scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """float64 log-sum-exp per (head, query) of the pairs the index allows ([H, q_len]), from the
+    dense mask: tiny sizes only. q: [q_len, H, D]; k: [kv_len, Hkv, D] (v: unused, the
+    signature of :func:`vllm_sparse_kernels.torch_attention.sparse_attention`)."""
+    q_len, h, d = q.shape
+    kvh = torch.arange(h) // (h // k.shape[1])
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    allowed = index_to_dense_mask(index.to("cpu"), q_len, ctx_len)
+    return torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)

@@ -42,7 +42,8 @@ from vllm_sparse_backend.prefill.index import (SparseIndex, build_index, causal_
                      range_cover)
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.budgets import budget_density, kv_group_share
-from vllm_sparse_kernels.reference.attention import causal_pairs, kv_head_map
+from vllm_sparse_kernels.index_format import causal_pairs
+from vllm_sparse_kernels.kv_layout import kv_head_map
 from .rope import scaled_max_positions, yarn_parameters
 from .variants import Variant
 

@@ -16,7 +16,7 @@ import torch
 from pydantic import Field
 from vllm_sparse_kernels.prefill.estimate_math import mass_block_counts, scored_block_mass
 from vllm_sparse_kernels.kv_quant import scale_operand
-from vllm_sparse_kernels.reference.attention import gather_pages
+from vllm_sparse_kernels.kv_layout import gather_pages
 
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask

@@ -1,9 +1,10 @@
-"""Exact sparse attention in plain PyTorch.
+"""Exact sparse attention in plain PyTorch: the CPU serving path (and setting kernel=torch).
 
 Computes softmax(Q K^T * scale + mask) V where mask allows exactly the (query, key) pairs of a
-:class:`SparseIndex` that are causal. It is the CPU serving path and the ground truth the Triton
-kernels are tested against, so it favours clarity over speed, but it only touches the selected
-keys: work and memory grow with the selected area, not with the full n x n square.
+:class:`SparseIndex` that are causal. It favours clarity over speed, but it only touches the
+selected keys: work and memory grow with the selected area, not with the full n x n square.
+Tests check it against the float64 dense oracle of :mod:`.reference.dense`, and the Triton
+kernels against it in float64.
 
 GQA is handled by indexing K/V with ``kv_head = q_head // group`` (no repeated KV tensors).
 
@@ -14,17 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..index_format import SparseIndex, range_stops
-from .index import index_to_dense_mask
+from .index_format import SparseIndex, range_stops
+from .kv_layout import kv_head_map
 
 # Upper bound on gathered key elements per step (query blocks are processed in groups).
 _GATHER_BUDGET = 1 << 24
-
-
-def kv_head_map(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    return torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -121,42 +116,3 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     denom = p.sum(-1, keepdim=True)
     return torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
-def sparse_attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: SparseIndex, ctx_len: int,
-                         scale: float, softcap: float = 0.0) -> torch.Tensor:
-    """float64 log-sum-exp per (head, query) of the pairs the index allows ([H, q_len]), from the
-    dense mask: tiny sizes only. q: [q_len, H, D]; k: [kv_len, Hkv, D] (v: unused, the
-    signature of :func:`sparse_attention`)."""
-    q_len, h, d = q.shape
-    kvh = torch.arange(h) // (h // k.shape[1])
-    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()[:, kvh]) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    allowed = index_to_dense_mask(index.to("cpu"), q_len, ctx_len)
-    return torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
-
-
-def causal_pairs(q_len: int, ctx_len: int, num_heads: int) -> int:
-    """(query, key) pairs of dense causal attention for one row, over all heads."""
-    return num_heads * (q_len * ctx_len + q_len * (q_len + 1) // 2)
-
-
-def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """Contiguous [kv_len, Hkv, D] of one sequence out of one paged cache
-    ([num_blocks, block_size, Hkv, D] view, any strides: NHD and HND layouts both work; block_table:
-    [max_blocks]). fp8 caches are gathered as bytes (indexing fp8 tensors is missing from some torch
-    builds) and returned in their own dtype, not dequantised."""
-    page = cache.shape[1]
-    pages = block_table[: (kv_len + page - 1) // page].to(torch.int64)
-    raw = cache.view(torch.uint8) if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else cache
-    return raw[pages].reshape(-1, *cache.shape[2:])[:kv_len].view(cache.dtype)
-
-
-def gather_paged_kv(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, kv_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous K/V [kv_len, Hkv, D] of one sequence from vLLM's paged cache
-    (:func:`gather_pages` of each; key_cache/value_cache are what
-    ``kv_cache.transpose(1, 2).split(head_size, -1)`` gives on CUDA)."""
-    return gather_pages(key_cache, block_table, kv_len), gather_pages(value_cache, block_table, kv_len)
