@@ -127,7 +127,7 @@ class SparseSettings(BaseModel):
     kernel: Literal["auto", "triton", "torch"] = Field("auto", description=(
         "Sparse rows on CUDA: auto = GPU estimation and the Triton kernel on the paged cache, and the layer runs "
         "dense where they cannot run (no triton, head size other than 64/128, model dtype other than "
-        "fp16/bf16); triton = the same but a start-up error there; torch = estimation and reference attention "
+        "fp16/bf16); triton = the same but a start-up error there; torch = estimation and PyTorch sparse attention "
         "on K/V gathered from the cache (slow, for debugging)."))
     skip_tile_below: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "Skip-softmax filter in the Triton kernel (0 = off): a key tile of a sparse row's listed blocks below "

@@ -18,8 +18,9 @@ K/V through the block table; no gather, no host sync. Rows whose budgets alone a
 ``max_density`` go to FlashAttention without estimation; rows whose estimated index is denser
 are flagged on the GPU and run in the kernel's dense mode. With
 ``kernel`` = torch (debugging) indices are estimated in PyTorch on K/V gathered out of the cache
-and the PyTorch reference computes the rows. With ``auto`` where the Triton path cannot run (no
-triton, head size or dtype it lacks) the layers run dense: the reference would be far slower.
+and the PyTorch sparse attention (``vllm_sparse_kernels.torch_attention``) computes the rows.
+With ``auto`` where the Triton path cannot run (no triton, head size or dtype it lacks) the
+layers run dense: the PyTorch path would be far slower.
 
 fp8 KV cache (``--kv-cache-dtype fp8`` / ``fp8_e4m3``, where FlashAttention runs it: FA3 on
 Hopper): the sparse path reads the e4m3 cache directly; estimation and kernel widen its tiles to
@@ -108,7 +109,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                 raise RuntimeError(f"sparse-prefill: kernel=triton requested but not usable: {why[1]}")
             if why is None:
                 group_heads = heads
-            else:  # (auto with no Triton path: the reference would be far slower than FlashAttention)
+            else:  # (auto with no Triton path: the PyTorch path would be far slower than FlashAttention)
                 log_dense_group(runtime, why, unsupported[1] if unsupported else "")
         self.sparse_enabled = group_heads is not None
         # decode_mode topk / spans: the mode plans each step once for every layer of the group
@@ -119,7 +120,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
             if self.sparse_enabled and cfg.max_density < 1.0 else None
         # Rows on which even an empty selection would lose to FlashAttention (short prompts) stay
         # in FlashAttention's runs for every layer: no per-layer routing, no per-row metadata.
-        # (The cost model is the Triton path's; the torch reference runs every planned row.
+        # (The cost model is the Triton path's; the PyTorch path runs every planned row.
         # plan_step applies it where cost_model and max_density say so.)
         self._row_heads = cost_model_heads(group_heads, kv_cache_spec.head_size) \
             if self.sparse_enabled and cfg.kernel != "torch" else None
@@ -269,7 +270,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if self._use_triton is None:
             self._use_triton = self.runtime.settings.kernel != "torch"
             if not self._use_triton:
-                self.runtime.log_once("sparse rows use the PyTorch reference attention: kernel=torch", info=True)
+                self.runtime.log_once("sparse rows use the PyTorch sparse attention: kernel=torch", info=True)
         if not self._use_triton:
             return None
         return kernels.sparse_attention.sparse_prefill_attention
