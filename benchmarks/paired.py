@@ -18,9 +18,9 @@ prompts sent alone and its ratio to the reference's.
 ``--split heldout`` uses only the texts and templates ``tune`` never uses (bible, gcide). Prompts
 are built once in a process pool and cached per prompt under ``--prompt-cache``, so the runs of
 several variants (or GPUs) reuse them. Servers start together: those sharing a GPU take a fixed
-KV cache each; ``--gpus 0,1`` spreads them. Each server first answers ``--ttft-prompts`` prompts
-per length one at a time (every server on that GPU idle), which gives the TTFTs, then the rest
-with ``--concurrency`` in flight. Writes ``<out>.json`` (every prompt: family, text, template,
+KV cache each; ``--gpus 0,1`` spreads them. First ``--ttft-prompts`` prompts per length go one
+at a time to the servers of a GPU in turn, prompt by prompt (every other server on that GPU
+idle), which gives the TTFTs; then the rest with ``--concurrency`` in flight. Writes ``<out>.json`` (every prompt: family, text, template,
 seed, length, expected, each variant's answer, hit and TTFT, the hash of its tokens) and
 ``<out>.txt`` (the tables). Asserts nothing.
 """
@@ -246,14 +246,11 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     failed[i] = str(e)
 
             def timed_on(gpu_members: list[int]) -> None:
+                answers: dict[int, dict[str, paired.Answer]] = {i: {} for i in gpu_members}
+                paired.send_timed_in_turns({i: servers[i] for i in gpu_members}, timed, answers, failed,
+                                           SERVER_ERRORS, log)
                 for i in gpu_members:
-                    if i not in failed:
-                        answers: dict[str, paired.Answer] = {}
-                        try:
-                            paired.send_timed(servers[i], timed, answers, log)
-                        except SERVER_ERRORS as e:
-                            failed[i] = str(e)
-                        keep(i, answers)
+                    keep(i, answers[i])
 
             def bulk(i: int) -> None:
                 answers: dict[str, paired.Answer] = {}
@@ -279,7 +276,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                               "ttft_s": a.ttft_s, "loaded": a.loaded}
                 save()
 
-            # Timed prompts: one server at a time per GPU, GPUs in parallel; then the rest, all at once.
+            # Timed prompts: one request at a time per GPU, its servers in turn, GPUs in parallel; then the rest.
             with concurrent.futures.ThreadPoolExecutor(len(per_gpu)) as pool:
                 list(pool.map(timed_on, per_gpu.values()))
             with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:

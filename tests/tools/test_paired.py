@@ -401,6 +401,11 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     for gpu, label, h, start, end in log:
         if (label, h) in timed:
             assert not [o for o in log if o[0] == gpu and o[1:3] != (label, h) and o[3] < end and o[4] > start]
+    # servers sharing a GPU take the timed prompts in turns, prompt by prompt, in the order A B, B A, A B
+    if not two:
+        turns = sorted((start, label, h) for _, label, h, start, _ in log if (label, h) in timed)
+        assert [label for _, label, _ in turns] == ["dense", "default", "default", "dense", "dense", "default"]
+        assert all(turns[k][2] == turns[k + 1][2] for k in range(0, 6, 2))
     # the rest with up to --concurrency in flight per server
     assert all(1 < s.most <= 3 for s in servers)
     row = next(r for r in doc["rows"] if r["family"] == "all")

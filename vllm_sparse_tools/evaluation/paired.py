@@ -169,6 +169,25 @@ def send_timed(server: Launched, samples: Sequence[Sample], into: dict[str, Answ
             f"{text.strip()[:60]!r}")
 
 
+def send_timed_in_turns(servers: dict[int, Launched], samples: Sequence[Sample], into: dict[int, dict[str, Answer]],
+                        failed: dict[int, str], errors: tuple[type[BaseException], ...],
+                        log: Callable[[str], None]) -> None:
+    """Each prompt to every server in turn, one request at a time (the others idle), the order
+    reversed every other prompt; a server that raises one of ``errors`` goes into ``failed``
+    and gets no more. Why turns: a short prompt's time to first token flips between two levels
+    about 10 ms apart, in runs of several prompts, on FlashAttention's server as on ours (1K
+    prompts on one H200, 2026-11-29); a block of prompts per server can land on either level
+    and reads as a speed difference of up to 30%, while turns time both servers in each run."""
+    order = list(servers)
+    for k, s in enumerate(samples):
+        for i in order if k % 2 == 0 else order[::-1]:
+            if i not in failed:
+                try:
+                    send_timed(servers[i], [s], into[i], log)
+                except errors as e:
+                    failed[i] = str(e)
+
+
 def send_concurrent(server: Launched, samples: Sequence[Sample], into: dict[str, Answer], concurrency: int,
                     log: Callable[[str], None], on_answer: Callable[[str, Answer], None] | None = None) -> None:
     """Every prompt of ``samples`` with at most ``concurrency`` in flight; answers go into
