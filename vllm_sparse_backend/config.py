@@ -6,6 +6,19 @@ of an engine (metadata builder, attention impl) reads them when it is constructe
 them down; there is no process-wide copy. Every engine process sees the same values as long as
 it inherits the environment (true for fork and spawn). Bad values fail at start-up with the
 file or variable and the field named.
+
+Shape (issue 52 step 3): the settings are being grouped into sub-models by the code that reads
+them, so that a reader finds a field next to its user: ``gating`` (enabled, min_sparse_query_len,
+min_sparse_seq_len, max_density, cost_model, estimated_dense_rows), ``patterns.<pattern name>``
+(each pattern's ``head_params``: vertical_size, slash_size, last_q, topk_blocks, gamma, ...),
+``decode.<mode>`` (topk / spans), ``kernel`` (kernel, block_size, skip_tile_below,
+kv_block_size, ...), ``kv_placement`` and ``observability``. Done so far: ``observability``; the
+other fields are still top-level. A grouped setting keeps its flat name as its only public
+alias, on the way in only: the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>`` of the
+JSON file (or of ``SparseSettings(...)``) both land on the nested field, and the nested form
+(``{"observability": {"stats_file": ...}}``) is accepted too. Code reads the nested field only
+(``settings.observability.stats_file``); there is no flat attribute. Flat names are therefore
+unique across groups (``SETTINGS`` checks it at import).
 """
 
 from __future__ import annotations
@@ -14,9 +27,10 @@ import ipaddress
 import json
 import os
 import re
-from typing import Annotated, Any, Callable, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 ENV_PREFIX = "VLLM_SPARSE_"
@@ -46,6 +60,29 @@ MetricsHost = Annotated[str, AfterValidator(check_host)]
 
 class ConfigError(ValueError):
     """A configuration file or variable is malformed; the message names where and which field."""
+
+
+class ObservabilitySettings(BaseModel):
+    """What the worker reports and how often (read by observability/, runtime.py and the backends'
+    stats-file writes)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stats_file: str | None = Field(None, description=(
+        "JSON file the worker keeps updated with sparse counters (rows, tokens, computed vs causal pairs, "
+        "patterns, dense reasons); on CUDA written without waiting for the GPU."))
+    stats_write_interval_s: float = Field(1.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
+        "Rewrite the stats file at most once per this many seconds (a write left for later is done at the "
+        "interval's end and at exit); 0 = after every sparse layer forward, for a client that reads the file "
+        "right after each request."))
+    metrics_port: int | None = Field(None, ge=1, le=65535, description=(
+        "Also serve the plugin's Prometheus metrics from the worker on this port; none = only through vLLM's "
+        "/metrics (with PROMETHEUS_MULTIPROC_DIR set)."))
+    metrics_host: MetricsHost = Field("127.0.0.1", description=(
+        "Address the metrics_port server binds: an IP address or host name; the default answers this host "
+        "only, 0.0.0.0 (or ::) every interface, e.g. for a Prometheus that scrapes the pod."))
+    timing_sample_every: int = Field(16, ge=0, description=(
+        "Time the estimator and the sparse kernel on 1 of every N sparse layer forwards (on CUDA these forwards "
+        "also count computed pairs and density fallbacks); 0 = never."))
 
 
 class SparseSettings(BaseModel):
@@ -141,22 +178,8 @@ class SparseSettings(BaseModel):
     head_config: str | None = Field(None, description=(
         "Per-model head-config file (JSON): an existing path or one ending in .json, else the bare name (no "
         "'/' or '..') of a file in head_configs/, without .json."))
-    stats_file: str | None = Field(None, description=(
-        "JSON file the worker keeps updated with sparse counters (rows, tokens, computed vs causal pairs, "
-        "patterns, dense reasons); on CUDA written without waiting for the GPU."))
-    stats_write_interval_s: float = Field(1.0, ge=0.0, le=3600.0, allow_inf_nan=False, description=(
-        "Rewrite the stats file at most once per this many seconds (a write left for later is done at the "
-        "interval's end and at exit); 0 = after every sparse layer forward, for a client that reads the file "
-        "right after each request."))
-    metrics_port: int | None = Field(None, ge=1, le=65535, description=(
-        "Also serve the plugin's Prometheus metrics from the worker on this port; none = only through vLLM's "
-        "/metrics (with PROMETHEUS_MULTIPROC_DIR set)."))
-    metrics_host: MetricsHost = Field("127.0.0.1", description=(
-        "Address the metrics_port server binds: an IP address or host name; the default answers this host "
-        "only, 0.0.0.0 (or ::) every interface, e.g. for a Prometheus that scrapes the pod."))
-    timing_sample_every: int = Field(16, ge=0, description=(
-        "Time the estimator and the sparse kernel on 1 of every N sparse layer forwards (on CUDA these forwards "
-        "also count computed pairs and density fallbacks); 0 = never."))
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings, description=(
+        "The stats file, the Prometheus port and the timing sample rate."))
 
     # Decode (issue 8): how decode steps attend; widths are fixed so a step can be captured in a
     # CUDA graph. How the modes work: docs/decode-modes.md.
@@ -205,6 +228,11 @@ class SparseSettings(BaseModel):
         "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_flat_names(cls, data: Any) -> Any:
+        return nest_settings(data) if isinstance(data, Mapping) else data
+
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":
         for name in ("block_size", "flex_block_size"):
@@ -231,6 +259,87 @@ class SparseSettings(BaseModel):
         return self
 
 
+class Setting(NamedTuple):
+    """One user-facing setting: where it lives in the model and its field (type, bounds, text)."""
+    path: tuple[str, ...]  # ("observability", "stats_file"); the last name is the flat alias
+    field: FieldInfo
+
+    @property
+    def key(self) -> str:
+        """The nested JSON key, dotted: ``observability.stats_file``."""
+        return ".".join(self.path)
+
+
+def _group_model(field: FieldInfo) -> type[BaseModel] | None:
+    annotation = field.annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _settings_of(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    for name, field in model.model_fields.items():
+        group = _group_model(field)
+        found = _settings_of(group, prefix + (name,)) if group else {name: Setting(prefix + (name,), field)}
+        for alias, setting in found.items():
+            if alias in out:  # the flat alias must say one field (the env variable is built from it)
+                raise TypeError(f"settings {out[alias].key} and {setting.key} share the name {alias!r}")
+            out[alias] = setting
+    return out
+
+
+def _as_dict(value: Any) -> Any:
+    """A group given as a model instance, as the fields it was given (so that it merges)."""
+    if isinstance(value, BaseModel):
+        return {name: getattr(value, name) for name in value.model_fields_set}
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _merge(into: dict, path: tuple[str, ...], value: Any, *, later_wins: bool, given_as: str) -> None:
+    *groups, leaf = path
+    node = into
+    for g in groups:
+        node = node.setdefault(g, {})
+        if not isinstance(node, dict):  # a group given as a scalar: pydantic names it
+            return
+    old, new = _as_dict(node.get(leaf)), _as_dict(value)
+    if isinstance(old, dict) and isinstance(new, dict):
+        node[leaf] = old
+        for name, v in new.items():
+            _merge(old, (name,), v, later_wins=later_wins, given_as=f"{given_as}.{name}")
+    elif leaf in node and not later_wins:
+        raise ValueError(f"'{given_as}' is given twice (by its flat name and nested)")
+    else:
+        node[leaf] = value
+
+
+def nest_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings values with each flat alias moved to its nested place (``stats_file`` ->
+    ``observability.stats_file``); with several layers a later layer's value wins. Within one
+    layer a setting given both flat and nested is an error."""
+    out: dict[str, Any] = {}
+    for values in layers:
+        layer: dict[str, Any] = {}
+        for key, value in values.items():
+            path = SETTINGS[key].path if key in SETTINGS else (key,)
+            _merge(layer, path, value, later_wins=False, given_as=".".join(path))
+        for key, value in layer.items():
+            _merge(out, (key,), value, later_wins=True, given_as=key)
+    return out
+
+
+def _lookup(values: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    node: Any = values
+    for name in path:
+        if not isinstance(node, Mapping) or name not in node:
+            return False, None
+        node = node[name]
+    return True, node
+
+
+# Every setting by its flat name (= its environment variable's suffix and its flat JSON key).
+SETTINGS: dict[str, Setting] = _settings_of(SparseSettings)
+
+
 def _format_error(where: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -247,11 +356,11 @@ NameCheck = Callable[[str], str]
 def load_settings(env: Mapping[str, str] | None = None,
                   names: Mapping[str, NameCheck] | None = None) -> SparseSettings:
     """Build settings from ``VLLM_SPARSE_CONFIG`` (JSON file) and ``VLLM_SPARSE_*`` variables.
-    ``names`` checks, by field, the values that name registered things (the registries own them:
-    ``startup.load_checked_settings`` passes them all)."""
+    ``names`` checks, by flat setting name, the values that name registered things (the
+    registries own them: ``startup.load_checked_settings`` passes them all)."""
     env = os.environ if env is None else env
     names = names or {}
-    values: dict[str, Any] = {}
+    from_file: dict[str, Any] = {}
     path = env.get(CONFIG_FILE_ENV)
     if path:
         try:
@@ -264,37 +373,38 @@ def load_settings(env: Mapping[str, str] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
         try:
-            SparseSettings(**data)
-        except ValidationError as e:
-            raise ConfigError(_format_error(path, e)) from None
+            from_file = nest_settings(data)
+            SparseSettings(**from_file)
+        except ValueError as e:  # ValidationError included
+            raise ConfigError(_format_error(path, e) if isinstance(e, ValidationError) else f"{path}: {e}") from None
         for name, check in names.items():
-            if name in data:
+            given, value = _lookup(from_file, SETTINGS[name].path)
+            if given:
                 try:
-                    check(data[name])
+                    check(value)
                 except ValueError as e:
-                    raise ConfigError(f"{path}: field '{name}': {e}") from None
-        values.update(data)
-    fields = SparseSettings.model_fields
+                    raise ConfigError(f"{path}: field '{SETTINGS[name].key}': {e}") from None
+    from_env: dict[str, Any] = {}
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX) or key in NON_SETTING_ENV:
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name not in fields:
-            known = ", ".join(ENV_PREFIX + f.upper() for f in fields)
+        if name not in SETTINGS:
+            known = ", ".join(ENV_PREFIX + f.upper() for f in SETTINGS)
             raise ConfigError(f"environment variable {key}: unknown setting (known: {known})")
-        values[name] = None if raw.strip().lower() in ("", "none", "null") else raw
-        field = fields[name]
+        from_env[name] = None if raw.strip().lower() in ("", "none", "null") else raw
+        field = SETTINGS[name].field
         try:  # the field alone, so the message names this variable
-            TypeAdapter(Annotated[field.annotation, field]).validate_python(values[name])
+            TypeAdapter(Annotated[field.annotation, field]).validate_python(from_env[name])
         except ValidationError as e:
             raise ConfigError(f"environment variable {key}={raw!r}: {e.errors()[0]['msg']}") from None
-        if name in names and values[name] is not None:
+        if name in names and from_env[name] is not None:
             try:
-                names[name](values[name])
+                names[name](from_env[name])
             except ValueError as e:
                 raise ConfigError(f"environment variable {key}={raw!r}: {e}") from None
     try:
-        return SparseSettings(**values)
+        return SparseSettings(**nest_settings(from_file, from_env))
     except ValidationError as e:
         where = " + ".join(filter(None, [path, "VLLM_SPARSE_* variables"]))
         raise ConfigError(_format_error(where, e)) from None

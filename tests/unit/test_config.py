@@ -66,6 +66,39 @@ def test_bad_file_is_named(tmp_path):
         load_settings({"VLLM_SPARSE_CONFIG": str(tmp_path / "missing.json")})
 
 
+
+def test_a_grouped_setting_is_reached_by_its_variable_its_flat_key_and_its_nested_key(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"stats_file": "/tmp/flat.json", "observability": {"metrics_port": 9400}}))
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "3"})
+    assert (s.observability.stats_file, s.observability.metrics_port, s.observability.timing_sample_every) == \
+        ("/tmp/flat.json", 9400, 3)
+    assert s.observability.stats_write_interval_s == 1.0  # the group's other fields keep their defaults
+    # a variable wins over the file, flat or nested there
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_METRICS_PORT": "9500",
+                       "VLLM_SPARSE_STATS_FILE": "none"})
+    assert (s.observability.metrics_port, s.observability.stats_file) == (9500, None)
+    assert SparseSettings(metrics_host="0.0.0.0") == SparseSettings(observability={"metrics_host": "0.0.0.0"})
+
+
+def test_a_bad_grouped_setting_names_its_place(tmp_path):
+    f = tmp_path / "bad.json"
+    for data in ({"observability": {"metrics_port": 0}}, {"metrics_port": 0}):
+        f.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as err:
+            load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+        assert str(err.value).startswith(f"{f}: field 'observability.metrics_port': Input should be greater than")
+    f.write_text(json.dumps({"observability": {"metric_port": 9400}}))
+    with pytest.raises(ConfigError, match=r"field 'observability\.metric_port': Extra inputs are not permitted"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    f.write_text(json.dumps({"stats_file": "a.json", "observability": {"stats_file": "b.json"}}))
+    with pytest.raises(ConfigError, match="'observability.stats_file' is given twice"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    with pytest.raises(ConfigError) as err:
+        load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "-1"})
+    assert str(err.value) == ("environment variable VLLM_SPARSE_STATS_WRITE_INTERVAL_S='-1': "
+                              "Input should be greater than or equal to 0")
+
 def _head_file(num_layers=2, num_heads=3):
     return {
         "format": "vllm-sparse-head-config", "version": 1, "model": "toy", "num_layers": num_layers,

@@ -131,7 +131,7 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
                                 output_scale, output_block_scale)
         else:  # what the layer did, recorded once
-            guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+            guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.observability.stats_file, timing.sampled)
         return output
 
 

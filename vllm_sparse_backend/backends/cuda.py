@@ -129,7 +129,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         # build() hands them to FlashAttention's builder without reading a setting.
         self._plan_from = cfg.min_sparse_query_len if self.sparse_enabled else float("inf")
         # the stats file catches up once per step, not once per layer (stats.refresh)
-        self._stats_file = cfg.stats_file or None
+        self._stats_file = cfg.observability.stats_file or None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -340,7 +340,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
                 sparse_path_failed(runtime, e, [r.q_len for r in step.sparse_rows])
                 dense = step.sparse_rows
             else:  # what the layer did, recorded once
-                guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+                guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.observability.stats_file, timing.sampled)
                 dense = outcome.dense_rows
                 if dense and outcome.paged:
                     runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "

@@ -102,7 +102,7 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
         scales = {"k_scale": one, "v_scale": one}
     # every row estimated and counted as a sampled forward counts it (pair counts and head labels
     # measured on the device): the path itself, with max_density 1 so that no row is skipped
-    every_row = settings.model_copy(update={"max_density": 1.0, "stats_file": None})
+    every_row = settings.model_copy(update={"max_density": 1.0})
     flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
     for rows in runs:
         run_recorded(SparseStats.measuring_only(), run_sparse_rows_paged, query, output, rows, key_cache, value_cache,
