@@ -12,13 +12,13 @@ them, so that a reader finds a field next to its user: ``gating`` (enabled, min_
 min_sparse_seq_len, max_density, cost_model, estimated_dense_rows), ``patterns.<pattern name>``
 (each pattern's ``head_params``: vertical_size, slash_size, last_q, topk_blocks, gamma, ...),
 ``decode.<mode>`` (topk / spans), ``kernel`` (kernel, block_size, skip_tile_below,
-kv_block_size, ...), ``kv_placement`` and ``observability``. Done so far: ``observability``; the
-other fields are still top-level. A grouped setting keeps its flat name as its only public
-alias, on the way in only: the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>`` of the
-JSON file (or of ``SparseSettings(...)``) both land on the nested field, and the nested form
-(``{"observability": {"stats_file": ...}}``) is accepted too. Code reads the nested field only
-(``settings.observability.stats_file``); there is no flat attribute. Flat names are therefore
-unique across groups (``SETTINGS`` checks it at import).
+kv_block_size, ...), ``kv_placement`` and ``observability``. Done so far: ``gating`` and
+``observability``; the other fields are still top-level. A grouped setting keeps its flat name
+as its only alias, on the way in only: the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>``
+of the JSON file, of ``SparseSettings(...)`` and of ``replace(...)`` land on the nested field,
+and the nested form (``{"observability": {"stats_file": ...}}``) is accepted too. Code reads the
+nested field only (``settings.observability.stats_file``); there is no flat attribute. Flat
+names are therefore unique across groups (``SETTINGS`` checks it at import).
 """
 
 from __future__ import annotations
@@ -62,6 +62,30 @@ class ConfigError(ValueError):
     """A configuration file or variable is malformed; the message names where and which field."""
 
 
+class GatingSettings(BaseModel):
+    """Which rows go sparse (read by prefill/route.py, the backends' builders and the profiling
+    claim)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
+    min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
+    min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
+    max_density: float = Field(0.4, gt=0.0, le=1.0, description=(
+        "A row whose budgets alone allow more than this share of its causal (query, key) pairs runs on the "
+        "dense kernel (FlashAttention, vLLM's CPU attention) without estimation; on CUDA one whose estimated "
+        "index covers more runs dense as estimated_dense_rows says. 1.0 = never."))
+    cost_model: bool = Field(True, description=(
+        "CUDA: before estimating a row, predict its sparse cost (estimation, a fixed cost per row and layer, and "
+        "the pairs its budgets are measured to compute in that layer) against FlashAttention's and run it dense "
+        "where sparse would not win (rows on which even an empty selection would lose stay on FlashAttention for "
+        "the whole step); false = only max_density decides."))
+    estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field("auto", description=(
+        "CUDA: where rows whose estimated index is denser than max_density run. flash = read the flags on the "
+        "host (one sync per layer) and run them on FlashAttention; kernel = the Triton kernel's dense mode, no "
+        "host read; auto = flash while the layer's previous call had such rows, else kernel. CUDA-graph "
+        "capture always uses kernel."))
+
+
 class ObservabilitySettings(BaseModel):
     """What the worker reports and how often (read by observability/, runtime.py and the backends'
     stats-file writes)."""
@@ -91,7 +115,7 @@ class SparseSettings(BaseModel):
     # Each description is the user-facing meaning; docs/configuration.md is generated from them
     # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
     # measurements behind them: docs/configuration-notes.md.
-    enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
+    gating: GatingSettings = Field(default_factory=GatingSettings, description="Which rows go sparse.")
     # default_pattern, decode_mode and kv_placement name registered things: the registries check
     # them (load_settings' ``names``), so that these settings import none of the modules using them;
     # "registry" tells the docs generator which names to list.
@@ -144,23 +168,6 @@ class SparseSettings(BaseModel):
         "One key selection per KV head, shared by the query heads of its GQA group (their scores summed), so the "
         "kernel computes the group's heads together. Layers whose KV groups mix patterns or budgets, or have "
         "FlexPrefill heads, keep per-head selections; false = per head everywhere."))
-    # Gating: which rows go sparse.
-    min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
-    min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
-    max_density: float = Field(0.4, gt=0.0, le=1.0, description=(
-        "A row whose budgets alone allow more than this share of its causal (query, key) pairs runs on the "
-        "dense kernel (FlashAttention, vLLM's CPU attention) without estimation; on CUDA one whose estimated "
-        "index covers more runs dense as estimated_dense_rows says. 1.0 = never."))
-    cost_model: bool = Field(True, description=(
-        "CUDA: before estimating a row, predict its sparse cost (estimation, a fixed cost per row and layer, and "
-        "the pairs its budgets are measured to compute in that layer) against FlashAttention's and run it dense "
-        "where sparse would not win (rows on which even an empty selection would lose stay on FlashAttention for "
-        "the whole step); false = only max_density decides."))
-    estimated_dense_rows: Literal["flash", "kernel", "auto"] = Field("auto", description=(
-        "CUDA: where rows whose estimated index is denser than max_density run. flash = read the flags on the "
-        "host (one sync per layer) and run them on FlashAttention; kernel = the Triton kernel's dense mode, no "
-        "host read; auto = flash while the layer's previous call had such rows, else kernel. CUDA-graph "
-        "capture always uses kernel."))
     kernel: Literal["auto", "triton", "torch"] = Field("auto", description=(
         "Sparse rows on CUDA: auto = GPU estimation and the Triton kernel on the paged cache, and the layer runs "
         "dense where they cannot run (no triton, head size other than 64/128, model dtype other than "
@@ -227,6 +234,17 @@ class SparseSettings(BaseModel):
     host_kv_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description=(
         "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))
+
+    def replace(self, **changes: Any) -> "SparseSettings":
+        """A validated copy with ``changes`` (flat names or nested groups, as the constructor takes)."""
+        return SparseSettings(**nest_settings(_as_dict(self), changes))
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "SparseSettings":
+        # pydantic's copy does not validate: a grouped setting's flat name would become a stray
+        # attribute and change nothing, so an update naming one goes through replace()
+        if update and not set(update) <= set(type(self).model_fields):
+            return self.replace(**update)
+        return super().model_copy(update=update, deep=deep)
 
     @model_validator(mode="before")
     @classmethod

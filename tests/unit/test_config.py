@@ -14,7 +14,7 @@ def test_defaults_follow_the_papers():
     s = load_settings({})
     assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
     assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
-    assert s.default_pattern == "vertical_slash" and s.enabled
+    assert s.default_pattern == "vertical_slash" and s.gating.enabled
     assert s.decode_mode == "dense"  # top-k decode is opt-in (issue 8)
 
 
@@ -23,7 +23,7 @@ def test_env_overrides_file(tmp_path):
     f.write_text(json.dumps({"vertical_size": 10, "default_pattern": "flex_prefill", "gamma": 0.9}))
     s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
                        "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
-    assert (s.vertical_size, s.default_pattern, s.gamma, s.enabled, s.max_budget) == \
+    assert (s.vertical_size, s.default_pattern, s.gamma, s.gating.enabled, s.max_budget) == \
         (10, "flex_prefill", 0.8, False, None)
 
 
@@ -98,6 +98,20 @@ def test_a_bad_grouped_setting_names_its_place(tmp_path):
         load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "-1"})
     assert str(err.value) == ("environment variable VLLM_SPARSE_STATS_WRITE_INTERVAL_S='-1': "
                               "Input should be greater than or equal to 0")
+
+
+def test_gating_is_reached_by_its_variables_and_a_copy_by_flat_name_changes_the_nested_field(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"gating": {"min_sparse_query_len": 512}, "cost_model": False}))
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_MAX_DENSITY": "1"})
+    assert (s.gating.min_sparse_query_len, s.gating.cost_model, s.gating.max_density, s.gating.enabled) == \
+        (512, False, 1.0, True)
+    # a copy changed by a grouped setting's flat name changes it (pydantic's copy alone would not)
+    for copy in (s.replace(max_density=0.25), s.model_copy(update={"max_density": 0.25})):
+        assert copy.gating.max_density == 0.25 and copy.gating.min_sparse_query_len == 512
+        assert not hasattr(copy, "max_density")
+    with pytest.raises(ValueError, match=r"gating\.max_density"):
+        s.replace(max_density=0)  # validated
 
 def _head_file(num_layers=2, num_heads=3):
     return {

@@ -30,5 +30,5 @@ def test_types_and_constraints_are_spelled_for_users():
     fields = SparseSettings.model_fields
     assert config_docs.describe_type(fields["vertical_share"]) == "number > 0.0, <= 1.0, or none"
     assert config_docs.describe_type(fields["default_pattern"]).startswith("`dense`, `a_shape`")
-    assert config_docs.describe_type(fields["enabled"]) == "`true`, `false`"
+    assert config_docs.describe_type(SETTINGS["enabled"].field) == "`true`, `false`"
     assert config_docs.describe_default(fields["default_pattern"].default) == "`vertical_slash`"

@@ -436,7 +436,7 @@ BREAKAGES = {
     "service links": ("base/deployment.yaml", "enableServiceLinks: false", "enableServiceLinks: true",
                       "enableServiceLinks must be false"),
     "plugin setting": ("base/configmap.yaml", '"max_density": 0.4', '"max_density": 4',
-                       "field 'max_density'"),
+                       "field 'gating.max_density'"),
     "patch no longer applies": ("overlays/h100/gpu.yaml", "containers/0/env/1/name", "containers/0/env/2/name",
                                 "testing value /spec/template/spec/containers/0/env/2/name failed"),
     "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /models/prom",

@@ -256,7 +256,7 @@ def long_query_lens(runtime: WorkerRuntime, cm) -> list[int]:
     """The query lengths of a step's rows long enough to go sparse (``min_sparse_query_len``):
     what a step whose planning failed counts as sparse path errors."""
     qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-    return [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= runtime.settings.min_sparse_query_len]
+    return [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= runtime.settings.gating.min_sparse_query_len]
 
 
 def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, q_lens: list[int]) -> None:
