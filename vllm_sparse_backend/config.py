@@ -316,9 +316,10 @@ def _merge(into: dict, path: tuple[str, ...], value: Any, *, later_wins: bool, g
     *groups, leaf = path
     node = into
     for g in groups:
-        node = node.setdefault(g, {})
-        if not isinstance(node, dict):  # a group given as a scalar: pydantic names it
+        group = _as_dict(node.get(g, {}))  # a model instance given for the group merges too
+        if not isinstance(group, dict):  # a group given as a scalar: pydantic names it
             return
+        node[g] = node = group
     old, new = _as_dict(node.get(leaf)), _as_dict(value)
     if isinstance(old, dict) and isinstance(new, dict):
         node[leaf] = old

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.config import ConfigError, GatingSettings, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
 from vllm_sparse_backend.startup import load_checked_settings
@@ -112,6 +112,8 @@ def test_gating_is_reached_by_its_variables_and_a_copy_by_flat_name_changes_the_
         assert not hasattr(copy, "max_density")
     with pytest.raises(ValueError, match=r"gating\.max_density"):
         s.replace(max_density=0)  # validated
+    s = SparseSettings(gating=GatingSettings(min_sparse_query_len=8), max_density=0.3)
+    assert (s.gating.min_sparse_query_len, s.gating.max_density) == (8, 0.3)
 
 def _head_file(num_layers=2, num_heads=3):
     return {
