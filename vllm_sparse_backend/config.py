@@ -11,14 +11,16 @@ Shape (issue 52 step 3): the settings are being grouped into sub-models by the c
 them, so that a reader finds a field next to its user: ``gating`` (enabled, min_sparse_query_len,
 min_sparse_seq_len, max_density, cost_model, estimated_dense_rows), ``patterns.<pattern name>``
 (each pattern's ``head_params``: vertical_size, slash_size, last_q, topk_blocks, gamma, ...),
-``decode.<mode>`` (topk / spans), ``kernel`` (kernel, block_size, skip_tile_below,
-kv_block_size, ...), ``kv_placement`` and ``observability``. Done so far: ``gating`` and
-``observability``; the other fields are still top-level. A grouped setting keeps its flat name
-as its only alias, on the way in only: the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>``
-of the JSON file, of ``SparseSettings(...)`` and of ``replace(...)`` land on the nested field,
-and the nested form (``{"observability": {"stats_file": ...}}``) is accepted too. Code reads the
-nested field only (``settings.observability.stats_file``); there is no flat attribute. Flat
-names are therefore unique across groups (``SETTINGS`` checks it at import).
+``decode`` (mode and page counts; its modes' own under ``decode.topk`` / ``decode.spans``),
+``kernel`` (kernel, block_size, skip_tile_below, kv_block_size, ...), ``kv_placement`` and
+``observability``. Done so far: ``gating``, ``decode`` and ``observability``; the other fields
+are still top-level. A grouped setting keeps its flat name (``decode_span_theta``; the field's
+own name unless its ``json_schema_extra`` says ``flat``) as its only alias, on the way in only:
+the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>`` of the JSON file, of
+``SparseSettings(...)``, ``replace(...)`` and ``model_copy(update=...)`` land on the nested field
+(``decode.spans.theta``), and the nested form (``{"decode": {"spans": {"theta": 0.8}}}``) is
+accepted too. Code reads the nested field only; there is no flat attribute. Flat names are
+unique across groups (``SETTINGS`` checks it at import), so each says one field.
 """
 
 from __future__ import annotations
@@ -109,6 +111,82 @@ class ObservabilitySettings(BaseModel):
         "also count computed pairs and density fallbacks); 0 = never."))
 
 
+def _flat(name: str) -> dict[str, str]:
+    """``json_schema_extra`` of a grouped field whose flat alias (variable suffix, flat JSON key)
+    is not its own name."""
+    return {"flat": name}
+
+
+class TopkDecodeSettings(BaseModel):
+    """decode_mode=topk only (read by decode/topk.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int = Field(0, ge=0, json_schema_extra=_flat("decode_topk_tokens"), description=(
+        "topk decode: keep only this many best keys per head of the chosen pages (sink and recent pages stay "
+        "whole); 0 = all."))
+
+
+class SpansDecodeSettings(BaseModel):
+    """decode_mode=spans only (read by decode/spans.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    persist_pages: int = Field(32, ge=0, json_schema_extra=_flat("decode_persist_pages"), description=(
+        "spans decode: pages per KV head that the last last_q queries of a prompt's last chunk retrieve, "
+        "attended at every decode step."))
+    theta: float = Field(0.9, ge=0.0, le=1.0, json_schema_extra=_flat("decode_span_theta"),
+                         description="spans: quantile of the local map's cell means subtracted as baseline.")
+    iou: float = Field(0.01, ge=0.0, le=1.0, json_schema_extra=_flat("decode_span_iou"),
+                       description="spans: NMS IoU threshold between spans.")
+    index_lambda: float = Field(3.0, ge=0.0, json_schema_extra=_flat("decode_span_lambda"),
+                                description="spans: lambda of the index-vector count (Eq. 7).")
+    min_index: int = Field(6, ge=1, json_schema_extra=_flat("decode_span_min_index"),
+                           description="spans: fewest index tokens per span.")
+    max_index: int = Field(24, ge=1, json_schema_extra=_flat("decode_span_max_index"),
+                           description="spans: most index tokens per span.")
+    index: Literal["span", "page"] = Field("span", json_schema_extra=_flat("decode_span_index"), description=(
+        "spans: page keys from the span's index tokens (span) or the page's most-voted token (page)."))
+    persist: Literal["attention", "index"] = Field("attention", json_schema_extra=_flat("decode_span_persist"),
+                                                   description=(
+        "spans: persistent pages by the last queries' exact attention (attention) or by the span index decode "
+        "uses (index)."))
+    persist_next: int = Field(1, ge=0, json_schema_extra=_flat("decode_persist_next"), description=(
+        "spans, persist by attention: each of the decode_persist_pages // (1 + N) best pages persists with the N "
+        "pages after it; 0 = single pages. Setting it with decode_span_persist=index is an error."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpansDecodeSettings":
+        if "persist_next" in self.model_fields_set and self.persist_next and self.persist != "attention":
+            raise ValueError("decode_persist_next runs of persistent pages need decode_span_persist=attention")
+        if self.min_index > self.max_index:
+            raise ValueError(f"decode_span_min_index={self.min_index} is above decode_span_max_index={self.max_index}")
+        return self
+
+
+class DecodeSettings(BaseModel):
+    """How decode steps attend (read by decode/, the backends and kv_placement/host.py); the
+    mode's own parameters under ``topk`` / ``spans``."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: str = Field("dense", json_schema_extra={"registry": "decode_mode", **_flat("decode_mode")}, description=(
+        "Decode attention (CUDA): dense = vLLM's FlashAttention; topk = sink, recent and the best-bounded pages "
+        "(Quest page summaries); spans = sink, recent, persistent and best-matching pages by span index "
+        "(Ltri-LLM). topk and spans are opt-in and experimental; batches mixing prefills decode dense."))
+    sink_pages: int = Field(1, ge=0, json_schema_extra=_flat("decode_sink_pages"),
+                            description="topk/spans decode: leading pages always attended.")
+    recent_pages: int = Field(8, ge=0, json_schema_extra=_flat("decode_recent_pages"),
+                              description="topk/spans decode: trailing pages always attended.")
+    budget_pages: int = Field(64, ge=0, json_schema_extra=_flat("decode_budget_pages"),
+                              description="topk/spans decode: pages chosen by score per KV head.")
+    topk: TopkDecodeSettings = Field(default_factory=TopkDecodeSettings, description="decode_mode=topk only.")
+    spans: SpansDecodeSettings = Field(default_factory=SpansDecodeSettings, description="decode_mode=spans only.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DecodeSettings":
+        if self.sink_pages + self.recent_pages + self.budget_pages == 0:
+            raise ValueError("decode_sink_pages, decode_recent_pages and decode_budget_pages are all 0")
+        return self
+
+
 class SparseSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -116,7 +194,7 @@ class SparseSettings(BaseModel):
     # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
     # measurements behind them: docs/configuration-notes.md.
     gating: GatingSettings = Field(default_factory=GatingSettings, description="Which rows go sparse.")
-    # default_pattern, decode_mode and kv_placement name registered things: the registries check
+    # default_pattern, decode.mode and kv_placement name registered things: the registries check
     # them (load_settings' ``names``), so that these settings import none of the modules using them;
     # "registry" tells the docs generator which names to list.
     default_pattern: str = Field(
@@ -190,34 +268,7 @@ class SparseSettings(BaseModel):
 
     # Decode (issue 8): how decode steps attend; widths are fixed so a step can be captured in a
     # CUDA graph. How the modes work: docs/decode-modes.md.
-    decode_mode: str = Field("dense", json_schema_extra={"registry": "decode_mode"}, description=(
-        "Decode attention (CUDA): dense = vLLM's FlashAttention; topk = sink, recent and the best-bounded pages "
-        "(Quest page summaries); spans = sink, recent, persistent and best-matching pages by span index "
-        "(Ltri-LLM). topk and spans are opt-in and experimental; batches mixing prefills decode dense."))
-    decode_sink_pages: int = Field(1, ge=0, description="topk/spans decode: leading pages always attended.")
-    decode_recent_pages: int = Field(8, ge=0, description="topk/spans decode: trailing pages always attended.")
-    decode_budget_pages: int = Field(64, ge=0, description="topk/spans decode: pages chosen by score per KV head.")
-    decode_topk_tokens: int = Field(0, ge=0, description=(
-        "topk decode: keep only this many best keys per head of the chosen pages (sink and recent pages stay "
-        "whole); 0 = all."))
-    decode_persist_pages: int = Field(32, ge=0, description=(
-        "spans decode: pages per KV head that the last last_q queries of a prompt's last chunk retrieve, "
-        "attended at every decode step."))
-    decode_span_theta: float = Field(
-        0.9, ge=0.0, le=1.0, description="spans: quantile of the local map's cell means subtracted as baseline.")
-    decode_span_iou: float = Field(0.01, ge=0.0, le=1.0, description="spans: NMS IoU threshold between spans.")
-    decode_span_lambda: float = Field(3.0, ge=0.0, description="spans: lambda of the index-vector count (Eq. 7).")
-    decode_span_min_index: int = Field(6, ge=1, description="spans: fewest index tokens per span.")
-    decode_span_max_index: int = Field(24, ge=1, description="spans: most index tokens per span.")
-    decode_span_index: Literal["span", "page"] = Field(
-        "span", description="spans: page keys from the span's index tokens (span) or the page's most-voted token (page).")
-    decode_span_persist: Literal["attention", "index"] = Field(
-        "attention", description="spans: persistent pages by the last queries' exact attention (attention) or "
-                                 "by the span index decode uses (index).")
-    decode_persist_next: int = Field(
-        1, ge=0, description="spans, persist by attention: each of the decode_persist_pages // (1 + N) best "
-                             "pages persists with the N pages after it; 0 = single pages. Setting it with "
-                             "decode_span_persist=index is an error.")
+    decode: DecodeSettings = Field(default_factory=DecodeSettings, description="How decode steps attend.")
 
     # KV placement (issue 54): where each block's full K/V lives. docs/decode-offload.md.
     kv_placement: str = Field("gpu", json_schema_extra={"registry": "kv_placement"}, description=(
@@ -264,14 +315,6 @@ class SparseSettings(BaseModel):
             raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
         if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
             raise ValueError("flex_block_size and block_size must divide one another")
-        if self.decode_sink_pages + self.decode_recent_pages + self.decode_budget_pages == 0:
-            raise ValueError("decode_sink_pages, decode_recent_pages and decode_budget_pages are all 0")
-        if ("decode_persist_next" in self.model_fields_set and self.decode_persist_next
-                and self.decode_span_persist != "attention"):
-            raise ValueError("decode_persist_next runs of persistent pages need decode_span_persist=attention")
-        if self.decode_span_min_index > self.decode_span_max_index:
-            raise ValueError(f"decode_span_min_index={self.decode_span_min_index} is above "
-                             f"decode_span_max_index={self.decode_span_max_index}")
         if self.max_budget is not None and self.max_budget < self.min_budget:
             raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
         return self
@@ -279,7 +322,7 @@ class SparseSettings(BaseModel):
 
 class Setting(NamedTuple):
     """One user-facing setting: where it lives in the model and its field (type, bounds, text)."""
-    path: tuple[str, ...]  # ("observability", "stats_file"); the last name is the flat alias
+    path: tuple[str, ...]  # ("decode", "spans", "theta"): its place in SparseSettings
     field: FieldInfo
 
     @property
@@ -297,7 +340,8 @@ def _settings_of(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[s
     out: dict[str, Setting] = {}
     for name, field in model.model_fields.items():
         group = _group_model(field)
-        found = _settings_of(group, prefix + (name,)) if group else {name: Setting(prefix + (name,), field)}
+        flat = (field.json_schema_extra or {}).get("flat", name)
+        found = _settings_of(group, prefix + (name,)) if group else {flat: Setting(prefix + (name,), field)}
         for alias, setting in found.items():
             if alias in out:  # the flat alias must say one field (the env variable is built from it)
                 raise TypeError(f"settings {out[alias].key} and {setting.key} share the name {alias!r}")

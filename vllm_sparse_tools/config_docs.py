@@ -38,8 +38,9 @@ Every setting has a default; a JSON file and environment variables override it. 
 1. the field defaults below;
 2. a JSON object of settings in the file named by `{CONFIG_FILE_ENV}`
    (keys are the field names, e.g. `{{"vertical_size": 250, "slash_size": 1000}}`). A setting
-   of a group (the JSON key column below: `group.name`) may be written by its flat name, as
-   `{{"stats_file": "s.json"}}`, or nested, as `{{"observability": {{"stats_file": "s.json"}}}}`;
+   of a group (the JSON key column below: `group.name`) may be written by its flat name, the
+   variable's name without the prefix in lower case (`{{"decode_span_theta": 0.8}}`), or nested
+   (`{{"decode": {{"spans": {{"theta": 0.8}}}}}}`); an error names the nested key;
 3. environment variables `{ENV_PREFIX}<FIELD>` (e.g. `{ENV_PREFIX}VERTICAL_SIZE=250`). An empty
    value, `none` or `null` means none.
 

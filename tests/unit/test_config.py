@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.config import ConfigError, GatingSettings, SparseSettings, load_settings
+from vllm_sparse_backend.config import SETTINGS, ConfigError, GatingSettings, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
 from vllm_sparse_backend.startup import load_checked_settings
@@ -15,7 +15,7 @@ def test_defaults_follow_the_papers():
     assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
     assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
     assert s.default_pattern == "vertical_slash" and s.gating.enabled
-    assert s.decode_mode == "dense"  # top-k decode is opt-in (issue 8)
+    assert s.decode.mode == "dense"  # top-k decode is opt-in (issue 8)
 
 
 def test_env_overrides_file(tmp_path):
@@ -114,6 +114,21 @@ def test_gating_is_reached_by_its_variables_and_a_copy_by_flat_name_changes_the_
         s.replace(max_density=0)  # validated
     s = SparseSettings(gating=GatingSettings(min_sparse_query_len=8), max_density=0.3)
     assert (s.gating.min_sparse_query_len, s.gating.max_density) == (8, 0.3)
+
+
+def test_decode_settings_by_variable_flat_key_and_nested_key(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"decode_span_theta": 0.8, "decode": {"mode": "spans", "spans": {"iou": 0.2}}}))
+    s = load_checked_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_DECODE_TOPK_TOKENS": "5"})
+    assert (s.decode.mode, s.decode.spans.theta, s.decode.spans.iou, s.decode.topk.tokens) == ("spans", 0.8, 0.2, 5)
+    assert s.decode.spans.index_lambda == 3.0
+    f.write_text(json.dumps({"decode": {"spans": {"iou": 2}}}))
+    with pytest.raises(ConfigError, match=r"field 'decode\.spans\.iou': Input should be less than or equal to 1"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    # a check across fields of a group sees flat and nested names alike
+    f.write_text(json.dumps({"decode_persist_next": 2, "decode": {"spans": {"persist": "index"}}}))
+    with pytest.raises(ConfigError, match="field 'decode.spans': Value error, decode_persist_next runs"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
 
 def _head_file(num_layers=2, num_heads=3):
     return {
@@ -300,7 +315,7 @@ def test_start_up_checks_registered_names_in_the_settings_file_and_variables(tmp
     f.write_text(json.dumps({field: value}))
     with pytest.raises(ConfigError) as err:
         load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)})
-    assert str(err.value) == f"{f}: field '{field}': {want}"
+    assert str(err.value) == f"{f}: field '{SETTINGS[field].key}': {want}"
     with pytest.raises(ConfigError) as err:
         load_checked_settings({"VLLM_SPARSE_" + field.upper(): value})
     assert str(err.value) == f"environment variable VLLM_SPARSE_{field.upper()}={value!r}: {want}"

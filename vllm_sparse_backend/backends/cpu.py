@@ -50,9 +50,9 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 # PyTorch attention of the sparse path
                 if self.sparse_enabled and cfg.gating.max_density < 1.0:
                     self._head_sets = distinct_head_sets(layer_heads_of_group)
-            if cfg.decode_mode != "dense":
+            if cfg.decode.mode != "dense":
                 runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
-                                 "decode stays dense", cfg.decode_mode)
+                                 "decode stays dense", cfg.decode.mode)
             if self.sparse_enabled:
                 runtime.log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); "
                                  "vLLM's 'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU "

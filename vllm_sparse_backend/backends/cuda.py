@@ -425,7 +425,7 @@ class SparsePrefillBackend(FlashBackendVersions, FlashAttentionBackend):
         cfg = load_checked_settings()  # a class method: no engine object holds them here
         if cfg.kv_block_size == "auto":
             # decode_mode topk / spans count their budgets in pages measured at vLLM's default
-            size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \
+            size = 64 if current_platform.has_device_capability(90) and cfg.decode.mode == "dense" \
                 else default_block_size
         else:
             size = int(cfg.kv_block_size)
