@@ -369,13 +369,13 @@ class SpansSelector:
         cfg = SparseSettings()
         page = params.get("page", DEFAULT_PAGE_SIZE)
         budget = (budget_pages_for_share(params["share"], prompt_tokens, page) if "share" in params
-                  else params.get("budget", cfg.decode_budget_pages))
-        persist_by = params.get("persist_by", cfg.decode_span_persist)
-        return cls(label, sink_pages=params.get("sink", cfg.decode_sink_pages),
-                   recent_pages=params.get("recent", cfg.decode_recent_pages),
-                   persist_pages=params.get("persist", cfg.decode_persist_pages), budget_pages=budget, page_size=page,
+                  else params.get("budget", cfg.decode.budget_pages))
+        persist_by = params.get("persist_by", cfg.decode.spans.persist)
+        return cls(label, sink_pages=params.get("sink", cfg.decode.sink_pages),
+                   recent_pages=params.get("recent", cfg.decode.recent_pages),
+                   persist_pages=params.get("persist", cfg.decode.spans.persist_pages), budget_pages=budget, page_size=page,
                    score=params.get("score", "sum"), index=params.get("index", "span"), persist_by=persist_by,
-                   persist_next=params.get("persist_next", cfg.decode_persist_next if persist_by == "attention" else 0))
+                   persist_next=params.get("persist_next", cfg.decode.spans.persist_next if persist_by == "attention" else 0))
 
     def local_maps(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Page maps [S, n, n], votes [S, T] and tokens per segment [S] of a prompt divided from

@@ -336,7 +336,7 @@ def check_metrics_wiring(w: str, c: dict, settings, services: list[dict], monito
     /metrics): the container declares it, the plugin binds every interface, a Service exposes it
     and the ServiceMonitor scrapes that Service port, not the API's."""
     cw = f"{w} container {c.get('name')}"
-    port, host = settings.metrics_port, settings.metrics_host
+    port, host = settings.observability.metrics_port, settings.observability.metrics_host
     declared = {p.get("containerPort"): p.get("name") for p in c.get("ports", [])}
     if port is None:
         return [f"{cw}: metrics_port is not set in the plugin's settings; Prometheus would have to scrape "
@@ -431,8 +431,8 @@ def cross_check(objects: list[dict], release: bool = False) -> list[str]:
             errs += settings_errs
             if settings is not None:
                 errs += check_metrics_wiring(w, c, settings, services, monitors)
-                if settings.metrics_port is not None:
-                    metrics_ports.add(settings.metrics_port)
+                if settings.observability.metrics_port is not None:
+                    metrics_ports.add(settings.observability.metrics_port)
             errs += check_serving(w, c, env, mounts, volumes)
         errs += check_pod(w, pod, release)
     serving = {}

@@ -44,9 +44,10 @@ class WorkerRuntime:
         # made at start-up, so that they exist (at 0) before the first long request
         self.metrics = metrics.create_metrics() if export else metrics.NO_METRICS
         self.stats = SparseStats(_prom=self.metrics)
-        self.stats.configure(settings, export=export)
-        self.metrics_served = export and settings.metrics_port is not None \
-            and metrics.serve_metrics(settings.metrics_port, settings.metrics_host)
+        self.stats.configure(settings.observability, export=export)
+        obs = settings.observability
+        self.metrics_served = export and obs.metrics_port is not None \
+            and metrics.serve_metrics(obs.metrics_port, obs.metrics_host)
         # why the profiling run of the sparse path failed in this process (every group then runs
         # dense: sparse rows would use memory the KV cache was sized without), or None
         self.claim_failed: str | None = None

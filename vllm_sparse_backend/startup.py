@@ -71,8 +71,8 @@ def check_settings(env: Mapping[str, str] | None = None) -> tuple[SparseSettings
     variable or file and the field otherwise)."""
     settings = load_checked_settings(env)
     head_config = resolve_head_config(settings.head_config) if settings.head_config else None
-    if settings.stats_file:
-        check_stats_file(settings.stats_file)
+    if settings.observability.stats_file:
+        check_stats_file(settings.observability.stats_file)
     return settings, head_config
 
 

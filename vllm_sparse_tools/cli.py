@@ -226,7 +226,7 @@ def _search_patterns(args: argparse.Namespace) -> int:
     selection = args.selection
     if selection == "auto":
         selection = "group" if settings.kv_group_shared else "head"
-    cap = settings.max_density if args.max_budget_density is None else args.max_budget_density
+    cap = settings.gating.max_density if args.max_budget_density is None else args.max_budget_density
     if not 0.0 < cap <= 1.0:
         raise ConfigError(f"--max-budget-density {cap}: must be in (0, 1]")
     name = args.name or Path(args.model).resolve().name

@@ -3,8 +3,8 @@
     python -m vllm_sparse_tools.config_docs           # rewrite docs/configuration.md
     python -m vllm_sparse_tools.config_docs --check   # exit 1 if the file differs
 
-The page's table comes from ``SparseSettings`` alone (field, type, constraints, default,
-description), so a setting cannot be added or changed without the page following it; only the
+The page's table comes from ``SparseSettings`` alone, through ``config.SETTINGS`` (field, type,
+constraints, default, description, nested place), so a setting cannot be added or changed without the page following it; only the
 header below is written by hand.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import annotated_types
 from pydantic.fields import FieldInfo
 
-from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SparseSettings
+from vllm_sparse_backend.config import CONFIG_FILE_ENV, ENV_PREFIX, SETTINGS, Setting
 from vllm_sparse_backend.decode import DECODE_MODES
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS
 from vllm_sparse_backend.prefill.patterns import PATTERNS
@@ -37,7 +37,10 @@ Every setting has a default; a JSON file and environment variables override it. 
 
 1. the field defaults below;
 2. a JSON object of settings in the file named by `{CONFIG_FILE_ENV}`
-   (keys are the field names, e.g. `{{"vertical_size": 250, "slash_size": 1000}}`);
+   (keys are the field names, e.g. `{{"vertical_size": 250, "slash_size": 1000}}`). A setting
+   of a group (the JSON key column below: `group.name`) may be written by its flat name, the
+   variable's name without the prefix in lower case (`{{"decode_span_theta": 0.8}}`), or nested
+   (`{{"decode": {{"spans": {{"theta": 0.8}}}}}}`); an error names the nested key;
 3. environment variables `{ENV_PREFIX}<FIELD>` (e.g. `{ENV_PREFIX}VERTICAL_SIZE=250`). An empty
    value, `none` or `null` means none.
 
@@ -113,14 +116,15 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def render(model: type[SparseSettings] = SparseSettings) -> str:
-    """The whole page for a settings model: the header, then one table row per field."""
+def render(settings: dict[str, Setting] = SETTINGS) -> str:
+    """The whole page: the header, then one table row per setting (by its flat name)."""
     rows = ["| environment variable (JSON key) | type / allowed values | default | meaning |",
             "| --- | --- | --- | --- |"]
-    for name, field in model.model_fields.items():
+    for name, setting in settings.items():
+        field = setting.field
         if not field.description:
-            raise ValueError(f"SparseSettings.{name} has no description to document")
-        rows.append(f"| `{ENV_PREFIX}{name.upper()}` (`{name}`) | {_cell(describe_type(field))} | "
+            raise ValueError(f"SparseSettings.{setting.key} has no description to document")
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` (`{setting.key}`) | {_cell(describe_type(field))} | "
                     f"{describe_default(field.default)} | {_cell(field.description)} |")
     return HEADER + "\n" + "\n".join(rows) + "\n"
 

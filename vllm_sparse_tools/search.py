@@ -571,7 +571,7 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
                         for heads in layer_patterns]
     meta["budget_density_mean"] = round(sum(per_layer_budget) / len(per_layer_budget), 4)
     meta["budget_density_max"] = round(max(per_layer_budget), 4)
-    meta["layers_over_max_density"] = sum(d > serve.max_density for d in per_layer_budget)
+    meta["layers_over_max_density"] = sum(d > serve.gating.max_density for d in per_layer_budget)
     if verify:
         t_verify = time.monotonic()
         base = {k: v for k, v in serve.model_dump().items() if k != "head_config"}

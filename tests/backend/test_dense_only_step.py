@@ -48,7 +48,7 @@ def _builder(runtime, settings):
     b = object.__new__(cuda_backend.SparsePrefillMetadataBuilder)
     b.runtime, b.sparse_enabled, b._decode_mode = runtime, True, None
     b._head_sets, b._row_heads, b._uses_kernel_table = None, None, False
-    b._plan_from, b._stats_file = settings.min_sparse_query_len, None
+    b._plan_from, b._stats_file = settings.gating.min_sparse_query_len, None
     return b
 
 
@@ -80,7 +80,7 @@ def _forward_layers(md, layers=3):
 def test_a_short_step_is_flash_attention_s_own(monkeypatch, flash):
     built, forwarded = flash
     settings = load_settings()
-    md = _builder(_Untouchable(), settings).build(0, _common(settings.min_sparse_query_len - 1))
+    md = _builder(_Untouchable(), settings).build(0, _common(settings.gating.min_sparse_query_len - 1))
     assert built == [md]  # untouched, and no setting or plan read for it
     assert _forward_layers(md) == [True] * 3
     assert forwarded == [md] * 3
@@ -95,7 +95,7 @@ def test_a_long_row_kept_dense_by_the_plan_costs_no_layer_work(monkeypatch, flas
     monkeypatch.setattr(cuda_backend, "plan_sparse_step", common.plan_sparse_step)  # once per step: allowed
     builder = _builder(runtime, settings)
     builder._head_sets = common.distinct_head_sets({"layer": rank_heads(None, settings, 0, 8, 2)})
-    md = builder.build(0, _common(settings.min_sparse_query_len))
+    md = builder.build(0, _common(settings.gating.min_sparse_query_len))
     assert built == [md]
     assert runtime.stats.dense_reasons == {"budgets denser than max_density": 1}
     assert _forward_layers(md) == [True] * 3

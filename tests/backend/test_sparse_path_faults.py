@@ -209,7 +209,7 @@ def _cuda_builder(runtime, settings):
     b = object.__new__(cuda_backend.SparsePrefillMetadataBuilder)
     b.runtime, b.sparse_enabled, b._decode_mode = runtime, True, None
     b._head_sets, b._row_heads, b._uses_kernel_table = None, None, False
-    b._plan_from, b._stats_file = settings.min_sparse_query_len, settings.stats_file
+    b._plan_from, b._stats_file = settings.gating.min_sparse_query_len, settings.observability.stats_file
     return b
 
 

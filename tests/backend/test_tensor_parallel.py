@@ -312,7 +312,7 @@ def test_stats_count_each_row_once_under_tp(tmp_path, backend, monkeypatch):
         if r == 0:
             st._prom = PrometheusMetrics(prometheus_client, registry=registry)
         with backend.as_rank(r):
-            st.configure(settings, export=common.tensor_parallel_rank() == 0)  # what WorkerRuntime decides
+            st.configure(settings.observability, export=common.tensor_parallel_rank() == 0)  # what WorkerRuntime decides
             qs, kvs = vllm_layout(tp, r)
             heads = _resolve(_vllm_config(tp), settings, 4, 1)
         _run(q[:, qs], k[:, kvs], v[:, kvs], heads, settings, st)

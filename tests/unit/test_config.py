@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings
+from vllm_sparse_backend.config import SETTINGS, ConfigError, GatingSettings, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
 from vllm_sparse_backend.startup import load_checked_settings
@@ -14,8 +14,8 @@ def test_defaults_follow_the_papers():
     s = load_settings({})
     assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
     assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
-    assert s.default_pattern == "vertical_slash" and s.enabled
-    assert s.decode_mode == "dense"  # top-k decode is opt-in (issue 8)
+    assert s.default_pattern == "vertical_slash" and s.gating.enabled
+    assert s.decode.mode == "dense"  # top-k decode is opt-in (issue 8)
 
 
 def test_env_overrides_file(tmp_path):
@@ -23,7 +23,7 @@ def test_env_overrides_file(tmp_path):
     f.write_text(json.dumps({"vertical_size": 10, "default_pattern": "flex_prefill", "gamma": 0.9}))
     s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
                        "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
-    assert (s.vertical_size, s.default_pattern, s.gamma, s.enabled, s.max_budget) == \
+    assert (s.vertical_size, s.default_pattern, s.gamma, s.gating.enabled, s.max_budget) == \
         (10, "flex_prefill", 0.8, False, None)
 
 
@@ -65,6 +65,70 @@ def test_bad_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings({"VLLM_SPARSE_CONFIG": str(tmp_path / "missing.json")})
 
+
+
+def test_a_grouped_setting_is_reached_by_its_variable_its_flat_key_and_its_nested_key(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"stats_file": "/tmp/flat.json", "observability": {"metrics_port": 9400}}))
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "3"})
+    assert (s.observability.stats_file, s.observability.metrics_port, s.observability.timing_sample_every) == \
+        ("/tmp/flat.json", 9400, 3)
+    assert s.observability.stats_write_interval_s == 1.0  # the group's other fields keep their defaults
+    # a variable wins over the file, flat or nested there
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_METRICS_PORT": "9500",
+                       "VLLM_SPARSE_STATS_FILE": "none"})
+    assert (s.observability.metrics_port, s.observability.stats_file) == (9500, None)
+    assert SparseSettings(metrics_host="0.0.0.0") == SparseSettings(observability={"metrics_host": "0.0.0.0"})
+
+
+def test_a_bad_grouped_setting_names_its_place(tmp_path):
+    f = tmp_path / "bad.json"
+    for data in ({"observability": {"metrics_port": 0}}, {"metrics_port": 0}):
+        f.write_text(json.dumps(data))
+        with pytest.raises(ConfigError) as err:
+            load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+        assert str(err.value).startswith(f"{f}: field 'observability.metrics_port': Input should be greater than")
+    f.write_text(json.dumps({"observability": {"metric_port": 9400}}))
+    with pytest.raises(ConfigError, match=r"field 'observability\.metric_port': Extra inputs are not permitted"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    f.write_text(json.dumps({"stats_file": "a.json", "observability": {"stats_file": "b.json"}}))
+    with pytest.raises(ConfigError, match="'observability.stats_file' is given twice"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    with pytest.raises(ConfigError) as err:
+        load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "-1"})
+    assert str(err.value) == ("environment variable VLLM_SPARSE_STATS_WRITE_INTERVAL_S='-1': "
+                              "Input should be greater than or equal to 0")
+
+
+def test_gating_is_reached_by_its_variables_and_a_copy_by_flat_name_changes_the_nested_field(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"gating": {"min_sparse_query_len": 512}, "cost_model": False}))
+    s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_MAX_DENSITY": "1"})
+    assert (s.gating.min_sparse_query_len, s.gating.cost_model, s.gating.max_density, s.gating.enabled) == \
+        (512, False, 1.0, True)
+    # a copy changed by a grouped setting's flat name changes it (pydantic's copy alone would not)
+    for copy in (s.replace(max_density=0.25), s.model_copy(update={"max_density": 0.25})):
+        assert copy.gating.max_density == 0.25 and copy.gating.min_sparse_query_len == 512
+        assert not hasattr(copy, "max_density")
+    with pytest.raises(ValueError, match=r"gating\.max_density"):
+        s.replace(max_density=0)  # validated
+    s = SparseSettings(gating=GatingSettings(min_sparse_query_len=8), max_density=0.3)
+    assert (s.gating.min_sparse_query_len, s.gating.max_density) == (8, 0.3)
+
+
+def test_decode_settings_by_variable_flat_key_and_nested_key(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"decode_span_theta": 0.8, "decode": {"mode": "spans", "spans": {"iou": 0.2}}}))
+    s = load_checked_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_DECODE_TOPK_TOKENS": "5"})
+    assert (s.decode.mode, s.decode.spans.theta, s.decode.spans.iou, s.decode.topk.tokens) == ("spans", 0.8, 0.2, 5)
+    assert s.decode.spans.index_lambda == 3.0
+    f.write_text(json.dumps({"decode": {"spans": {"iou": 2}}}))
+    with pytest.raises(ConfigError, match=r"field 'decode\.spans\.iou': Input should be less than or equal to 1"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+    # a check across fields of a group sees flat and nested names alike
+    f.write_text(json.dumps({"decode_persist_next": 2, "decode": {"spans": {"persist": "index"}}}))
+    with pytest.raises(ConfigError, match="field 'decode.spans': Value error, decode_persist_next runs"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
 
 def _head_file(num_layers=2, num_heads=3):
     return {
@@ -251,7 +315,7 @@ def test_start_up_checks_registered_names_in_the_settings_file_and_variables(tmp
     f.write_text(json.dumps({field: value}))
     with pytest.raises(ConfigError) as err:
         load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)})
-    assert str(err.value) == f"{f}: field '{field}': {want}"
+    assert str(err.value) == f"{f}: field '{SETTINGS[field].key}': {want}"
     with pytest.raises(ConfigError) as err:
         load_checked_settings({"VLLM_SPARSE_" + field.upper(): value})
     assert str(err.value) == f"environment variable VLLM_SPARSE_{field.upper()}={value!r}: {want}"

@@ -1,6 +1,6 @@
 """docs/configuration.md is generated from SparseSettings and must stay in step with it."""
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.config import SETTINGS, SparseSettings
 from vllm_sparse_tools import config_docs
 
 
@@ -11,9 +11,11 @@ def test_configuration_page_matches_the_settings_model():
 
 def test_page_lists_every_setting_with_its_default():
     page = config_docs.render()
-    for name, field in SparseSettings.model_fields.items():
+    for name, setting in SETTINGS.items():
         row = next(line for line in page.splitlines() if line.startswith(f"| `VLLM_SPARSE_{name.upper()}` "))
-        assert config_docs.describe_default(field.default) in row, row
+        assert f"(`{setting.key}`)" in row and config_docs.describe_default(setting.field.default) in row, row
+    # a grouped setting is listed by its variable and its nested JSON key
+    assert "| `VLLM_SPARSE_METRICS_PORT` (`observability.metrics_port`) |" in page
 
 
 def test_check_fails_when_a_description_changes(tmp_path, monkeypatch):
@@ -28,5 +30,5 @@ def test_types_and_constraints_are_spelled_for_users():
     fields = SparseSettings.model_fields
     assert config_docs.describe_type(fields["vertical_share"]) == "number > 0.0, <= 1.0, or none"
     assert config_docs.describe_type(fields["default_pattern"]).startswith("`dense`, `a_shape`")
-    assert config_docs.describe_type(fields["enabled"]) == "`true`, `false`"
+    assert config_docs.describe_type(SETTINGS["enabled"].field) == "`true`, `false`"
     assert config_docs.describe_default(fields["default_pattern"].default) == "`vertical_slash`"

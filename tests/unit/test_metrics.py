@@ -206,8 +206,8 @@ def test_no_prometheus_client_means_no_metrics_but_stats_still_work(monkeypatch,
 
 def test_metrics_settings_are_validated_naming_the_variable():
     s = load_settings({"VLLM_SPARSE_METRICS_PORT": "9400", "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "0"})
-    assert (s.metrics_port, s.timing_sample_every) == (9400, 0)
-    assert load_settings({}).metrics_port is None
+    assert (s.observability.metrics_port, s.observability.timing_sample_every) == (9400, 0)
+    assert load_settings({}).observability.metrics_port is None
     with pytest.raises(ConfigError, match="VLLM_SPARSE_METRICS_PORT='70000'"):
         load_settings({"VLLM_SPARSE_METRICS_PORT": "70000"})
     with pytest.raises(ConfigError, match="VLLM_SPARSE_TIMING_SAMPLE_EVERY='-1'"):
@@ -215,9 +215,9 @@ def test_metrics_settings_are_validated_naming_the_variable():
 
 
 def test_metrics_host_is_validated_and_defaults_to_this_host_only():
-    assert load_settings({}).metrics_host == "127.0.0.1"
+    assert load_settings({}).observability.metrics_host == "127.0.0.1"
     for host in ("0.0.0.0", "::", "::1", "10.1.2.3", "localhost", "metrics.svc.cluster.local"):
-        assert load_settings({"VLLM_SPARSE_METRICS_HOST": host}).metrics_host == host
+        assert load_settings({"VLLM_SPARSE_METRICS_HOST": host}).observability.metrics_host == host
     for bad in ("0.0.0.0:9400", "http://localhost", "two words", "-leading-dash", "a..b", "", "300.1.2.3.4.5"):
         with pytest.raises(ConfigError, match="VLLM_SPARSE_METRICS_HOST="):
             load_settings({"VLLM_SPARSE_METRICS_HOST": bad})

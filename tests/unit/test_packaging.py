@@ -436,7 +436,7 @@ BREAKAGES = {
     "service links": ("base/deployment.yaml", "enableServiceLinks: false", "enableServiceLinks: true",
                       "enableServiceLinks must be false"),
     "plugin setting": ("base/configmap.yaml", '"max_density": 0.4', '"max_density": 4',
-                       "field 'max_density'"),
+                       "field 'gating.max_density'"),
     "patch no longer applies": ("overlays/h100/gpu.yaml", "containers/0/env/1/name", "containers/0/env/2/name",
                                 "testing value /spec/template/spec/containers/0/env/2/name failed"),
     "metrics dir not emptyDir": ("base/deployment.yaml", "value: /prometheus", "value: /models/prom",
@@ -624,11 +624,11 @@ def test_check_script_exit_status_fails_the_build(tmp_path, check):
 
 def test_docs_document_every_setting_metric_and_container_variable():
     from vllm_sparse_backend.observability import metrics
-    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.config import SETTINGS
 
     docs = ROOT / "docs"
     configuration = (docs / "configuration.md").read_text()
-    missing = [f"docs/configuration.md: VLLM_SPARSE_{f.upper()}" for f in SparseSettings.model_fields
+    missing = [f"docs/configuration.md: VLLM_SPARSE_{f.upper()}" for f in SETTINGS
                if f"`VLLM_SPARSE_{f.upper()}`" not in configuration]
     metrics_page = (docs / "metrics.md").read_text()
     missing += [f"docs/metrics.md: sparse_prefill_{m}" for m in metrics.METRICS

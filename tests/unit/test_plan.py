@@ -50,7 +50,7 @@ def test_rows_no_layer_could_run_sparse_enough_stay_in_dense_runs():
     assert plan.dense_runs == [(0, 1), (2, 3)]
     assert plan.dense_reasons == {"budgets denser than max_density": 1}
     # with max_density 1 (no fallback) the same row runs sparse
-    assert plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s.model_copy(update={"max_density": 1.0}),
+    assert plan_step(_qsl([500, 800, 10]), [500, 1800, 1810], s.replace(max_density=1.0),
                      head_sets=head_sets).has_sparse
 
 
@@ -234,8 +234,8 @@ def test_rows_sparse_cannot_pay_on_stay_in_dense_runs():
     assert plan.dense_runs == [(0, 1), (3, 4)]
     assert plan.dense_reasons == {DenseReason.CANNOT_PAY: 1}
     # without the heads, with the cost model off, or with max_density 1 (no fallback), the 4K row is sparse
-    for settings, row_heads in ((s, None), (s.model_copy(update={"cost_model": False}), heads),
-                                (s.model_copy(update={"max_density": 1.0}), heads)):
+    for settings, row_heads in ((s, None), (s.replace(cost_model=False), heads),
+                                (s.replace(max_density=1.0), heads)):
         plan = plan_step(_qsl(q), [a + b for a, b in zip(q, ctx)], settings, row_heads=row_heads)
         assert [r.row for r in plan.sparse_rows] == [0, 1, 2]
 
@@ -248,7 +248,7 @@ def test_rows_sparse_cannot_pay_on_stay_in_dense_runs():
 ])
 def test_cannot_pay_boundary_by_hand(q_len, ctx, heads, pays):
     s = SparseSettings()
-    plan = plan_step(_qsl([q_len]), [q_len + ctx], s.model_copy(update={"min_sparse_query_len": 1}),
+    plan = plan_step(_qsl([q_len]), [q_len + ctx], s.replace(min_sparse_query_len=1),
                      row_heads=(heads, 128))
     assert plan.has_sparse is pays
 

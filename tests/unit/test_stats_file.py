@@ -35,7 +35,7 @@ def rig(tmp_path, monkeypatch):
     registered = []
     monkeypatch.setattr(stats_module.atexit, "register", registered.append)
     st.configure(load_settings({"VLLM_SPARSE_STATS_FILE": str(path), "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "1",
-                                "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "0"}))
+                                "VLLM_SPARSE_TIMING_SAMPLE_EVERY": "0"}).observability)
     assert registered == [st.write_unwritten]  # the exit write
     real_replace = stats_module.os.replace
 
@@ -117,15 +117,15 @@ def test_counts_read_back_from_the_device_reach_the_file_at_the_bounded_rate(rig
 def test_interval_zero_writes_every_forward(tmp_path):
     path = tmp_path / "stats.json"
     st = SparseStats(schedule=lambda *a: pytest.fail("no trailing write with interval 0"), _prom=metrics.NO_METRICS)
-    st.configure(load_settings({"VLLM_SPARSE_STATS_FILE": str(path), "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0"}))
+    st.configure(load_settings({"VLLM_SPARSE_STATS_FILE": str(path), "VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0"}).observability)
     for n in range(1, 4):
         _forward(st, path)
         assert _rows(path) == n
 
 
 def test_the_write_interval_is_validated_naming_the_variable():
-    assert load_settings({}).stats_write_interval_s == 1.0
-    assert load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0.25"}).stats_write_interval_s == 0.25
+    assert load_settings({}).observability.stats_write_interval_s == 1.0
+    assert load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": "0.25"}).observability.stats_write_interval_s == 0.25
     for bad in ("-1", "inf", "nan", "soon", "7200"):
         with pytest.raises(ConfigError, match=f"VLLM_SPARSE_STATS_WRITE_INTERVAL_S='{bad}'"):
             load_settings({"VLLM_SPARSE_STATS_WRITE_INTERVAL_S": bad})

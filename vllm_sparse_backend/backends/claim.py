@@ -29,7 +29,7 @@ def claim_scratch(runtime: WorkerRuntime, impl, layer, query: torch.Tensor, outp
     cfg = runtime.settings
     kv_len = vllm_config.model_config.max_model_len
     q_len = min(query.shape[0], vllm_config.scheduler_config.max_num_batched_tokens, kv_len)
-    if q_len < cfg.min_sparse_query_len or kv_len < cfg.min_sparse_seq_len:
+    if q_len < cfg.gating.min_sparse_query_len or kv_len < cfg.gating.min_sparse_seq_len:
         return  # no step can hold a sparse row
     heads = layer_heads(runtime, vllm_config, layer.layer_name, impl.num_heads, impl.num_kv_heads)
     groups = HeadGroups.from_heads(heads.heads, query.device, heads.share)

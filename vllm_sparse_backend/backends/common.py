@@ -196,8 +196,8 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
 def _count_dense_reasons(runtime: WorkerRuntime, reasons: dict) -> None:
     for reason, count in reasons.items():
         runtime.stats.record_dense_reason(reason, count)
-    if reasons and runtime.settings.stats_file:
-        runtime.stats.dump(runtime.settings.stats_file, wait=False)
+    if reasons and runtime.settings.observability.stats_file:
+        runtime.stats.dump(runtime.settings.observability.stats_file, wait=False)
 
 
 # cudaErrorMemoryAllocation: the one CUDA error after which the context still works
@@ -256,7 +256,7 @@ def long_query_lens(runtime: WorkerRuntime, cm) -> list[int]:
     """The query lengths of a step's rows long enough to go sparse (``min_sparse_query_len``):
     what a step whose planning failed counts as sparse path errors."""
     qsl = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-    return [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= runtime.settings.min_sparse_query_len]
+    return [b - a for a, b in zip(qsl, qsl[1:]) if b - a >= runtime.settings.gating.min_sparse_query_len]
 
 
 def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, q_lens: list[int]) -> None:
@@ -270,8 +270,8 @@ def sparse_path_failed(runtime: WorkerRuntime, error: BaseException, q_lens: lis
 
 def _count_failed(runtime: WorkerRuntime, q_lens: list[int]) -> None:
     runtime.stats.record_dense_reason(DenseReason.SPARSE_PATH_ERROR, rows=len(q_lens), tokens=sum(q_lens))
-    if runtime.settings.stats_file:
-        runtime.stats.dump(runtime.settings.stats_file, wait=False)
+    if runtime.settings.observability.stats_file:
+        runtime.stats.dump(runtime.settings.observability.stats_file, wait=False)
 
 
 def count_dense_tokens(runtime: WorkerRuntime, md: SparseStepMetadata) -> None:

@@ -37,7 +37,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
             unsupported = None
             if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
                 unsupported = ("non-decoder or sliding-window attention", "")
-            elif cfg.enabled:
+            elif cfg.gating.enabled:
                 unsupported = first_unsupported_layer(vllm_config, layer_names)
             why = group_dense_reason(cfg, unsupported=unsupported and unsupported[0])
             if why is not None:
@@ -48,16 +48,16 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 # rows no layer's budgets could make sparser than max_density (every key, on short
                 # prompts with the default budgets) stay on vLLM's CPU kernel, far faster than the
                 # PyTorch attention of the sparse path
-                if self.sparse_enabled and cfg.max_density < 1.0:
+                if self.sparse_enabled and cfg.gating.max_density < 1.0:
                     self._head_sets = distinct_head_sets(layer_heads_of_group)
-            if cfg.decode_mode != "dense":
+            if cfg.decode.mode != "dense":
                 runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
-                                 "decode stays dense", cfg.decode_mode)
+                                 "decode stays dense", cfg.decode.mode)
             if self.sparse_enabled:
                 runtime.log_once("CPU twin active: pure prefills of >= %d tokens run sparse (default pattern %s); "
                                  "vLLM's 'Cannot use AttentionBackendEnum.CUSTOM backend on CPU' is expected: its CPU "
                                  "platform always picks CPU_ATTN, which this plugin replaces with the CPU twin",
-                                 cfg.min_sparse_query_len, cfg.default_pattern, info=True)
+                                 cfg.gating.min_sparse_query_len, cfg.default_pattern, info=True)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
@@ -131,7 +131,7 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 super().forward(layer, query[s], key[s], value[s], kv_cache, attn_metadata.fallback[r.row], output[s],
                                 output_scale, output_block_scale)
         else:  # what the layer did, recorded once
-            guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+            guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.observability.stats_file, timing.sampled)
         return output
 
 

@@ -95,9 +95,9 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         cfg = runtime.settings
         group_heads = None  # this group's head patterns per layer (None: every row runs dense)
         if selected:
-            unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.enabled else None
+            unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.gating.enabled else None
             # resolved before the other reasons are asked: a head-config file that does not fit fails here
-            heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.enabled and unsupported is None else None
+            heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.gating.enabled and unsupported is None else None
             # the model's dtype: the cache's (kv_cache_spec.dtype) is uint8 for an fp8 cache
             why = group_dense_reason(
                 cfg, unsupported=unsupported and unsupported[0],
@@ -117,7 +117,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         # Rows that no layer's budgets could make sparser than max_density stay in FlashAttention's
         # runs (short long rows, mostly): no estimation, no per-row fallback.
         self._head_sets = distinct_head_sets(group_heads) \
-            if self.sparse_enabled and cfg.max_density < 1.0 else None
+            if self.sparse_enabled and cfg.gating.max_density < 1.0 else None
         # Rows on which even an empty selection would lose to FlashAttention (short prompts) stay
         # in FlashAttention's runs for every layer: no per-layer routing, no per-row metadata.
         # (The cost model is the Triton path's; the PyTorch path runs every planned row.
@@ -127,9 +127,9 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._uses_kernel_table = self.sparse_enabled and cfg.kernel != "torch"
         # Steps whose longest row is shorter have no row to route (decode batches, short prompts):
         # build() hands them to FlashAttention's builder without reading a setting.
-        self._plan_from = cfg.min_sparse_query_len if self.sparse_enabled else float("inf")
+        self._plan_from = cfg.gating.min_sparse_query_len if self.sparse_enabled else float("inf")
         # the stats file catches up once per step, not once per layer (stats.refresh)
-        self._stats_file = cfg.stats_file or None
+        self._stats_file = cfg.observability.stats_file or None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -340,12 +340,12 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
                 sparse_path_failed(runtime, e, [r.q_len for r in step.sparse_rows])
                 dense = step.sparse_rows
             else:  # what the layer did, recorded once
-                guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.stats_file, timing.sampled)
+                guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.observability.stats_file, timing.sampled)
                 dense = outcome.dense_rows
                 if dense and outcome.paged:
                     runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
                                      "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",
-                                     runtime.settings.max_density, info=True)
+                                     runtime.settings.gating.max_density, info=True)
         for r in dense:
             self._dense(layer, query, key, value, kv_cache, step.fallback[r.row],
                         slice(r.tok_start, r.tok_start + r.q_len), output, output_scale, output_block_scale)
@@ -425,7 +425,7 @@ class SparsePrefillBackend(FlashBackendVersions, FlashAttentionBackend):
         cfg = load_checked_settings()  # a class method: no engine object holds them here
         if cfg.kv_block_size == "auto":
             # decode_mode topk / spans count their budgets in pages measured at vLLM's default
-            size = 64 if current_platform.has_device_capability(90) and cfg.decode_mode == "dense" \
+            size = 64 if current_platform.has_device_capability(90) and cfg.decode.mode == "dense" \
                 else default_block_size
         else:
             size = int(cfg.kv_block_size)

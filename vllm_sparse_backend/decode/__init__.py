@@ -26,7 +26,7 @@ def check_decode_mode_name(name: str) -> str:
 
 
 def decode_mode(settings: SparseSettings) -> DecodeMode | None:
-    """The mode ``settings.decode_mode`` names; None for dense (the wrapped backend's decode)."""
-    if settings.decode_mode == "dense":
+    """The mode ``settings.decode.mode`` names; None for dense (the wrapped backend's decode)."""
+    if settings.decode.mode == "dense":
         return None
-    return DECODE_MODES[settings.decode_mode](settings)
+    return DECODE_MODES[settings.decode.mode](settings)

@@ -45,14 +45,15 @@ class SpanDecodeBudget:
 
     @classmethod
     def from_settings(cls, cfg: SparseSettings) -> "SpanDecodeBudget":
-        return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_persist_pages, cfg.decode_budget_pages,
-                   cfg.decode_persist_next if cfg.decode_span_persist == "attention" else 0)
+        d = cfg.decode
+        return cls(d.sink_pages, d.recent_pages, d.spans.persist_pages, d.budget_pages,
+                   d.spans.persist_next if d.spans.persist == "attention" else 0)
 
 
 def span_params(cfg: SparseSettings):
-    return span_decode.SpanParams(theta_quantile=cfg.decode_span_theta, iou=cfg.decode_span_iou, lam=cfg.decode_span_lambda,
-                      min_index=cfg.decode_span_min_index, max_index=cfg.decode_span_max_index,
-                      index=cfg.decode_span_index)
+    spans = cfg.decode.spans
+    return span_decode.SpanParams(theta_quantile=spans.theta, iou=spans.iou, lam=spans.index_lambda,
+                                  min_index=spans.min_index, max_index=spans.max_index, index=spans.index)
 
 
 # Host planning over the step's lengths, copied to the device once per step; the kernels only read
@@ -129,7 +130,7 @@ class SpanIndex:
         self.page_size = key_cache.shape[1]
         self.params = span_params(cfg)
         self.budget = SpanDecodeBudget.from_settings(cfg)
-        self.persist_by = cfg.decode_span_persist
+        self.persist_by = cfg.decode.spans.persist
         # a page written before these existed scores 0 until it is written again
         num_pages, _, hkv, d = key_cache.shape
         empty = empty or empty_on(key_cache.device)

@@ -36,7 +36,7 @@ class TopkDecodeBudget:
 
     @classmethod
     def from_settings(cls, cfg: SparseSettings) -> "TopkDecodeBudget":
-        return cls(cfg.decode_sink_pages, cfg.decode_recent_pages, cfg.decode_budget_pages, cfg.decode_topk_tokens)
+        return cls(cfg.decode.sink_pages, cfg.decode.recent_pages, cfg.decode.budget_pages, cfg.decode.topk.tokens)
 
 
 def summaries_layout(num_pages: int, num_kv_heads: int, head_size: int, kv_dtype: torch.dtype) -> StateLayout:

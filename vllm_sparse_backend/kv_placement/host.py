@@ -211,7 +211,7 @@ class HostPlacement:
         s = settings or SparseSettings()
         if s.host_kv_pool_bytes is None:
             raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
-        step_pages = s.decode_sink_pages + s.decode_recent_pages + s.decode_budget_pages
+        step_pages = s.decode.sink_pages + s.decode.recent_pages + s.decode.budget_pages
         if s.host_kv_hot_pages < step_pages:
             raise ValueError(f"host_kv_hot_pages={s.host_kv_hot_pages}: below one request's step of {step_pages} "
                              f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages)")

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from . import metrics, timing
-from ..config import SparseSettings
+from ..config import ObservabilitySettings
 
 logger = logging.getLogger("vllm.sparse_prefill")
-_DEFAULT_SAMPLE_EVERY = SparseSettings.model_fields["timing_sample_every"].default
+_DEFAULT_SAMPLE_EVERY = ObservabilitySettings.model_fields["timing_sample_every"].default
 _MAX_READOUTS = 256
 
 
@@ -98,7 +98,7 @@ class SparseStats:
     def prom(self):
         return metrics.NO_METRICS if self._prom is None else self._prom
 
-    def configure(self, settings: SparseSettings, export: bool = True) -> None:
+    def configure(self, settings: ObservabilitySettings, export: bool = True) -> None:
         """Apply the settings of this process (called when the backend reads them, in the
         worker): timing sample rate and the stats file's rate. ``export``: False on a
         tensor-parallel rank other than 0, which then records nothing (no counters, no timing, no

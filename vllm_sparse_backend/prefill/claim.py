@@ -88,8 +88,8 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
     here too, with scales of 1); default the query's. Returns the claim's steps; after them it runs
     :func:`compile_row`, so that the variants of short contexts compile here too.
     """
-    steps = worst_case_steps(query.shape[0], kv_len, settings.min_sparse_query_len)
-    runs = steps + [[compile_row(query.shape[0], kv_len, settings.min_sparse_query_len)]]
+    steps = worst_case_steps(query.shape[0], kv_len, settings.gating.min_sparse_query_len)
+    runs = steps + [[compile_row(query.shape[0], kv_len, settings.gating.min_sparse_query_len)]]
     head_dim = query.shape[-1]
     kv_dtype = kv_dtype or query.dtype
     key_cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=kv_dtype, device=query.device)
@@ -102,8 +102,8 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
         scales = {"k_scale": one, "v_scale": one}
     # every row estimated and counted as a sampled forward counts it (pair counts and head labels
     # measured on the device): the path itself, with max_density 1 so that no row is skipped
-    every_row = settings.model_copy(update={"max_density": 1.0, "stats_file": None})
-    flagged_dense = settings.max_density < 1.0 and settings.estimated_dense_rows != "flash"
+    every_row = settings.replace(max_density=1.0)
+    flagged_dense = settings.gating.max_density < 1.0 and settings.gating.estimated_dense_rows != "flash"
     for rows in runs:
         run_recorded(SparseStats.measuring_only(), run_sparse_rows_paged, query, output, rows, key_cache, value_cache,
                      block_table, groups, every_row, scale, softcap, kernel, **scales)
@@ -115,6 +115,6 @@ def run_worst_case_steps(query: torch.Tensor, output: torch.Tensor, num_kv_heads
                                             r.ctx_len, groups, settings, scale, one).index for r in rows]
             dens = torch.stack([index_density(ix, r.q_len, r.ctx_len) for ix, r in zip(indices, rows)])
             kernel(query, key_cache, value_cache, block_table, rows, indices, scale, output, softcap,
-                   whole_rows=dens > settings.max_density, **scales)
+                   whole_rows=dens > settings.gating.max_density, **scales)
             del indices, dens
     return steps

@@ -65,7 +65,7 @@ def group_dense_reason(settings: SparseSettings, *, unsupported: str | None, dcp
     its layer. ``unsupported``: a layer's :func:`..backends.common.unsupported_reason` (the first
     such layer's, for a group); ``triton_why``: why the Triton path cannot run the layers
     (only where ``kernel`` is not torch); ``claim_failed``: how the profiling-run claim failed."""
-    if not settings.enabled:
+    if not settings.gating.enabled:
         return DenseReason.DISABLED, ""
     if unsupported is not None:
         return DenseReason.LAYER_UNSUPPORTED, unsupported
@@ -81,7 +81,7 @@ def group_dense_reason(settings: SparseSettings, *, unsupported: str | None, dcp
 def step_may_be_sparse(settings: SparseSettings, max_query_len: int, causal: bool, multimodal: bool) -> bool:
     """Whether any row of a step could run sparse: the builder's first question, asked before
     the step's lengths are read row by row."""
-    return max_query_len >= settings.min_sparse_query_len and causal and not multimodal
+    return max_query_len >= settings.gating.min_sparse_query_len and causal and not multimodal
 
 
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
@@ -129,15 +129,15 @@ _SHORT = object()  # a row below the length thresholds: dense, and not counted (
 
 def _row_dense_reason(q_len: int, seq_len: int, settings: SparseSettings, allow_context: bool, head_sets,
                       row_heads, row_cost: RowCost):
-    if not (settings.enabled and q_len >= settings.min_sparse_query_len and seq_len >= settings.min_sparse_seq_len):
+    if not (settings.gating.enabled and q_len >= settings.gating.min_sparse_query_len and seq_len >= settings.gating.min_sparse_seq_len):
         return _SHORT
     ctx = seq_len - q_len
     if ctx > 0 and not allow_context:
         return DenseReason.CACHED_CONTEXT_ON_CPU
-    if head_sets and settings.max_density < 1.0 and all(
-            budget_density(h, q_len, ctx, settings) > settings.max_density for h in head_sets):
+    if head_sets and settings.gating.max_density < 1.0 and all(
+            budget_density(h, q_len, ctx, settings) > settings.gating.max_density for h in head_sets):
         return DenseReason.BUDGETS
-    if row_heads is not None and settings.cost_model and settings.max_density < 1.0 \
+    if row_heads is not None and settings.gating.cost_model and settings.gating.max_density < 1.0 \
             and not row_cost.sparse_pays(q_len, ctx, row_heads[0], row_heads[1], 0.0, settings.last_q):
         return DenseReason.CANNOT_PAY
     return None
@@ -169,16 +169,16 @@ def route_layer(rows: list[SparseRow], head_counts: Counter, settings: SparseSet
     Rows whose budgets alone cover every key (they only get here with ``max_density`` 1) run
     the sparse path but are counted dense (:attr:`DenseReason.EVERY_KEY`)."""
     route = LayerRoute(rows)
-    if density_fallback and settings.max_density < 1.0:
+    if density_fallback and settings.gating.max_density < 1.0:
         route.estimate = []
         for row in rows:
             budget = budget_density(head_counts, row.q_len, row.ctx_len, settings)
-            if budget > settings.max_density:  # short rows, mostly: no estimate can be sparse enough
+            if budget > settings.gating.max_density:  # short rows, mostly: no estimate can be sparse enough
                 route.dense.append((row, DenseReason.BUDGETS))
                 continue
-            if settings.cost_model and history is not None and not capturing:
+            if settings.gating.cost_model and history is not None and not capturing:
                 predicted = history.predicted_density(budget)
-                if (predicted > settings.max_density or not row_cost.sparse_pays(
+                if (predicted > settings.gating.max_density or not row_cost.sparse_pays(
                         row.q_len, row.ctx_len, num_heads, head_size, predicted, settings.last_q)) \
                         and not history.probe_due():
                     route.dense.append((row, DenseReason.COST_MODEL))
@@ -195,5 +195,5 @@ def flags_on_host(settings: SparseSettings, history: LayerDensityHistory | None,
     the flagged rows dense, rather than letting the kernel run them in its dense mode:
     ``estimated_dense_rows`` "flash", or "auto" where the layer's previous call had flagged rows
     (or there is no ``history``); never while a CUDA graph is captured."""
-    mode = settings.estimated_dense_rows
+    mode = settings.gating.estimated_dense_rows
     return not capturing and (mode == "flash" or (mode == "auto" and (history is None or history.read_on_host())))

@@ -42,7 +42,7 @@ def run_sparse_rows_paged(query, output, rows: list[SparseRow], key_cache, value
     """``density_fallback``: the caller has a dense kernel for single rows; the one host read is
     the density flags', where :func:`.route.flags_on_host` says so."""
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-    fallback = density_fallback and settings.max_density < 1.0
+    fallback = density_fallback and settings.gating.max_density < 1.0
     route = route_layer(rows, groups.head_counts, settings, query.shape[1], query.shape[2], density_fallback=fallback,
                         history=history, capturing=capturing, row_cost=row_cost)
     outcome = LayerOutcome(query.shape[1], True, route.dense, every_key=route.every_key)
@@ -51,17 +51,17 @@ def run_sparse_rows_paged(query, output, rows: list[SparseRow], key_cache, value
                                      r.ctx_len, groups, settings, scale, k_scale)) for r in route.estimate]
     if fallback and todo:
         dens = torch.stack([index_density(e.index, r.q_len, r.ctx_len).view(()) for r, e in todo])
-        outcome.flags = dens > settings.max_density
+        outcome.flags = dens > settings.gating.max_density
         learned = ([route.budgets[r.row] for r, _ in todo],
-                   [causal_pairs(r.q_len, r.ctx_len, outcome.num_heads) for r, _ in todo], settings.max_density)
+                   [causal_pairs(r.q_len, r.ctx_len, outcome.num_heads) for r, _ in todo], settings.gating.max_density)
         if flags_on_host(settings, history, capturing):
             timing.lap("estimate")
             densities = dens.tolist()  # the one host read of the layer
             if history is not None:
                 history.observed(densities, *learned)
             outcome.dense += [(r, DenseReason.ESTIMATED_DENSITY) for (r, _), d in zip(todo, densities)
-                              if d > settings.max_density]
-            todo = [t for t, d in zip(todo, densities) if d <= settings.max_density]
+                              if d > settings.gating.max_density]
+            todo = [t for t, d in zip(todo, densities) if d <= settings.gating.max_density]
             outcome.flags = None
             timing.mark()  # the wait for the flags is not estimation
         elif history is not None and not capturing:

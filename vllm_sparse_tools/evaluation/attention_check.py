@@ -356,14 +356,14 @@ class LayerChecker:
     def _index(self, s, heads, q, k, ctx, scale, reasons) -> tuple[SparseIndex, dict]:
         q_len, h = q.shape[0], q.shape[1]
         if self.gating:
-            if q_len < s.min_sparse_query_len or ctx + q_len < s.min_sparse_seq_len:
+            if q_len < s.gating.min_sparse_query_len or ctx + q_len < s.gating.min_sparse_seq_len:
                 reasons[GATING_SHORT] = reasons.get(GATING_SHORT, 0) + 1
                 return dense_index(h, q_len, ctx, s.block_size, q.device), {}
-            if s.max_density < 1.0 and budget_density(heads, q_len, ctx, s) > s.max_density:
+            if s.gating.max_density < 1.0 and budget_density(heads, q_len, ctx, s) > s.gating.max_density:
                 reasons[GATING_BUDGETS] = reasons.get(GATING_BUDGETS, 0) + 1
                 return dense_index(h, q_len, ctx, s.block_size, q.device), {}
         est = estimate_index(q, k, ctx, heads, s, scale)
-        if self.gating and s.max_density < 1.0 and float(index_density(est.index, q_len, ctx)) > s.max_density:
+        if self.gating and s.gating.max_density < 1.0 and float(index_density(est.index, q_len, ctx)) > s.gating.max_density:
             reasons[GATING_ESTIMATED] = reasons.get(GATING_ESTIMATED, 0) + 1
             return dense_index(h, q_len, ctx, s.block_size, q.device), dict(est.head_patterns)
         return est.index, dict(est.head_patterns)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_sparse_backend.config import ENV_PREFIX, SparseSettings
+from vllm_sparse_backend.config import ENV_PREFIX, SETTINGS, SparseSettings, nest_settings
 
 # The library's defaults ("default", and "vs" spelled out): vertical-slash with 1000 columns and
 # 6096 diagonals per head (MInference's). FlexPrefill at the paper's two gammas. A-shape and block-sparse at
@@ -42,13 +42,15 @@ class Variant:
         return self.overrides is None
 
     def settings(self, **base: Any) -> SparseSettings:
-        """Settings of this variant on top of ``base`` (e.g. gating used by every variant)."""
+        """Settings of this variant on top of ``base`` (e.g. gating used by every variant); either
+        may use flat names or the nested form (``SparseSettings.model_dump()``)."""
         if self.overrides is None:
             raise ValueError(f"variant {self.label!r} is the dense baseline: it has no settings")
-        return SparseSettings(**{**base, **self.overrides})
+        return SparseSettings(**nest_settings(base, self.overrides))
 
     def env(self, **base: Any) -> dict[str, str]:
-        """``VLLM_SPARSE_*`` variables for a server (validated through :meth:`settings`)."""
+        """``VLLM_SPARSE_*`` variables for a server (validated through :meth:`settings`); ``base``
+        by flat names, as the variables are."""
         self.settings(**base)
         return {ENV_PREFIX + k.upper(): str(v) for k, v in {**base, **(self.overrides or {})}.items()
                 if v is not None}
@@ -65,9 +67,9 @@ def parse_variant(spec: str) -> Variant:
     overrides: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
-        if not sep or name not in SparseSettings.model_fields:
+        if not sep or name not in SETTINGS:
             raise ValueError(f"variant {spec!r}: {item!r} is not FIELD=VALUE with a settings field "
-                             f"(fields: {', '.join(SparseSettings.model_fields)})")
+                             f"(fields: {', '.join(SETTINGS)})")
         overrides[name] = value
     if "head_config" in overrides:
         overrides["head_config"] = str(Path(overrides["head_config"]).expanduser().resolve())
