@@ -254,7 +254,8 @@ class SparseSettings(BaseModel):
     skip_tile_below: float = Field(0.0, ge=0.0, lt=1.0, description=(
         "Skip-softmax filter in the Triton kernel (0 = off): a key tile of a sparse row's listed blocks below "
         "the diagonal is left out when each of its weights is below this share of its row's largest so far "
-        "(e.g. 1e-4). Not calibrated or measured on a GPU yet; the torch path ignores it."))
+        "(e.g. 1e-4). Experimental: on an H200 the kernel takes 1.34-1.46x its time with it on, skipped tiles or "
+        "not (docs/kernel-measurements.md); not calibrated. The torch path ignores it."))
     kv_block_size: Literal["auto", "16", "32", "64", "128"] = Field("auto", description=(
         "CUDA: KV-cache page size asked of vLLM when --block-size is not given. auto = 64 on compute capability "
         "9.0+ with decode_mode=dense (each 64-key kernel tile is then one page, loaded with TMA), vLLM's "
