@@ -31,6 +31,7 @@ from vllm_sparse_backend.observability.stats import SparseStats
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 sa = kernel_module("prefill.attention")
+sv = kernel_module("prefill.variants")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GAP = 3  # tokens between rows in q/out that belong to no row
 
@@ -159,7 +160,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
     if check_lse:
-        # the LSE comes from the tests' kernel (_sparse_fwd_variants_kernel); the same launch
+        # the LSE comes from the tests' kernel (prefill/variants.py); the same launch
         # without it (the serving kernel, where the case is one serving runs) writes the same
         # output bit for bit
         again = torch.full_like(out, float("nan"))
@@ -506,8 +507,9 @@ def test_interp_launcher_picks_the_serving_kernel(monkeypatch, case, kernels):
     # the serving kernel has none of the modes serving never runs (dense, merged heads, LSE, the
     # other program order, no prefetch): those launch _sparse_fwd_variants_kernel
     log = []
-    for kind, name in (("serving", "_sparse_fwd_kernel"), ("variants", "_sparse_fwd_variants_kernel")):
-        monkeypatch.setattr(sa, name, _LaunchSpy(getattr(sa, name), kind, log))
+    for kind, module, name in (("serving", sa, "_sparse_fwd_kernel"),
+                               ("variants", sv, "_sparse_fwd_variants_kernel")):
+        monkeypatch.setattr(module, name, _LaunchSpy(getattr(module, name), kind, log))
     case = dict(case)
     page = case.pop("page", 16)
     run_case([(70, 30)], 1, 2, 64, page, torch.float32, seed=81, **case)
