@@ -4,7 +4,8 @@ CPU: runs the kernel under Triton's interpreter (TRITON_INTERPRET=1) at tiny siz
 importable. GPU: realistic sizes, bf16/fp16. Each case draws random block masks, columns and
 key ranges (:func:`index_of` builds the index from the format's definition), several rows per
 batch with q_len / ctx_len off multiples of 64, a paged cache with a random page permutation
-whose unused slots hold NaN, and an output poisoned with NaN; every token of every row must be written, tokens outside the rows untouched.
+whose unused slots hold NaN, and an output poisoned with NaN; every token of every row must be
+written, tokens outside the rows untouched.
 
 Without CUDA this module sets TRITON_INTERPRET=1 (before the kernels are imported) for the
 whole pytest process. The project venv has no triton: everything here is skipped there.

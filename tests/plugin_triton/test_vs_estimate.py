@@ -34,7 +34,8 @@ cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only 
 
 
 def gpu(fn):
-    return pytest.mark.gpu(pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")(fn))
+    skip = pytest.mark.skipif(not CUDA or INTERPRET, reason="needs CUDA (and TRITON_INTERPRET unset)")
+    return pytest.mark.gpu(skip(fn))
 
 
 # ------------------------------------------------------------------------------------------

@@ -393,10 +393,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         _sparse_fwd_kernel[grid](q, key_cache, value_cache, out, block_table, *lists_ptrs, *other_ptrs, *strides,
                                  block_table.stride(0), tqb, tqb, maxb, maxc, maxr, *scalars, **modes)
     else:
-        variants._sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs, bb, cb,
-                                          *other_ptrs, *strides, block_table.stride(0), tqb,
-                                          lse.stride(0) if return_lse else 0, tqb, lists, maxb, maxc, maxr,
-                                          *scalars,
-                                          DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse, KV_MAJOR=kvm,
-                                          PREFETCH=pf, **modes)
+        variants._sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs,
+                                                   bb, cb, *other_ptrs, *strides, block_table.stride(0), tqb,
+                                                   lse.stride(0) if return_lse else 0, tqb, lists, maxb, maxc, maxr,
+                                                   *scalars,
+                                                   DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse,
+                                                   KV_MAJOR=kvm, PREFETCH=pf, **modes)
     return (out, lse) if return_lse else out
