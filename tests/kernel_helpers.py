@@ -1,6 +1,7 @@
-"""Helpers shared by the Triton estimation tests (tests/kernels/test_triton_estimate.py and
-tests/kernels/test_paged_estimate.py): a row's K in a paged cache, its fp8 copy, the guard that the
-device path never reads a value back to the host, and the comparison of two SparseIndex."""
+"""Helpers shared by the Triton tests (tests/kernels/ and the plugin's Triton path in
+tests/plugin_triton/): a row's K in a paged cache, a batch's K/V cache and its fp8 copy, the
+guard that the device path never reads a value back to the host, and the comparison of two
+SparseIndex. Imports the kernel package only, as the kernel tests do."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import contextlib
 
 import torch
 
-from vllm_sparse_backend.prefill.index import num_blocks
+from vllm_sparse_kernels.index_format import num_blocks
 
 
 def paged_row(k: torch.Tensor, page: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,3 +116,46 @@ def fp8_cache(key_cache: torch.Tensor, k_scale: float) -> torch.Tensor:
     kv = torch.empty(n, page, hkv, 2 * d, dtype=torch.float8_e4m3fn, device=key_cache.device)
     kv[..., :d] = (key_cache.float() / k_scale).to(torch.float8_e4m3fn)
     return kv[..., :d]
+
+
+def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
+    """Paged cache as vLLM lays it out ([num_pages, Hkv, page, 2D] logical, NHD or HND physical),
+    pages of the rows drawn in random order; unused slots hold NaN."""
+    need = [num_blocks(n, page) for n in kv_lens]
+    num_pages = sum(need) + 3
+    if layout == "HND":
+        kv = torch.full((num_pages, hkv, page, 2 * d), float("nan"), dtype=dtype, device=device)
+    else:
+        kv = torch.full((num_pages, page, hkv, 2 * d), float("nan"), dtype=dtype, device=device).transpose(1, 2)
+    key_cache, value_cache = kv.transpose(1, 2).split(d, -1)
+    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+    table = torch.zeros(len(kv_lens), max(need) + 2, dtype=torch.int32)
+    ks, vs, used = [], [], 0
+    for i, n in enumerate(kv_lens):
+        pages = perm[used:used + need[i]]
+        used += need[i]
+        table[i, :need[i]] = pages
+        table[i, need[i]:] = 10**6  # garbage past the row's pages: must never be dereferenced
+        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+        for j in range(need[i]):
+            a, b = j * page, min(n, (j + 1) * page)
+            key_cache[int(pages[j]), : b - a] = k[a:b].to(device)
+            value_cache[int(pages[j]), : b - a] = v[a:b].to(device)
+        ks.append(k)
+        vs.append(v)
+    return key_cache, value_cache, table.to(device), ks, vs
+
+
+def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
+    """An fp8 copy of a K|V cache in vLLM's layout (one [pages, Hkv, page, 2D] tensor, NHD or HND
+    physical) as vLLM's fp8 cache holds it: stored = value / scale; NaN slots stay NaN."""
+    n, page, hkv, d = key_cache.shape
+    if layout == "HND":
+        kv = torch.empty((n, hkv, page, 2 * d), dtype=fp8, device=key_cache.device)
+    else:
+        kv = torch.empty((n, page, hkv, 2 * d), dtype=fp8, device=key_cache.device).transpose(1, 2)
+    k8, v8 = kv.transpose(1, 2).split(d, -1)
+    k8.copy_((key_cache.float() / k_scale).to(fp8))
+    v8.copy_((value_cache.float() / v_scale).to(fp8))
+    return k8, v8

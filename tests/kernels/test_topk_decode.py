@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
+from decode_helpers import cdiv, empty_cache, page_table, slots_of
 
 from vllm_sparse_kernels.reference import topk_decode as topk_ref
 from vllm_sparse_kernels.reference.dense import masked_attention_f64
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under it
 
 tk = kernel_module("decode.topk_decode")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
-GARBAGE_PAGE = 10**6  # block-table entries past a sequence's pages: must never be dereferenced
 
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="interpreter tests run only with TRITON_INTERPRET=1 (no CUDA)")
 
@@ -44,42 +44,9 @@ def gpu(fn):
     return pytest.mark.gpu(skip(fn))
 
 
-def cdiv(a, b):
-    return -(-a // b)
-
-
 # ------------------------------------------------------------------------------------------
 # Inputs
 # ------------------------------------------------------------------------------------------
-
-def empty_cache(num_pages, page, hkv, d, dtype, layout, device):
-    """NaN-filled key and value caches as vLLM views them ([num_pages, page, Hkv, D], non-contiguous)."""
-    if layout == "HND":
-        kv = torch.full((num_pages, hkv, page, 2 * d), float("nan"), dtype=dtype, device=device)
-    else:
-        kv = torch.full((num_pages, page, hkv, 2 * d), float("nan"), dtype=dtype, device=device).transpose(1, 2)
-    key_cache, value_cache = kv.transpose(1, 2).split(d, -1)
-    return key_cache, value_cache
-
-
-def page_table(seq_lens, page, num_pages, gen, spare=2, shuffle=True):
-    """int32 [batch, max pages + spare]: each sequence's pages drawn from a random permutation
-    (``shuffle=False``: consecutive physical pages, as a fresh vLLM block pool hands them out)."""
-    need = [cdiv(n, page) for n in seq_lens]
-    perm = torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
-    perm = perm.to(torch.int32)
-    table = torch.full((len(seq_lens), max(need) + spare), GARBAGE_PAGE, dtype=torch.int32)
-    used = 0
-    for i, n_pages in enumerate(need):
-        table[i, :n_pages] = perm[used:used + n_pages]
-        used += n_pages
-    return table
-
-
-def slots_of(table_row, positions, page):
-    positions = torch.as_tensor(positions, dtype=torch.int64)
-    return table_row.to(torch.int64)[positions // page] * page + positions % page
-
 
 def make_cache(seq_lens, hkv, d, page, dtype, gen, device, layout="NHD"):
     """Paged K/V holding random keys for every sequence: (key_cache, value_cache, block_table,
@@ -441,86 +408,3 @@ def test_gpu_attention(group, d, page, dtype):
 @gpu
 def test_gpu_full_budget_is_dense_decode():
     run_attention_case(BIG, 2, 4, 128, 16, torch.bfloat16, seed=1, full=True)
-
-
-# ------------------------------------------------------------------------------------------
-# The backend's decode step (vllm_sparse_backend.decode.topk): summaries followed through a
-# chunked prefill and decode steps by slot_mapping alone, then selection + attention
-# ------------------------------------------------------------------------------------------
-
-def run_decode_steps(prompt_lens, hkv, group, d, page, budget, device, dtype, steps=3, chunk=37, seed=0):
-    """Write each prompt in chunks of ``chunk`` tokens, then ``steps`` decode tokens per
-    sequence, updating the summaries from each step's slot_mapping only (padding slots -1
-    included, as vLLM pads). After every decode step: the summaries equal the float64 ones of the
-    cache, and the output equals float64 attention over the pages the float64 selection keeps
-    (all pages with a full budget: plain dense decode)."""
-    from vllm_sparse_kernels.reference.dense import masked_attention_f64
-
-    from vllm_sparse_backend.decode.topk import PageSummaries, topk_decode
-
-    tk = kernel_module("decode.topk_decode")
-    gen = torch.Generator().manual_seed(seed)
-    h = hkv * group
-    final = [n + steps for n in prompt_lens]
-    num_pages = sum(cdiv(n, page) for n in final) + 3
-    key_cache, value_cache = empty_cache(num_pages, page, hkv, d, dtype, "NHD", device)
-    table = page_table(final, page, num_pages, gen).to(device)
-    keys = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in final]
-    vals = [torch.randn(n, hkv, d, generator=gen).to(dtype) for n in final]
-    summaries = PageSummaries(key_cache)
-
-    def write(seq, positions):  # vLLM's cache update, then our summaries, from the same slots
-        slots = slots_of(table[seq].cpu(), positions, page)
-        for p, s in zip(positions, slots.tolist()):
-            key_cache[s // page, s % page] = keys[seq][p].to(device)
-            value_cache[s // page, s % page] = vals[seq][p].to(device)
-        return slots
-
-    for seq, n in enumerate(prompt_lens):
-        for start in range(0, n, chunk):
-            slots = write(seq, list(range(start, min(n, start + chunk))))
-            summaries.update(key_cache, torch.cat([slots, torch.tensor([-1, -1])]).to(device))
-    lens = list(prompt_lens)
-    for _ in range(steps):
-        slots = torch.cat([write(seq, [lens[seq]]) for seq in range(len(lens))])
-        lens = [n + 1 for n in lens]
-        summaries.update(key_cache, slots.to(device))
-        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-        q = torch.randn(len(lens), h, d, generator=gen).to(dtype).to(device)
-        out = torch.full_like(q, float("nan"))
-        topk_decode(q, key_cache, value_cache, summaries, table, seq_lens, budget, d ** -0.5, out)
-
-        ref_min, ref_max, covered = topk_ref.reference_page_summaries(key_cache, table, seq_lens)
-        assert torch.equal(summaries.min[covered].double(), ref_min[covered])
-        assert torch.equal(summaries.max[covered].double(), ref_max[covered])
-        selected, counts = topk_ref.reference_select_pages(q, ref_min, ref_max, table, seq_lens, page,
-                                                     sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
-                                                     num_pages_budget=budget.budget_pages)
-        for b, n in enumerate(lens):
-            allowed = torch.zeros(h, 1, n, dtype=torch.bool)
-            for kvh in range(hkv):
-                pages = selected[b, kvh, :counts[b, kvh]].cpu().long()
-                pos = (pages[:, None] * page + torch.arange(page)).flatten()
-                allowed[kvh * group:(kvh + 1) * group, 0, pos[pos < n]] = True
-            ref = masked_attention_f64(q[b].cpu()[None], keys[b][:n], vals[b][:n], allowed, d ** -0.5)[0]
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
-            assert (out[b].cpu().double() - ref).abs().max() < tol
-    return summaries
-
-
-@cpu_only
-@pytest.mark.parametrize("budget_pages,full", [(2, False), (64, True)])
-def test_interp_backend_decode_step(budget_pages, full):
-    from vllm_sparse_backend.decode.topk import TopkDecodeBudget
-
-    budget = TopkDecodeBudget(sink_pages=1, recent_pages=1, budget_pages=budget_pages)
-    run_decode_steps([5, 70, 130], hkv=2, group=2, d=64, page=16, budget=budget, device="cpu", dtype=torch.float32)
-
-
-@gpu
-def test_gpu_backend_decode_step():
-    from vllm_sparse_backend.decode.topk import TopkDecodeBudget
-
-    budget = TopkDecodeBudget(sink_pages=1, recent_pages=4, budget_pages=16)
-    run_decode_steps([300, 2100], hkv=8, group=4, d=128, page=16, budget=budget, device="cuda", dtype=torch.bfloat16,
-                     chunk=512)

@@ -1,10 +1,11 @@
 """Triton sparse prefill kernel vs the float64 torch reference.
 
 CPU: runs the kernel under Triton's interpreter (TRITON_INTERPRET=1) at tiny sizes when triton is
-importable. GPU: realistic sizes, bf16/fp16. Each case draws random block masks and columns
-(``build_index``), several rows per batch with q_len / ctx_len off multiples of 64, a paged
-cache with a random page permutation whose unused slots hold NaN, and an output poisoned
-with NaN; every token of every row must be written, tokens outside the rows untouched.
+importable. GPU: realistic sizes, bf16/fp16. Each case draws random block masks, columns and
+key ranges (:func:`index_of` builds the index from the format's definition), several rows per
+batch with q_len / ctx_len off multiples of 64, a paged cache with a random page permutation
+whose unused slots hold NaN, and an output poisoned with NaN; every token of every row must be
+written, tokens outside the rows untouched.
 
 Without CUDA this module sets TRITON_INTERPRET=1 (before the kernels are imported) for the
 whole pytest process. The project venv has no triton: everything here is skipped there.
@@ -23,83 +24,83 @@ from vllm_sparse_kernels.kv_layout import gather_paged_kv
 from vllm_sparse_kernels.reference.dense import sparse_attention_lse
 from vllm_sparse_kernels.torch_attention import sparse_attention
 
-from vllm_sparse_backend.prefill.index import build_index, num_blocks
-from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_ranges
-from vllm_sparse_backend.observability.record import run_recorded
-from vllm_sparse_backend.observability.stats import SparseStats
+from kernel_helpers import make_cache, quantize_cache
+from vllm_sparse_kernels.index_format import (SparseIndex, causal_block_mask, num_blocks, query_block_bounds,
+                                              range_stops)
 
 pytestmark = pytest.mark.kernels  # `make test` runs these with triton, under its interpreter on CPU
 
 sa = kernel_module("prefill.attention")
+sv = kernel_module("prefill.variants")
 DEV = "cuda" if CUDA and not INTERPRET else "cpu"
 GAP = 3  # tokens between rows in q/out that belong to no row
 
 
-def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
-    """Paged cache as vLLM lays it out ([num_pages, Hkv, page, 2D] logical, NHD or HND physical),
-    pages of the rows drawn in random order; unused slots hold NaN."""
-    need = [num_blocks(n, page) for n in kv_lens]
-    num_pages = sum(need) + 3
-    if layout == "HND":
-        kv = torch.full((num_pages, hkv, page, 2 * d), float("nan"), dtype=dtype, device=device)
-    else:
-        kv = torch.full((num_pages, page, hkv, 2 * d), float("nan"), dtype=dtype, device=device).transpose(1, 2)
-    key_cache, value_cache = kv.transpose(1, 2).split(d, -1)
-    perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
-    table = torch.zeros(len(kv_lens), max(need) + 2, dtype=torch.int32)
-    ks, vs, used = [], [], 0
-    for i, n in enumerate(kv_lens):
-        pages = perm[used:used + need[i]]
-        used += need[i]
-        table[i, :need[i]] = pages
-        table[i, need[i]:] = 10**6  # garbage past the row's pages: must never be dereferenced
-        k = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        v = torch.randn(n, hkv, d, generator=gen).to(dtype)
-        for j in range(need[i]):
-            a, b = j * page, min(n, (j + 1) * page)
-            key_cache[int(pages[j]), : b - a] = k[a:b].to(device)
-            value_cache[int(pages[j]), : b - a] = v[a:b].to(device)
-        ks.append(k)
-        vs.append(v)
-    return key_cache, value_cache, table.to(device), ks, vs
 
 
-def quantize_cache(key_cache, value_cache, fp8, k_scale, v_scale, layout):
-    """An fp8 copy of a K|V cache in vLLM's layout (one [pages, Hkv, page, 2D] tensor, NHD or HND
-    physical) as vLLM's fp8 cache holds it: stored = value / scale; NaN slots stay NaN."""
-    n, page, hkv, d = key_cache.shape
-    if layout == "HND":
-        kv = torch.empty((n, hkv, page, 2 * d), dtype=fp8, device=key_cache.device)
-    else:
-        kv = torch.empty((n, page, hkv, 2 * d), dtype=fp8, device=key_cache.device).transpose(1, 2)
-    k8, v8 = kv.transpose(1, 2).split(d, -1)
-    k8.copy_((key_cache.float() / k_scale).to(fp8))
-    v8.copy_((value_cache.float() / v_scale).to(fp8))
-    return k8, v8
+def _lists(values: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count int32 [...], ascending kept values int32 [..., max count], -1 padded) per last-dim row."""
+    count = keep.sum(-1)
+    width = int(count.max()) if count.numel() else 0
+    big = torch.iinfo(torch.int64).max
+    kept = torch.where(keep, values.to(torch.int64), big).sort(-1).values[..., :width]
+    return count.to(torch.int32), torch.where(kept == big, -1, kept).to(torch.int32)
+
+
+def index_of(mask, q_len, ctx_len, cols=None, keep=None, range_start=None) -> SparseIndex:
+    """A SparseIndex in the format's terms (index_format), built here so that the kernel tests
+    need nothing of the plugin: the causal key blocks of ``mask`` [H, NQB, NKB]; the ascending
+    range starts ``range_start`` [H, NQB, R] (-1 padded; each range cut where the next starts);
+    each kept column candidate (``cols`` / ``keep`` [H, C]) listed once for the query blocks that
+    can see it and whose blocks and ranges do not already cover it."""
+    h, nqb, nkb = mask.shape
+    kv_len = ctx_len + q_len
+    _, q_last = query_block_bounds(q_len, ctx_len, 64)
+    mask = mask & causal_block_mask(q_len, ctx_len, 64)[None]
+    block_count, block_index = _lists(torch.arange(nkb).expand(h, nqb, nkb), mask)
+    if range_start is None:
+        range_start = torch.full((h, nqb, 0), -1, dtype=torch.int32)
+    start = range_start.to(torch.int64)
+    ok = start >= 0
+    edge = torch.zeros(h, nqb, kv_len + 1, dtype=torch.int64)  # +1 at each range's start, -1 at its stop
+    edge.scatter_add_(-1, torch.where(ok, start, kv_len), ok.long())
+    edge.scatter_add_(-1, torch.where(ok, range_stops(start, 64).clamp(max=kv_len), kv_len), -ok.long())
+    in_range = edge[..., :kv_len].cumsum(-1) > 0
+    chosen = torch.zeros(h, kv_len, dtype=torch.bool)
+    if cols is not None:
+        chosen[torch.arange(h)[:, None].expand_as(cols)[keep], cols[keep]] = True
+    in_block = mask.repeat_interleave(64, -1)[..., :kv_len]
+    listed = chosen[:, None, :] & (torch.arange(kv_len) <= q_last[:, None]) & ~in_block & ~in_range
+    column_count, column_index = _lists(torch.arange(kv_len).expand(h, nqb, kv_len), listed)
+    return SparseIndex(64, block_count, block_index, column_count, column_index, ok.sum(-1).to(torch.int32),
+                       range_start.to(torch.int32))
 
 
 def random_index(h, q_len, ctx_len, density, n_cols, gen, device, ranges=False):
-    """Random key blocks and columns; ``ranges``: odd heads list key ranges of random diagonals
-    (a share ``density / 8`` of them, touching ones merged) instead of blocks."""
+    """Random key blocks and columns; ``ranges``: odd heads list key ranges instead of blocks,
+    from random starts (a share ``density / 16`` of the causal keys, so that some ranges are cut
+    short by the next one and some run their full 64 keys) plus one at each query block's first
+    position, so that every query sees its own key."""
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
     mask = torch.rand(h, nqb, nkb, generator=gen) < density
     cols = torch.randint(0, ctx_len + q_len, (h, n_cols), generator=gen)
     keep = torch.rand(h, n_cols, generator=gen) < 0.8
     if not ranges:
-        return build_index(mask, 64, q_len, ctx_len, cols, keep).to(device)
-    slash_keep = torch.rand(h, ctx_len + q_len, generator=gen) < density / 8
-    slash_keep[:, :3] = True
-    r_count, r_start = slash_ranges(slash_keep, q_len, ctx_len, 64)
+        return index_of(mask, q_len, ctx_len, cols, keep).to(device)
+    kv_len = ctx_len + q_len
+    q_first, q_last = query_block_bounds(q_len, ctx_len, 64)
+    pick = (torch.rand(h, nqb, kv_len, generator=gen) < density / 16) & (torch.arange(kv_len) <= q_last[:, None])
+    pick[:, torch.arange(nqb), q_first] = True
     odd = torch.arange(h) % 2 == 1
+    pick &= odd[:, None, None]
     mask &= ~odd[:, None, None]
-    r_count = torch.where(odd[:, None], r_count, 0)
-    r_start = torch.where(odd[:, None, None], r_start, -1)
-    return build_index(mask, 64, q_len, ctx_len, cols, keep, r_count, r_start).to(device)
+    _, r_start = _lists(torch.arange(kv_len).expand(h, nqb, kv_len), pick)
+    return index_of(mask, q_len, ctx_len, cols, keep, r_start).to(device)
 
 
 def full_index(h, q_len, ctx_len, device):
     nqb, nkb = num_blocks(q_len, 64), num_blocks(ctx_len + q_len, 64)
-    return build_index(torch.ones(h, nqb, nkb, dtype=torch.bool), 64, q_len, ctx_len).to(device)
+    return index_of(torch.ones(h, nqb, nkb, dtype=torch.bool), q_len, ctx_len).to(device)
 
 
 def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout="NHD", density=0.35,
@@ -159,7 +160,7 @@ def run_case(shapes, hkv, group, d, page, dtype, seed, *, mode="sparse", layout=
                                       softcap=softcap, return_lse=check_lse, **kw)
     lse = res[1] if check_lse else None
     if check_lse:
-        # the LSE comes from the tests' kernel (_sparse_fwd_variants_kernel); the same launch
+        # the LSE comes from the tests' kernel (prefill/variants.py); the same launch
         # without it (the serving kernel, where the case is one serving runs) writes the same
         # output bit for bit
         again = torch.full_like(out, float("nan"))
@@ -506,8 +507,9 @@ def test_interp_launcher_picks_the_serving_kernel(monkeypatch, case, kernels):
     # the serving kernel has none of the modes serving never runs (dense, merged heads, LSE, the
     # other program order, no prefetch): those launch _sparse_fwd_variants_kernel
     log = []
-    for kind, name in (("serving", "_sparse_fwd_kernel"), ("variants", "_sparse_fwd_variants_kernel")):
-        monkeypatch.setattr(sa, name, _LaunchSpy(getattr(sa, name), kind, log))
+    for kind, module, name in (("serving", sa, "_sparse_fwd_kernel"),
+                               ("variants", sv, "_sparse_fwd_variants_kernel")):
+        monkeypatch.setattr(module, name, _LaunchSpy(getattr(module, name), kind, log))
     case = dict(case)
     page = case.pop("page", 16)
     run_case([(70, 30)], 1, 2, 64, page, torch.float32, seed=81, **case)
@@ -662,300 +664,3 @@ def test_gpu_fp8_kv_cache(group, share, d, mode):
              n_cols=300, merge=4 if mode == "dense" else 1, fp8=(E4M3, *_dev_scales("cuda")))
     run_case(BIG[1:], 2, group, d, 32, torch.float16, seed=group + d + 1, mode=mode, share=share, density=0.2,
              n_cols=300, layout="HND", fp8=(E4M3, *SCALES), check_lse=True, softcap=30.0 if mode == "sparse" else 0.0)
-
-
-# ------------------------------------------------------------------------------------------
-# GPU index building for vertical-slash heads (vllm_sparse_kernels/prefill/vs_index.py)
-# ------------------------------------------------------------------------------------------
-
-vsi = pytest.importorskip("vllm_sparse_kernels.prefill.vs_index",
-                          reason="vllm_sparse_kernels is not installed (pip install -e .)")
-DIAG_MODES = sorted(vsi.DIAG_MODES)
-
-
-def _padded_equal(a, b):
-    w = max(a.shape[-1], b.shape[-1])
-    pad = lambda t: torch.nn.functional.pad(t.to(torch.int64).cpu(), (0, w - t.shape[-1]), value=-1)  # noqa: E731
-    return torch.equal(pad(a), pad(b))
-
-
-def check_vs_index(h, q_len, ctx_len, max_v, max_s, seed, device, uniform=False, select="auto", slash_tiles="ranges",
-                   chunk=512):
-    """``uniform``: every head keeps max_v / max_s, passed as host ints (vs_topk's unsorted path,
-    by ``select``). The GPU conversion must give the torch conversion's lists exactly."""
-    from vllm_sparse_backend.prefill.patterns.base import keep_top
-    from vllm_sparse_backend.prefill.patterns.vertical_slash import vertical_slash_to_selection
-
-    gen = torch.Generator().manual_seed(seed)
-    kv_len = ctx_len + q_len
-    vert = torch.rand(h, kv_len, generator=gen)
-    slash = torch.rand(h, kv_len, generator=gen) ** 4  # favour nothing in particular; distinct values
-    # forced entries (+inf) no more than the smallest budget: ties among them may break differently
-    vert[:, :min(30, kv_len, max(1, max_v // 2))] = float("inf")
-    slash[:, :min(30, kv_len, max(1, max_s // 2))] = float("inf")
-    if uniform:
-        v_count, s_count = torch.full((h,), max_v), torch.full((h,), max_s)
-    else:
-        v_count = torch.randint(max(1, max_v // 2), max_v + 1, (h,), generator=gen)
-        s_count = torch.randint(max(1, max_s // 2), max_s + 1, (h,), generator=gen)
-    v_keep = keep_top(vert, v_count.clamp(max=kv_len))
-    s_keep = keep_top(slash, s_count.clamp(max=kv_len))
-    sel = vertical_slash_to_selection(v_keep, s_keep, q_len, ctx_len, 64, slash_tiles)
-    ref = sel.to_index(64, q_len, ctx_len)
-
-    counts = (max_v, max_s) if uniform else (v_count.to(device), s_count.to(device))
-    v_idx, v_cnt, s_idx, s_cnt = vsi.vs_topk(vert.to(device), slash.to(device), *counts, max_v, max_s, select=select)
-    got = vsi.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, slash_tiles=slash_tiles, chunk=chunk)
-    assert torch.equal(got.block_count.cpu(), ref.block_count)
-    assert _padded_equal(got.block_index, ref.block_index)
-    assert torch.equal(got.range_count.cpu(), ref.range_count)
-    assert _padded_equal(got.range_start, ref.range_start)
-    assert torch.equal(got.column_count.cpu(), ref.column_count)
-    assert _padded_equal(got.column_index, ref.column_index)
-
-
-def odd_table_row(table_row: torch.Tensor) -> torch.Tensor:
-    """The same pages as the second row of a 2-row block table whose rows are an odd number of
-    int32 wide: the row's address is not 16-byte aligned, as in vLLM's table when
-    max_model_len / page is odd (the first row and the profiling run's are aligned)."""
-    width = table_row.shape[0] | 1
-    table = torch.full((2, width), 10**6, dtype=torch.int32, device=table_row.device)
-    table[1, :table_row.shape[0]] = table_row
-    assert table[1].data_ptr() % 16 != 0
-    return table[1]
-
-
-def check_last_q(h, hkv, d, q_len, ctx_len, page, dtype, seed, device, tol, diagonals="skew", group_sum=False,
-                 stack=None, split=128, odd_row=False, **launch):
-    """``group_sum``: the kernel sums each KV group's heads itself (``stack`` heads per program);
-    the reference sums the per-head float scores afterwards. ``odd_row``: the row's block table
-    at an address that is not 16-byte aligned (:func:`odd_table_row`)."""
-    from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_kernels.kv_layout import kv_head_map
-
-    gen = torch.Generator().manual_seed(seed)
-    kv_len = ctx_len + q_len
-    key_cache, value_cache, table, ks, _ = make_cache([kv_len], hkv, d, page, dtype, "NHD", gen, device)
-    q = torch.randn(q_len, h, d, generator=gen).to(dtype)
-    scale = 1.0 / math.sqrt(d)
-    n = min(64, q_len)
-    probs, qpos = last_queries_probs(q, ks[0], kv_head_map(h, hkv), ctx_len, n, scale)
-    ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
-    row = odd_table_row(table[0]) if odd_row else table[0]
-    got_v, got_s = vsi.last_q_scores(q[q_len - n:].to(device), key_cache, row, kv_len, scale, split=split,
-                                     diagonals=diagonals, group_sum=group_sum, stack=stack, **launch)
-    if group_sum:
-        ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
-    assert got_v.shape == ref_v.shape and got_s.shape == ref_s.shape
-    for got, ref in ((got_v, ref_v), (got_s, ref_s)):
-        err = ((got.cpu().double() - ref.double()).norm() / ref.double().norm()).item()
-        assert err < tol, f"rel err {err:.2e}"
-
-
-@cpu_only
-@pytest.mark.parametrize("h,q_len,ctx_len,max_v,max_s", [(3, 300, 0, 40, 50), (2, 130, 211, 64, 300),
-                                                          (4, 70, 1000, 200, 150), (2, 200, 3000, 100, 40)])
-@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
-def test_interp_vs_index(h, q_len, ctx_len, max_v, max_s, slash_tiles):
-    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len, device="cpu", slash_tiles=slash_tiles)
-
-
-@cpu_only
-def test_interp_vs_index_ranges_carry_segments_across_chunks():
-    # 16 diagonals per step: segments (and their anchors) continue from one step to the next
-    check_vs_index(2, 300, 700, 30, 200, seed=5, device="cpu", chunk=16)
-
-
-@cpu_only
-@pytest.mark.parametrize("h,q_len,ctx_len,max_v,max_s", [(3, 300, 0, 40, 50), (2, 130, 211, 400, 300),
-                                                          (2, 40, 0, 64, 100)])
-@pytest.mark.parametrize("select", ["torch", "radix"])
-def test_interp_vs_index_uniform_budgets(h, q_len, ctx_len, max_v, max_s, select):
-    # host-int budgets, some wider than the row (kv_len < max_v / max_s): padded with -1
-    check_vs_index(h, q_len, ctx_len, max_v, max_s, seed=q_len + ctx_len + 1, device="cpu", uniform=True,
-                   select=select)
-
-
-@cpu_only
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-@pytest.mark.parametrize("q_len,ctx_len", [(100, 230), (40, 0), (64, 77)])
-def test_interp_last_q_scores(diagonals, q_len, ctx_len):
-    check_last_q(4, 2, 64, q_len, ctx_len, 16, torch.float32, seed=2, device="cpu", tol=1e-4,
-                 diagonals=diagonals)
-
-
-@cpu_only
-@pytest.mark.parametrize("h,hkv,stack", [(8, 2, None), (8, 2, 2), (8, 2, 1), (6, 2, None), (7, 1, None)])
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-def test_interp_last_q_scores_group_sum(h, hkv, stack, diagonals):
-    # stack = group: one program writes each KV head's sums; smaller stacks add atomically
-    check_last_q(h, hkv, 64, 100, 230, 16, torch.float32, seed=4, device="cpu", tol=1e-4,
-                 diagonals=diagonals, group_sum=True, stack=stack)
-
-
-@cpu_only
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-def test_interp_last_q_scores_unaligned_table_row(diagonals):
-    # the estimation kernels that take one block-table row are compiled for any row address: a
-    # row vLLM hands over need not be 16-byte aligned where the profiling run's was
-    check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=9, device="cpu", tol=1e-4, diagonals=diagonals,
-                 group_sum=True, odd_row=True)
-    est = kernel_module("prefill.estimate")
-    for kernel in (vsi._lastq_pass, vsi._lastq_skew_pass, est._pool_kernel):
-        assert "bt_ptr" in kernel.kwargs["do_not_specialize_on_alignment"]
-
-
-@cpu_only
-@pytest.mark.parametrize("block_n", [32, 128])
-def test_interp_last_q_scores_skew_tiles(block_n):
-    # the skew mode takes any key tile width (the slab is indexed by key position, not by tile)
-    check_last_q(8, 2, 64, 100, 230, 16, torch.float32, seed=6, device="cpu", tol=1e-4, group_sum=True,
-                 block_n=block_n)
-
-
-@cpu_only
-@pytest.mark.parametrize("diagonals", ["skew", "gather"])
-def test_interp_last_q_scores_many_key_ranges(diagonals):
-    # 35 key ranges of 64 keys: the per-range row maxima/sums are merged 32 ranges at a time, most
-    # ranges lie wholly below the first query (the unmasked loops), the last ones straddle it
-    check_last_q(8, 2, 64, 100, 2140, 16, torch.float32, seed=8, device="cpu", tol=1e-4, diagonals=diagonals,
-                 group_sum=True, split=64)
-
-
-def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagonals, group_sum, k_scale):
-    """last_q_scores on an fp8 cache with its k scale: the float64 sums over the dequantised keys
-    within ``tol``, and the scores the same kernels give on a cache holding the dequantised keys
-    in the query's dtype to within fp32 rounding (the scale folded into the scores' scale instead
-    of into the keys)."""
-    from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, vertical_and_slash_sums
-    from vllm_sparse_kernels.kv_layout import kv_head_map
-
-    gen = torch.Generator().manual_seed(seed)
-    kv_len = ctx_len + q_len
-    key_cache, value_cache, table, _, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, device)
-    k8, _ = quantize_cache(key_cache, value_cache, E4M3, float(k_scale), 1.0, "NHD")
-    deq = (k8.float() * float(k_scale)).to(dtype)  # the dequantised cache (exact in fp32; in bf16 for 2^-n)
-    k = gather_paged_kv(k8, k8, table[0], kv_len)[0].cpu().double() * float(k_scale)
-    q = torch.randn(q_len, h, d, generator=gen).to(dtype)
-    scale = 1.0 / math.sqrt(d)
-    n = min(64, q_len)
-    probs, qpos = last_queries_probs(q.double(), k, kv_head_map(h, hkv), ctx_len, n, scale)
-    ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
-    if group_sum:
-        ref_v, ref_s = ref_v.view(hkv, h // hkv, -1).sum(1), ref_s.view(hkv, h // hkv, -1).sum(1)
-    q_last = q[q_len - n:].to(device)
-    got = vsi.last_q_scores(q_last, k8, table[0], kv_len, scale, split=128, diagonals=diagonals,
-                            group_sum=group_sum, k_scale=k_scale)
-    same = vsi.last_q_scores(q_last, deq, table[0], kv_len, scale, split=128, diagonals=diagonals,
-                             group_sum=group_sum)
-    for g, r, o in zip(got, (ref_v, ref_s), same):
-        assert ((g.cpu().double() - r).norm() / r.norm()).item() < tol
-        torch.testing.assert_close(g, o, rtol=1e-5, atol=1e-6)
-
-
-@cpu_only
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-@pytest.mark.parametrize("group_sum", [False, True])
-def test_interp_last_q_scores_fp8_cache(diagonals, group_sum):
-    check_last_q_fp8(8, 2, 64, 100, 230, torch.float32, 12, "cpu", 1e-4, diagonals, group_sum,
-                     torch.tensor([SCALES[0]]))
-
-
-@gpu
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-def test_gpu_last_q_scores_fp8_cache(diagonals):
-    # k scale 2^-4: the dequantised keys are exact in bf16, so both caches give the same scores
-    check_last_q_fp8(32, 8, 128, 3000, 2500, torch.bfloat16, 13, "cuda", 2e-2, diagonals, True,
-                     torch.tensor([0.0625], device="cuda"))
-
-
-@gpu
-@pytest.mark.parametrize("slash_tiles", ["ranges", "blocks"])
-def test_gpu_vs_index(slash_tiles):
-    check_vs_index(8, 5000, 3000, 1000, 2000, seed=1, device="cuda", slash_tiles=slash_tiles)
-
-
-@gpu
-@pytest.mark.parametrize("select", ["torch", "radix"])
-def test_gpu_vs_index_uniform_budgets(select):
-    check_vs_index(8, 16384, 40000, 1000, 6096, seed=2, device="cuda", uniform=True, select=select)
-
-
-@gpu
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-def test_gpu_last_q_scores(diagonals):
-    check_last_q(8, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=3, device="cuda", tol=2e-2,
-                 diagonals=diagonals)
-
-
-@gpu
-@pytest.mark.parametrize("diagonals", ["skew", "gather"])
-def test_gpu_last_q_scores_unaligned_table_row_compiles_nothing(diagonals):
-    # vLLM 0.33's JIT monitor caught _lastq_pass / _lastq_skew_pass compiling in the first batch
-    # whose sparse row sat in an odd row of a 2050-page table (max_model_len 131200, 64-key pages)
-    def compiled():
-        return sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in (vsi._lastq_pass, vsi._lastq_skew_pass))
-
-    check_last_q(16, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=11, device="cuda", tol=2e-2,
-                 diagonals=diagonals, group_sum=True)
-    before = compiled()
-    check_last_q(16, 2, 128, 3000, 2500, 16, torch.bfloat16, seed=11, device="cuda", tol=2e-2,
-                 diagonals=diagonals, group_sum=True, odd_row=True)
-    assert compiled() == before
-
-
-@gpu
-@pytest.mark.parametrize("h,hkv,d,stack", [(32, 8, 128, None), (32, 8, 128, 2), (16, 2, 128, None),
-                                           (14, 2, 64, None), (24, 3, 64, None)])
-@pytest.mark.parametrize("diagonals", DIAG_MODES)
-def test_gpu_last_q_scores_group_sum(h, hkv, d, stack, diagonals):
-    check_last_q(h, hkv, d, 3000, 2500, 16, torch.bfloat16, seed=5, device="cuda", tol=2e-2,
-                 diagonals=diagonals, group_sum=True, stack=stack)
-
-
-def _glue_case(dtype, device, seed=5):
-    """The GPU path (run_sparse_rows_paged: estimation on the paged cache + the Triton kernel) vs
-    the torch path (run_sparse_rows: torch estimation + reference on gathered K/V)."""
-    from vllm_sparse_backend.config import SparseSettings
-    from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
-    from vllm_sparse_backend.prefill.estimate import HeadGroups
-    from vllm_sparse_backend.prefill.plan import SparseRow
-    from vllm_sparse_backend.prefill.run import run_sparse_rows, run_sparse_rows_paged
-
-    gen = torch.Generator().manual_seed(seed)
-    h, hkv, d, page = 8, 2, 64, 16
-    geoms = [(300, 0), (150, 200)]
-    key_cache, value_cache, table, _, _ = make_cache([q + c for q, c in geoms], hkv, d, page, dtype, "NHD", gen,
-                                                     device)
-    t = sum(q for q, _ in geoms)
-    query = torch.randn(t, h, d, generator=gen).to(dtype).to(device)
-    rows, tok = [], 0
-    for i, (q_len, ctx) in enumerate(geoms):
-        rows.append(SparseRow(i, tok, q_len, ctx))
-        tok += q_len
-    settings = SparseSettings(vertical_size=40, slash_size=70, last_q=32, topk_blocks=2, min_budget=64)
-    heads = [resolve_head(HeadPattern(pattern=p), settings) for p in
-             ["vertical_slash", "block_sparse", "a_shape", "flex_prefill"] * 2]
-
-    def kv(r):
-        return gather_paged_kv(key_cache, value_cache, table[r.row].to(device), r.ctx_len + r.q_len)
-
-    ref = torch.full_like(query, float("nan"))
-    run_recorded(SparseStats(), run_sparse_rows, query, ref, rows, kv, heads, settings, d ** -0.5, 0.0, None)
-    got = torch.full_like(query, float("nan"))
-    run_recorded(SparseStats(), run_sparse_rows_paged, query, got, rows, key_cache, value_cache, table.to(device),
-                 HeadGroups.from_heads(heads, device), settings, d ** -0.5, 0.0, sa.sparse_prefill_attention)
-    assert torch.isfinite(got).all()
-    rel = (got.double() - ref.double()).norm() / ref.double().norm()
-    assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel
-
-
-@pytest.mark.skipif(DEV != "cpu", reason="interpreter test")
-def test_interp_run_sparse_rows_with_the_kernel():
-    _glue_case(torch.float32, "cpu")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEV != "cuda", reason="needs CUDA (and TRITON_INTERPRET unset)")
-def test_gpu_run_sparse_rows_with_the_kernel():
-    _glue_case(torch.bfloat16, "cuda")

@@ -14,7 +14,8 @@ The source scans make sure the server check cannot pass only because a code path
 Then the guards of issue 52: no test imports ``benchmarks.studies``; every file in
 ``benchmarks/results/`` is cited by its ``SUMMARY.md`` and every file the summary names exists;
 no two modules of the serving package need each other at import time; the serving package runs
-no oracle (nothing of ``vllm_sparse_kernels.reference``); the manual stays under 2,000 lines and
+no oracle (nothing of ``vllm_sparse_kernels.reference``); the kernel tests (``tests/kernels/``,
+and the shared test helpers they import) import nothing of the plugin; the manual stays under 2,000 lines and
 the benchmarks under 6,000 lines of Python.
 """
 
@@ -150,6 +151,35 @@ def test_a_vllm_server_process_loads_no_offline_tool(tmp_path):
     tool_deps = _tool_only_dependencies()
     assert tool_deps, "pyproject.toml lists no tool dependencies to check"
     assert [m for m in new if m.split(".")[0] in tool_deps] == []
+
+
+def _plugin_imports_of_the_kernel_tests(tests: Path) -> tuple[list[str], set[Path]]:
+    """``file: module`` for every import of the plugin in ``tests/kernels/`` or in a top-level
+    helper of ``tests/`` that those files import (followed transitively), and the files scanned."""
+    todo, seen, found = sorted((tests / "kernels").glob("*.py")), set(), []
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imported_modules(path, "kernels"):
+            top = name.split(".")[0]
+            if top == SERVING:
+                found.append(f"{path.relative_to(tests.parent)}: {name}")
+            elif (tests / f"{top}.py").is_file():
+                todo.append(tests / f"{top}.py")
+    return found, seen
+
+
+def test_the_kernel_tests_import_nothing_of_the_plugin():
+    """``tests/kernels/`` checks the kernel package on its own (issue 52): tests of the plugin's
+    Triton path live in ``tests/plugin_triton/``. The shared helpers a kernel test imports
+    (``kernel_helpers``, ``decode_helpers``, ...) are followed: they must not bring the plugin in."""
+    tests = ROOT / "tests"
+    found, seen = _plugin_imports_of_the_kernel_tests(tests)
+    assert len([p for p in seen if p.parent.name == "kernels"]) >= 5
+    assert {tests / "kernel_helpers.py", tests / "decode_helpers.py"} <= seen
+    assert found == []
 
 
 # The notebook stays closed (issue 52): benchmark studies are scripts nobody imports, and the

@@ -17,14 +17,14 @@ is flat: one program per (list owner, query block), ordered KV head first, then 
 from the last (heaviest) to the first, then the heads of the group, so programs that read the
 same KV head run together and share its K/V in L2.
 
-Two kernels, built from the same ``@triton.jit`` helpers (:mod:`.tiles`):
+Two kernels, built from the same ``@triton.jit`` helpers (:mod:`.tiles`): this module's
 :func:`_sparse_fwd_kernel` runs what serving launches (per-head or group-shared lists, rows
 flagged to run every causal key, fp8 caches, soft-capping, TMA or gathered loads);
-:func:`_sparse_fwd_variants_kernel` adds the modes only tests and benchmarks use: the dense
-variant (``pack_rows(rows, None)``: every causal key block, no lists materialised, for comparing
-against cuDNN / FlashAttention), merged heads (:func:`merge_group_heads`), the LSE output, the
-other program order and no prefetch. The launcher :func:`sparse_prefill_attention` picks one
-from its arguments.
+:mod:`.variants` holds ``_sparse_fwd_variants_kernel``, which adds the modes only tests and
+benchmarks use: the dense variant (``pack_rows(rows, None)``: every causal key block, no lists
+materialised, for comparing against cuDNN / FlashAttention), merged heads
+(:func:`merge_group_heads`), the LSE output, the other program order and no prefetch. The
+launcher :func:`sparse_prefill_attention` (here) picks one from its arguments.
 
 GQA: a program may stack ``heads_per_program`` query heads of one KV group along M
 (BLOCK_M = heads_per_program * 64), so each K/V tile is loaded once for all of them. This needs
@@ -60,11 +60,12 @@ import triton.language as tl
 from ..constants import BLOCK, MAX_START
 from ..index_format import SparseIndex
 from ..kv_quant import check_kv_dtypes, is_fp8, scale_operand
+from . import variants
 from .launch_config import default_config, shared_stack
 from .packing import (META_WIDTH, BatchedSparseIndex, RowTable, merge_group_heads, pack_rows, plan_rows,
                       row_fields)
 from .tiles import (block_list, block_tiles, column_tiles, list_row, program_ids, program_rows, range_tiles,
-                    store_lse, store_rows)
+                    store_rows)
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -128,57 +129,6 @@ def _sparse_fwd_kernel(
 
     tok, head, row_ok = out_rows
     store_rows(o_ptr, o_strides, acc, l_i, tok, head, row_ok, v_scale_ptr, HEAD_DIM, KV_SCALED)
-
-
-@triton.jit(do_not_specialize=["s_lh", "s_lse_h", "num_qb", "num_lists", "maxb", "maxc", "maxr"])
-def _sparse_fwd_variants_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bt_ptr, meta_ptr,
-    bcnt_ptr, bidx_ptr, ccnt_ptr, cidx_ptr, bbits_ptr, cbits_ptr, whole_ptr, rcnt_ptr, ridx_ptr, k_scale_ptr,
-    v_scale_ptr, k_desc, v_desc,
-    q_strides, o_strides, k_strides, v_strides,
-    s_bt, s_lh, s_lse_h,  # ... and the lse head stride
-    num_qb, num_lists, maxb, maxc, maxr,
-    qk_scale, softcap, skip_log2,
-    GROUP: tl.constexpr, GH: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SOFTCAP: tl.constexpr, FALLBACK: tl.constexpr, KV_SCALED: tl.constexpr, TMA: tl.constexpr, SKIP: tl.constexpr,
-    DENSE: tl.constexpr,  # no lists: every causal key block (benchmarks' dense baseline)
-    MERGED: tl.constexpr,  # merged lists of GH heads with a head bitmask per entry (bbits_ptr / cbits_ptr)
-    WRITE_LSE: tl.constexpr,  # also the natural-log LSE into lse_ptr [H, T]
-    KV_MAJOR: tl.constexpr,  # program order (False: list owners innermost over all KV heads)
-    PREFETCH: tl.constexpr,  # gathered tiles: the next tile's list entries and page lookups issued early
-):
-    """The serving kernel's modes for tests and benchmarks, from the same helpers: the dense
-    variant, merged heads, the LSE output, the other program order and no prefetch. With
-    DENSE = MERGED = WRITE_LSE = False and KV_MAJOR = PREFETCH = True it computes what
-    :func:`_sparse_fwd_kernel` computes."""
-    BLOCK_M: tl.constexpr = GH * BLOCK
-    pid_h, qb = program_ids(num_qb, num_lists, (GROUP + GH - 1) // GH, KV_MAJOR)
-    rows, keys, lanes, out_rows, nq, qpos0 = program_rows(q_ptr, q_strides, meta_ptr, bt_ptr, s_bt, pid_h, qb,
-                                                           GROUP, GH, BLOCK_N, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], MAX_START, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if KV_SCALED:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    cache = (k_ptr, v_ptr, k_strides, v_strides, k_desc, v_desc)
-
-    lrow, blist, n_full, n_all, whole = block_list(bcnt_ptr, bidx_ptr, whole_ptr, maxb, s_lh, pid_h, qb, qpos0, nq,
-                                                    DENSE, FALLBACK)
-    m_i, l_i, acc = block_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, skip_log2, blist,
-                                 bbits_ptr + lrow * maxb, n_full, n_all, whole,
-                                 PAGE, BLOCK_N, HEAD_DIM, DENSE, MERGED, PREFETCH, FALLBACK, SOFTCAP, TMA, SKIP)
-    if not DENSE:
-        rlist, n_rng = list_row(rcnt_ptr, ridx_ptr, maxr, lrow, whole, FALLBACK)
-        m_i, l_i, acc = range_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, rlist, n_rng,
-                                     PAGE, BLOCK_N, HEAD_DIM, SOFTCAP)
-        clist, n_col = list_row(ccnt_ptr, cidx_ptr, maxc, lrow, whole, FALLBACK)
-        m_i, l_i, acc = column_tiles(m_i, l_i, acc, rows, keys, lanes, cache, qk_scale, softcap, clist, n_col,
-                                      cbits_ptr + lrow * maxc, PAGE, BLOCK_N, HEAD_DIM, MERGED, SOFTCAP)
-
-    tok, head, row_ok = out_rows
-    store_rows(o_ptr, o_strides, acc, l_i, tok, head, row_ok, v_scale_ptr, HEAD_DIM, KV_SCALED)
-    if WRITE_LSE:
-        store_lse(lse_ptr, s_lse_h, m_i, l_i, tok, head, row_ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,7 +243,7 @@ def _check_index(bix: BatchedSparseIndex, lists: int, device: torch.device) -> N
 
 
 def _serving_launch(dense: bool, merged: bool, return_lse: bool, kv_major: bool, prefetch: bool, tma: bool) -> bool:
-    """Whether a launch runs :func:`_sparse_fwd_kernel` (else :func:`_sparse_fwd_variants_kernel`):
+    """Whether a launch runs :func:`_sparse_fwd_kernel` (else :mod:`.variants`' kernel):
     lists per head or per stack of a KV group, KV-head-major programs, the next tiles prefetched
     (which the TMA branch always does), no LSE."""
     return not (dense or merged or return_lse or not kv_major) and (prefetch or tma)
@@ -443,10 +393,10 @@ def sparse_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cac
         _sparse_fwd_kernel[grid](q, key_cache, value_cache, out, block_table, *lists_ptrs, *other_ptrs, *strides,
                                  block_table.stride(0), tqb, tqb, maxb, maxc, maxr, *scalars, **modes)
     else:
-        _sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs, bb, cb,
-                                          *other_ptrs, *strides, block_table.stride(0), tqb,
-                                          lse.stride(0) if return_lse else 0, tqb, lists, maxb, maxc, maxr,
-                                          *scalars,
-                                          DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse, KV_MAJOR=kvm,
-                                          PREFETCH=pf, **modes)
+        variants._sparse_fwd_variants_kernel[grid](q, key_cache, value_cache, out, lse, block_table, *lists_ptrs,
+                                                   bb, cb, *other_ptrs, *strides, block_table.stride(0), tqb,
+                                                   lse.stride(0) if return_lse else 0, tqb, lists, maxb, maxc, maxr,
+                                                   *scalars,
+                                                   DENSE=bix.dense, MERGED=bix.merged, WRITE_LSE=return_lse,
+                                                   KV_MAJOR=kvm, PREFETCH=pf, **modes)
     return (out, lse) if return_lse else out

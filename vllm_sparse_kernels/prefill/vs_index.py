@@ -13,8 +13,8 @@ Two steps, both batched over heads:
    [H, NQB, NKB] mask, no ``.item()``.
 
 Semantics match ``vllm_sparse_backend.patterns.vertical_slash.vertical_slash_to_selection``
-followed by ``build_index`` (tests/kernels/test_triton_kernels.py checks it): diagonal d (query pos -
-key pos) of a query block spanning [P0, P1] covers key blocks (max(P0 - d, 0) // B) ..
+followed by ``build_index`` (tests/plugin_triton/test_vs_estimate.py checks it): diagonal d (query
+pos - key pos) of a query block spanning [P0, P1] covers key blocks (max(P0 - d, 0) // B) ..
 ((P1 - d) // B) when d <= P1.
 
 Imports nothing from vLLM or vllm_sparse_backend: torch, triton and this package only.
