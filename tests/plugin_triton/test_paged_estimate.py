@@ -483,7 +483,7 @@ def test_kv_group_shared_rows_match_float64_reference(tmp_path):
         before = stats.as_dict()
         run_recorded(stats, run_sparse_rows_paged, q, out, [SparseRow(0, 0, q_len, ctx)], key_cache, value_cache,
                      table[None], HeadGroups.from_heads(heads, "cpu", group), settings, d ** -0.5, 0.0,
-                     sparse_prefill_attention, stats_file=settings.stats_file)
+                     sparse_prefill_attention, stats_file=settings.observability.stats_file)
         idx = estimate_index(q, k, ctx, heads, settings, d ** -0.5).index
         assert idx.num_heads == hkv * group
         ref = masked_attention_f64(q, k, v, index_to_dense_mask(idx, q_len, ctx), d ** -0.5)
