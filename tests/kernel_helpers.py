@@ -111,11 +111,8 @@ def assert_same_index(got, ref, max_row_mismatch: float = 0.0):
 
 def fp8_cache(key_cache: torch.Tensor, k_scale: float) -> torch.Tensor:
     """An fp8 (e4m3) copy of a paged K view as vLLM's fp8 cache holds it (stored = K / k_scale),
-    with the same K|V interleaving strides; NaN slots stay NaN."""
-    n, page, hkv, d = key_cache.shape
-    kv = torch.empty(n, page, hkv, 2 * d, dtype=torch.float8_e4m3fn, device=key_cache.device)
-    kv[..., :d] = (key_cache.float() / k_scale).to(torch.float8_e4m3fn)
-    return kv[..., :d]
+    with the same K|V interleaving strides (NHD); NaN slots stay NaN."""
+    return quantize_cache(key_cache, key_cache, torch.float8_e4m3fn, k_scale, k_scale, "NHD")[0]
 
 
 def make_cache(kv_lens, hkv, d, page, dtype, layout, gen, device):
