@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--yarn", type=float, default=None, metavar="FACTOR",
                    help="serve every prompt on a YaRN copy of the model (FACTOR over the trained context)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="prefill chunk (default: the whole prompt on CPU, 16384 on CUDA)")
+                   help="prefill chunk (default: the whole prompt on CPU, vLLM's own on CUDA, 8192 on an H200)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: every server without CUDA graphs")
     p.add_argument("--prompt-cache", type=pathlib.Path, default=REPO / ".gpu" / "paired-prompts",
                    help="folder of built prompts, one file per (tokenizer, text, family, template, length, seed)")

@@ -154,6 +154,10 @@ def test_server_args_and_kv_cache_size(tmp_path):
     long_gpu = acc.server_args(tmp_path, 131072, dense=False, cuda=True, shared_gpu=True)
     assert long_gpu[long_gpu.index("--max-num-batched-tokens") + 1] == str(acc.GPU_CHUNK)
     assert long_gpu[long_gpu.index("--kv-cache-memory-bytes") + 1] == str(acc.kv_cache_bytes(cfg, 131072, 2))
+    served = acc.server_args(tmp_path, 131072, dense=False, cuda=True, as_served=True)
+    assert "--max-num-batched-tokens" not in served  # vLLM's own chunk, as a user's server has it
+    served = acc.server_args(tmp_path, 131072, dense=False, cuda=True, as_served=True, max_num_batched_tokens=4096)
+    assert served[served.index("--max-num-batched-tokens") + 1] == "4096"
     assert acc.server_args(tmp_path, 8192, dense=False, cuda=False)[:2] == \
         ["--attention-backend", "sparse-prefill"]
     assert "--kv-cache-dtype" not in long_gpu

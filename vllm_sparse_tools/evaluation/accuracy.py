@@ -86,7 +86,8 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
                 max_num_seqs: int = 4, enforce_eager: bool = False) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
-    CPU, :data:`GPU_CHUNK` on CUDA. ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
+    CPU, :data:`GPU_CHUNK` on CUDA, and with ``as_served`` on CUDA vLLM's own chunk (what
+    ``vllm serve`` picks for the GPU: 8192 on an H100 / H200). ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
     ``max_model_len`` with headroom; ``as_served``: ``max_num_seqs`` of them, at least two) instead
     of a share of the GPU's memory, so that several servers can start side by side.
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
@@ -97,12 +98,16 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
         args = ["--attention-backend", "sparse-prefill"]
+    # A user's server takes vLLM's chunk, and the selection's answers depend on it (each chunk
+    # estimates its own columns): a judge of the served answers must not choose another.
+    vllm_chunk = as_served and cuda and max_num_batched_tokens is None
     if max_num_batched_tokens is None:
         max_num_batched_tokens = min(GPU_CHUNK, max_model_len) if cuda else max_model_len
     # fp32 on CPU: without avx512_bf16, bf16 compute is several times slower there.
     args += ["--served-model-name", served_name, "--dtype", "bfloat16" if cuda else "float32",
              *([] if as_served else ["--enforce-eager", "--no-enable-prefix-caching"]),
-             "--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens),
+             "--max-model-len", str(max_model_len),
+             *([] if vllm_chunk else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
              "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if as_served and enforce_eager:
         args.append("--enforce-eager")
