@@ -16,13 +16,11 @@ prompts sent alone and its ratio to the reference's.
     python -m benchmarks.paired --report a.json b.json --out merged   # runs made side by side
 
 ``--split heldout`` uses only the texts and templates ``tune`` never uses (bible, gcide). Prompts
-are built once in a process pool and cached per prompt under ``--prompt-cache``, so the runs of
-several variants (or GPUs) reuse them. Servers start together: those sharing a GPU take a fixed
-KV cache each; ``--gpus 0,1`` spreads them. First ``--ttft-prompts`` prompts per length go one
-at a time to the servers of a GPU in turn, prompt by prompt (every other server on that GPU
-idle), which gives the TTFTs; then the rest with ``--concurrency`` in flight. Writes ``<out>.json`` (every prompt: family, text, template,
-seed, length, expected, each variant's answer, hit and TTFT, the hash of its tokens) and
-``<out>.txt`` (the tables). Asserts nothing.
+are built in a process pool and cached per prompt (``--prompt-cache``). Servers start together
+(a fixed KV cache each where they share a GPU). First ``--ttft-prompts`` prompts per length go one
+at a time to a GPU's servers in turn (the others idle): the TTFTs; the rest with ``--concurrency``
+in flight. ``--skip-answered`` continues a run cut short. Writes ``<out>.json`` (every prompt, each
+variant's answer, hit and TTFT, the hash of its tokens) and ``<out>.txt`` (the tables).
 """
 
 from __future__ import annotations
@@ -134,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", nargs="+", metavar="JSON", default=None,
                    help="start nothing: rebuild the tables from these files (same prompts; the first "
                         "file's first variant is the reference) into --out")
+    p.add_argument("--skip-answered", nargs="+", metavar="JSON", default=[],
+                   help="send each variant only the prompts these runs did not answer with it (join them with --report)")
     p.add_argument("--stage-texts", type=pathlib.Path, metavar="DIR", default=None,
                    help="write every known text xz-compressed into DIR (e.g. .gpu/texts) and print "
                         "the --text arguments; needs the network on first use")
@@ -179,6 +179,9 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(m, flush=True)
 
     samples = paired.build_prompts(model_dir, texts, specs, args.prompt_cache, args.build_workers, log)
+    done = paired.answered([json.loads(pathlib.Path(f).read_text()) for f in args.skip_answered])
+    todo = {v: {s.key for s in samples if (s.key, paired.prompt_hash(s.prompt_ids), v) not in done} for v in labels}
+    samples = [s for s in samples if any(s.key in todo[v] for v in labels)]
     cfg = acc.model_config(model_dir)
     native = cfg.get("max_position_embeddings") or 0
     limit = int(native * args.yarn) if args.yarn else native
@@ -204,7 +207,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "variants": {v.label: v.overrides for v in variants}, "commands": [" ".join(sys.argv)],
             "interval": "Newcombe method 10 (reference - variant hit rate, 95%)"}
     records = {s.key: paired.prompt_record(s) for s in samples}
-    timed = paired.timed_subset(samples, args.ttft_prompts)
+    timed = paired.timed_subset([s for s in samples if all(s.key in todo[v] for v in labels)], args.ttft_prompts)
     timed_keys = {s.key for s in timed}
     rest = [s for s in samples if s.key not in timed_keys]
     lock = threading.Lock()
@@ -263,7 +266,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         keep(i, dict(answers))
 
                 try:
-                    paired.send_concurrent(servers[i], rest, answers, concurrency, log, on_answer=save_now_and_then)
+                    paired.send_concurrent(servers[i], [s for s in rest if s.key in todo[labels[i]]], answers,
+                                           concurrency, log, on_answer=save_now_and_then)
                 except SERVER_ERRORS as e:
                     failed[i] = str(e)
                 keep(i, answers)

@@ -414,3 +414,21 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     assert "density" in doc["meta"] and doc["meta"]["density"]["default"]["sparse_rows"] is None
     # saved while the concurrent part runs (here after every answer), not only at each server's end
     assert len([n for n in saved if 6 < n < 24]) > 2
+    if two:
+        return
+    # a run cut short goes on: prompts both variants answered stay out, one only dense answered goes again
+    part = doc | {"prompts": doc["prompts"][:6]}
+    part["prompts"][5] = part["prompts"][5] | {"outputs": {"dense": part["prompts"][5]["outputs"]["dense"]}}
+    (tmp_path / "part.json").write_text(json.dumps(part))
+    log.clear()
+    assert bench.main(["--model", str(tmp_path / "model"), "--text", f"austen={tmp_path / 'austen.txt'}",
+                       "--lengths", "1200", "--prompts", "12", "--ttft-prompts", "0", "--variants", "dense", "default",
+                       "--build-workers", "1", "--prompt-cache", str(tmp_path / "cache"),
+                       "--skip-answered", str(tmp_path / "part.json"), "--out", str(tmp_path / "rest")]) == 0
+    rest = json.loads((tmp_path / "rest.json").read_text())
+    assert {r["hash"] for r in rest["prompts"]} == {r["hash"] for r in doc["prompts"][5:]}
+    sent = {v: sorted(h for _, v2, h, _, _ in log[2:] if v2 == v) for v in ("dense", "default")}  # after warm-ups
+    assert sent["default"] == sorted(r["hash"] for r in doc["prompts"][5:])
+    assert sent["dense"] == sorted(r["hash"] for r in doc["prompts"][6:])
+    meta, records, labels = P.merge([part, rest])  # no prompt answered twice by one variant
+    assert len(records) == 12 and P.compare(records, "dense", "default")["n"] == 12

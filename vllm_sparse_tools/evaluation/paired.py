@@ -340,6 +340,13 @@ def write(out_json: pathlib.Path, out_txt: pathlib.Path, meta: dict, records: Se
     log(text)
 
 
+def answered(docs: Sequence[dict]) -> set[tuple[str, str, str]]:
+    """(prompt id, token hash, variant) of every answer in ``docs`` (earlier runs' JSON). A run
+    cut short goes on by sending each variant only the prompts it has not answered, and is
+    joined to the earlier files with :func:`merge`."""
+    return {(r["id"], r["hash"], v) for doc in docs for r in doc["prompts"] for v in r["outputs"]}
+
+
 def merge(docs: Sequence[dict]) -> tuple[dict, list[dict], list[str]]:
     """Runs made side by side, as one: (meta, records, labels). The first file's first variant
     is the reference. Files may hold other variants, or the same ones on other prompts (shards,
