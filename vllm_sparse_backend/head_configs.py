@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from .config import ConfigError, SparseSettings
+from .config import SETTINGS, ConfigError, SparseSettings
 from .prefill.patterns import check_pattern_name, get_pattern
 
 FORMAT_NAME = "vllm-sparse-head-config"
@@ -367,8 +367,10 @@ def resolve_head(hp: HeadPattern | None, settings: SparseSettings) -> ResolvedHe
     params = []
     for name in pattern.head_fields:
         value = given.get(name)
-        if value is None:
-            value = getattr(settings, name, None)
+        if value is None and name in SETTINGS:
+            value = settings
+            for part in SETTINGS[name].path:
+                value = getattr(value, part)
         if value is None:
             value = getattr(defaults, name)
         if value is None:

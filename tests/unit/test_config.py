@@ -12,8 +12,10 @@ from vllm_sparse_backend.startup import load_checked_settings
 
 def test_defaults_follow_the_papers():
     s = load_settings({})
-    assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
-    assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
+    vs, flex = s.patterns.vertical_slash, s.patterns.flex_prefill
+    assert (vs.vertical_size, vs.slash_size, vs.last_q, s.block_size, s.patterns.block_sparse.topk_blocks) == \
+        (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
+    assert (flex.gamma, flex.tau, flex.min_budget) == (0.95, 0.1, 1024)
     assert s.default_pattern == "vertical_slash" and s.gating.enabled
     assert s.decode.mode == "dense"  # top-k decode is opt-in (issue 8)
 
@@ -23,8 +25,8 @@ def test_env_overrides_file(tmp_path):
     f.write_text(json.dumps({"vertical_size": 10, "default_pattern": "flex_prefill", "gamma": 0.9}))
     s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
                        "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
-    assert (s.vertical_size, s.default_pattern, s.gamma, s.gating.enabled, s.max_budget) == \
-        (10, "flex_prefill", 0.8, False, None)
+    assert (s.patterns.vertical_slash.vertical_size, s.default_pattern, s.patterns.flex_prefill.gamma,
+            s.gating.enabled, s.patterns.flex_prefill.max_budget) == (10, "flex_prefill", 0.8, False, None)
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -57,7 +59,7 @@ def test_bad_env_is_named(env, needle):
 def test_bad_file_is_named(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text(json.dumps({"slash_size": -3}))
-    with pytest.raises(ConfigError, match=r"bad\.json: field 'slash_size'"):
+    with pytest.raises(ConfigError, match=r"bad\.json: field 'patterns\.vertical_slash\.slash_size'"):
         load_settings({"VLLM_SPARSE_CONFIG": str(f)})
     f.write_text("{not json")
     with pytest.raises(ConfigError, match=r"bad\.json.*invalid JSON"):
