@@ -132,6 +132,44 @@ def test_decode_settings_by_variable_flat_key_and_nested_key(tmp_path):
     with pytest.raises(ConfigError, match="field 'decode.spans': Value error, decode_persist_next runs"):
         load_settings({"VLLM_SPARSE_CONFIG": str(f)})
 
+# Every pattern setting's name before issue 52 grouped them (its variable's suffix and flat JSON
+# key), its nested place now, and a value other than the default.
+PATTERN_SETTINGS = {
+    "vertical_size": ("vertical_slash", "vertical_size", 250), "slash_size": ("vertical_slash", "slash_size", 500),
+    "vertical_share": ("vertical_slash", "vertical_share", 0.1), "slash_share": ("vertical_slash", "slash_share", 0.2),
+    "slash_band": ("vertical_slash", "slash_band", 64), "slash_tiles": ("vertical_slash", "slash_tiles", "ranges"),
+    "last_q": ("vertical_slash", "last_q", 32), "keep_first_columns": ("vertical_slash", "keep_first_columns", 4),
+    "keep_last_diagonals": ("vertical_slash", "keep_last_diagonals", 5),
+    "topk_blocks": ("block_sparse", "topk_blocks", 8), "block_scoring": ("block_sparse", "scoring", "sampled"),
+    "block_samples": ("block_sparse", "samples", 4), "antidiagonal_stride": ("block_sparse", "antidiagonal_stride", 8),
+    "block_mass": ("block_sparse", "block_mass", 0.9),
+    "sink_tokens": ("a_shape", "sink_tokens", 64), "local_window": ("a_shape", "local_window", 512),
+    "gamma": ("flex_prefill", "gamma", 0.9), "tau": ("flex_prefill", "tau", 0.2),
+    "flex_block_size": ("flex_prefill", "block_size", 64), "min_budget": ("flex_prefill", "min_budget", 256),
+    "max_budget": ("flex_prefill", "max_budget", 4096),
+}
+
+
+def test_pattern_settings_keep_their_variables_and_flat_json_keys(tmp_path):
+    by_env = load_checked_settings({f"VLLM_SPARSE_{name.upper()}": str(value)
+                                    for name, (_, _, value) in PATTERN_SETTINGS.items()})
+    for name, (pattern, field, value) in PATTERN_SETTINGS.items():
+        assert getattr(getattr(by_env.patterns, pattern), field) == value, name
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({name: value for name, (_, _, value) in PATTERN_SETTINGS.items()}))
+    assert load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)}) == by_env
+    nested: dict = {}
+    for pattern, field, value in PATTERN_SETTINGS.values():
+        nested.setdefault(pattern, {})[field] = value
+    f.write_text(json.dumps({"patterns": nested}))
+    assert load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)}) == by_env
+    # a copy by flat name changes the nested field; a group's own check sees flat and nested alike
+    assert SparseSettings().replace(flex_block_size=64).patterns.flex_prefill.block_size == 64
+    f.write_text(json.dumps({"min_budget": 2048, "patterns": {"flex_prefill": {"max_budget": 1024}}}))
+    with pytest.raises(ConfigError, match="field 'patterns.flex_prefill': Value error, max_budget=1024 is below"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+
+
 def _head_file(num_layers=2, num_heads=3):
     return {
         "format": "vllm-sparse-head-config", "version": 1, "model": "toy", "num_layers": num_layers,
