@@ -170,6 +170,16 @@ def test_pattern_settings_keep_their_variables_and_flat_json_keys(tmp_path):
         load_settings({"VLLM_SPARSE_CONFIG": str(f)})
 
 
+def test_a_head_takes_the_parameters_its_entry_leaves_out_from_its_patterns_settings():
+    s = SparseSettings(**{name: value for name, (_, _, value) in PATTERN_SETTINGS.items()})
+    want = {"dense": (), "vertical_slash": (("vertical_size", 250), ("slash_size", 500)),
+            "a_shape": (("sink_tokens", 64), ("local_window", 512)), "block_sparse": (("topk_blocks", 8),),
+            "flex_prefill": (("gamma", 0.9),)}
+    assert {p: resolve_head(HeadPattern(pattern=p), s).params for p in want} == want
+    assert resolve_head(HeadPattern(pattern="a_shape", sink_tokens=7), s).params == \
+        (("sink_tokens", 7), ("local_window", 512))
+
+
 def _head_file(num_layers=2, num_heads=3):
     return {
         "format": "vllm-sparse-head-config", "version": 1, "model": "toy", "num_layers": num_layers,
