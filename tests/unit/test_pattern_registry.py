@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings
+from vllm_sparse_backend.config import ConfigError, PatternSettings, SparseSettings
 from pydantic import Field
 
 from vllm_sparse_backend.head_configs import HeadPattern, parse_head_config, resolve_head
@@ -121,6 +121,13 @@ def test_a_parameter_is_resolved_from_its_own_patterns_settings_only(monkeypatch
     settings = SparseSettings(default_pattern="sharp", gamma=0.8)
     assert resolve_head(None, settings).param("gamma") == 0.5
     assert resolve_head(HeadPattern(pattern="sharp", gamma=0.25), settings).param("gamma") == 0.25
+
+
+def test_every_settings_group_of_a_pattern_is_named_as_a_registered_pattern():
+    """A group named otherwise would feed no head (heads find their settings by pattern name)."""
+    assert set(PatternSettings.model_fields) <= set(PATTERNS)
+    for name in PATTERNS:  # and every registered pattern's head parameters have a value
+        assert resolve_head(None, SparseSettings(default_pattern=name)).pattern == name
 
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():
