@@ -14,7 +14,8 @@ Schema (JSON, validated with pydantic; see head_configs/README.md)::
 Head numbers are global query-head indices; under tensor parallelism rank r uses heads
 ``r * local_heads .. (r+1) * local_heads - 1``. A head entry names its pattern and may set that
 pattern's parameters (its ``head_params``, ``prefill/patterns``); anything left out comes from
-the pattern's settings (``settings.patterns.<pattern>``). Nothing here names a pattern's parameters: the registry says them.
+the pattern's settings (``settings.patterns.<pattern>``). Nothing here names a pattern's
+parameters: the registry says them.
 
 The MInference format (a list of layers, each ``{"<head>": [pattern, vertical, slash, score]}``
 with patterns ``vertical_and_slash``, ``stream_llm`` and ``block_sparse``) is converted by
@@ -48,8 +49,8 @@ def _registered_pattern(name: str) -> str:
 
 class HeadPattern(BaseModel):
     """One query head's entry: its pattern, the parameters of that pattern the entry sets
-    (validated by the pattern's ``head_params``; the rest come from its pattern's settings), and the
-    search's score. ``HeadPattern(pattern="a_shape", local_window=512)``."""
+    (validated by the pattern's ``head_params``; the rest come from its pattern's settings), and
+    the search's score. ``HeadPattern(pattern="a_shape", local_window=512)``."""
 
     # the parameters arrive as extra fields, checked against the pattern's model below
     model_config = ConfigDict(extra="allow", frozen=True)
