@@ -342,7 +342,7 @@ class SpansSelector:
         # blocks), so that a value whose tokens cross a page boundary is kept whole
         self.persist_next = persist_next
         self.params = span_params(SparseSettings())
-        self.last_q = SparseSettings().last_q
+        self.last_q = SparseSettings().patterns.vertical_slash.last_q
         self.attended = AttendedShare()
         self._keys: dict[int, torch.Tensor] = {}  # per layer: float64 span key per page [pages, Hkv, D]
         self._flags: dict[int, torch.Tensor] = {}  # per layer: uint8 [pages, Hkv]

@@ -10,12 +10,12 @@ file or variable and the field named.
 Shape (issue 52 step 3): the settings are being grouped into sub-models by the code that reads
 them, so that a reader finds a field next to its user: ``gating`` (enabled, min_sparse_query_len,
 min_sparse_seq_len, max_density, cost_model, estimated_dense_rows), ``patterns.<pattern name>``
-(each pattern's ``head_params``: vertical_size, slash_size, last_q, topk_blocks, gamma, ...),
+(each pattern's parameters, its per-head ones included: vertical_size, slash_size, last_q, ...),
 ``decode`` (mode and page counts; its modes' own under ``decode.topk`` / ``decode.spans``),
 ``kernel`` (kernel, block_size, skip_tile_below, kv_block_size, ...), ``kv_placement`` and
-``observability``. Done so far: ``gating``, ``decode`` and ``observability``; the other fields
-are still top-level. A grouped setting keeps its flat name (``decode_span_theta``; the field's
-own name unless its ``json_schema_extra`` says ``flat``) as its only alias, on the way in only:
+``observability``. Done so far: ``gating``, ``patterns``, ``decode`` and ``observability``; the
+other fields are still top-level. A grouped setting keeps its flat name (``decode_span_theta``;
+the field's own name unless its ``json_schema_extra`` says ``flat``) as its only alias, on the way in only:
 the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>`` of the JSON file, of
 ``SparseSettings(...)``, ``replace(...)`` and ``model_copy(update=...)`` land on the nested field
 (``decode.spans.theta``), and the nested form (``{"decode": {"spans": {"theta": 0.8}}}``) is
@@ -187,22 +187,12 @@ class DecodeSettings(BaseModel):
         return self
 
 
-class SparseSettings(BaseModel):
+class VerticalSlashSettings(BaseModel):
+    """MInference vertical-slash (Alg. 2): budgets and last-q estimation (read by
+    prefill/patterns/vertical_slash.py; ``last_q`` also by the cost model's estimation term,
+    prefill/route.py, and by spans decode's persistent pages, which reuse the same last queries)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # Each description is the user-facing meaning; docs/configuration.md is generated from them
-    # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
-    # measurements behind them: docs/configuration-notes.md.
-    gating: GatingSettings = Field(default_factory=GatingSettings, description="Which rows go sparse.")
-    # default_pattern, decode.mode and kv_placement name registered things: the registries check
-    # them (load_settings' ``names``), so that these settings import none of the modules using them;
-    # "registry" tells the docs generator which names to list.
-    default_pattern: str = Field(
-        "vertical_slash", json_schema_extra={"registry": "pattern"},
-        description="Pattern of heads that no head-config file covers (a registered pattern's name).")
-    block_size: int = Field(64, description=(
-        "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
-    # MInference vertical-slash (Alg. 2): budgets and last-q estimation.
     vertical_size: int = Field(1000, ge=1, description="Vertical-slash: columns (keys) kept per head.")
     slash_size: int = Field(6096, ge=1, description="Vertical-slash: diagonals kept per head.")
     vertical_share: float | None = Field(None, gt=0.0, le=1.0, description=(
@@ -220,28 +210,93 @@ class SparseSettings(BaseModel):
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
-    # MInference block-sparse (Alg. 3).
+
+
+class BlockSparseSettings(BaseModel):
+    """MInference block-sparse (Alg. 3) and its two experimental scorings (read by
+    prefill/patterns/block_sparse.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
-    block_scoring: Literal["pooled", "antidiagonal", "sampled"] = Field("pooled", description=(
-        "How block-sparse heads score key blocks: pooled = mean-pooled Q . K (MInference); antidiagonal = "
-        "estimated softmax mass from anti-diagonals of stride x stride cells (XAttention); sampled = exact "
-        "attention of block_samples queries of each query block. The last two are experiments."))
-    block_samples: int = Field(2, ge=1, le=256, description=(
+    scoring: Literal["pooled", "antidiagonal", "sampled"] = Field(
+        "pooled", json_schema_extra=_flat("block_scoring"), description=(
+            "How block-sparse heads score key blocks: pooled = mean-pooled Q . K (MInference); antidiagonal = "
+            "estimated softmax mass from anti-diagonals of stride x stride cells (XAttention); sampled = exact "
+            "attention of block_samples queries of each query block. The last two are experiments."))
+    samples: int = Field(2, ge=1, le=256, json_schema_extra=_flat("block_samples"), description=(
         "Sampled block scores: queries per query block (block_size of them = the exact block mass)."))
     antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
                                                      "block_size; 1 / stride of the QK work).")
     block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
         "Anti-diagonal or sampled scoring: keep the fewest key blocks reaching this share of a query block's "
         "estimated mass (at most topk_blocks); none = always topk_blocks."))
-    # A-shape (StreamingLLM-style sink + local window).
+
+    @model_validator(mode="after")
+    def _check(self) -> "BlockSparseSettings":
+        if self.block_mass is not None and self.scoring == "pooled":
+            raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
+        return self
+
+
+class AShapeSettings(BaseModel):
+    """A-shape, StreamingLLM-style sink + local window (read by prefill/patterns/a_shape.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
     local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
-    # FlexPrefill.
+
+
+class FlexPrefillSettings(BaseModel):
+    """FlexPrefill (read by prefill/patterns/flex_prefill.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     gamma: float = Field(0.95, gt=0.0, le=1.0, description="FlexPrefill cumulative attention to cover.")
     tau: float = Field(0.1, ge=0.0, le=1.0, description="FlexPrefill sqrt-JSD threshold for query-aware heads.")
-    flex_block_size: int = Field(128, description="FlexPrefill block size (64 or 128).")
+    block_size: int = Field(128, json_schema_extra=_flat("flex_block_size"),
+                            description="FlexPrefill block size (64 or 128).")
     min_budget: int = Field(1024, ge=0, description="FlexPrefill minimum tokens per head (vertical and slash).")
     max_budget: int | None = Field(None, ge=1, description="FlexPrefill maximum tokens per head, none = unbounded.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FlexPrefillSettings":
+        v = self.block_size
+        if v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"flex_block_size={v}: must be a power of two between 16 and 256")
+        if self.max_budget is not None and self.max_budget < self.min_budget:
+            raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
+        return self
+
+
+class PatternSettings(BaseModel):
+    """Each prefill pattern's parameters, one group per pattern named as the pattern is
+    registered (prefill/patterns). A head-config entry may override the fields its pattern
+    declares per head (``head_params``); the group gives the rest, and the default of those."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vertical_slash: VerticalSlashSettings = Field(default_factory=VerticalSlashSettings,
+                                                  description="Vertical-slash heads.")
+    block_sparse: BlockSparseSettings = Field(default_factory=BlockSparseSettings, description="Block-sparse heads.")
+    a_shape: AShapeSettings = Field(default_factory=AShapeSettings, description="A-shape heads.")
+    flex_prefill: FlexPrefillSettings = Field(default_factory=FlexPrefillSettings, description="FlexPrefill heads.")
+
+
+class SparseSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Each description is the user-facing meaning; docs/configuration.md is generated from them
+    # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
+    # measurements behind them: docs/configuration-notes.md.
+    gating: GatingSettings = Field(default_factory=GatingSettings, description="Which rows go sparse.")
+    # default_pattern, decode.mode and kv_placement name registered things: the registries check
+    # them (load_settings' ``names``), so that these settings import none of the modules using them;
+    # "registry" tells the docs generator which names to list.
+    default_pattern: str = Field(
+        "vertical_slash", json_schema_extra={"registry": "pattern"},
+        description="Pattern of heads that no head-config file covers (a registered pattern's name).")
+    block_size: int = Field(64, description=(
+        "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
+    patterns: PatternSettings = Field(default_factory=PatternSettings, description=(
+        "Each pattern's own parameters; a head-config entry overrides its per-head ones."))
     kv_group_shared: bool = Field(True, description=(
         "One key selection per KV head, shared by the query heads of its GQA group (their scores summed), so the "
         "kernel computes the group's heads together. Layers whose KV groups mix patterns or budgets, or have "
@@ -305,19 +360,16 @@ class SparseSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check_blocks(self) -> "SparseSettings":
-        for name in ("block_size", "flex_block_size"):
-            v = getattr(self, name)
-            if v < 16 or v > 256 or v & (v - 1):
-                raise ValueError(f"{name}={v}: must be a power of two between 16 and 256")
-        s = self.antidiagonal_stride
+        # block_size's own check, and the pattern fields whose bounds depend on it
+        v = self.block_size
+        if v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"block_size={v}: must be a power of two between 16 and 256")
+        s = self.patterns.block_sparse.antidiagonal_stride
         if s < 1 or s & (s - 1) or self.block_size % s:
             raise ValueError(f"antidiagonal_stride={s}: must be a power of two dividing block_size={self.block_size}")
-        if self.block_mass is not None and self.block_scoring == "pooled":
-            raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
-        if self.flex_block_size % self.block_size and self.block_size % self.flex_block_size:
+        flex = self.patterns.flex_prefill.block_size
+        if flex % self.block_size and self.block_size % flex:
             raise ValueError("flex_block_size and block_size must divide one another")
-        if self.max_budget is not None and self.max_budget < self.min_budget:
-            raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
         return self
 
 

@@ -14,7 +14,8 @@ Schema (JSON, validated with pydantic; see head_configs/README.md)::
 Head numbers are global query-head indices; under tensor parallelism rank r uses heads
 ``r * local_heads .. (r+1) * local_heads - 1``. A head entry names its pattern and may set that
 pattern's parameters (its ``head_params``, ``prefill/patterns``); anything left out comes from
-the global settings. Nothing here names a pattern's parameters: the registry says them.
+the pattern's settings (``settings.patterns.<pattern>``). Nothing here names a pattern's
+parameters: the registry says them.
 
 The MInference format (a list of layers, each ``{"<head>": [pattern, vertical, slash, score]}``
 with patterns ``vertical_and_slash``, ``stream_llm`` and ``block_sparse``) is converted by
@@ -48,8 +49,8 @@ def _registered_pattern(name: str) -> str:
 
 class HeadPattern(BaseModel):
     """One query head's entry: its pattern, the parameters of that pattern the entry sets
-    (validated by the pattern's ``head_params``; the rest come from the settings), and the
-    search's score. ``HeadPattern(pattern="a_shape", local_window=512)``."""
+    (validated by the pattern's ``head_params``; the rest come from its pattern's settings), and
+    the search's score. ``HeadPattern(pattern="a_shape", local_window=512)``."""
 
     # the parameters arrive as extra fields, checked against the pattern's model below
     model_config = ConfigDict(extra="allow", frozen=True)
@@ -359,21 +360,23 @@ class ResolvedHead:
 
 
 def resolve_head(hp: HeadPattern | None, settings: SparseSettings) -> ResolvedHead:
-    """``hp``'s pattern with every parameter of it: the entry's value, else the setting of that
-    name, else the parameter's own default (``hp`` None: ``default_pattern`` from the settings)."""
+    """``hp``'s pattern with every parameter of it: the entry's value, else its pattern's setting
+    of that name (``settings.patterns.<pattern>``), else the parameter's own default (``hp``
+    None: ``default_pattern`` from the settings)."""
     pattern = get_pattern(hp.pattern if hp is not None else settings.default_pattern)
     given = hp.params if hp is not None else {}
+    own = getattr(settings.patterns, pattern.name, None)  # None: a pattern with no settings (dense)
     defaults = pattern.head_params()
     params = []
     for name in pattern.head_fields:
         value = given.get(name)
         if value is None:
-            value = getattr(settings, name, None)
+            value = getattr(own, name, None)
         if value is None:
             value = getattr(defaults, name)
         if value is None:
             raise ConfigError(f"pattern {pattern.name!r}: head parameter {name!r} has no value (no entry, "
-                              "no setting of that name, no default)")
+                              f"no setting patterns.{pattern.name}.{name}, no default)")
         params.append((name, value))
     return ResolvedHead(pattern.name, tuple(params))
 

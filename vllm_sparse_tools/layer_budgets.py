@@ -56,7 +56,7 @@ class LayerChoice:
 def ladder_from_variants(variants: dict[str, dict[str, Any]], labels: Sequence[str] | None = None) -> list[Rung]:
     """The recall run's variants usable as per-layer rungs: vertical-slash with budgets (missing
     budgets take the library defaults, as the run did) or dense."""
-    defaults = SparseSettings()
+    defaults = SparseSettings().patterns.vertical_slash
     rungs = []
     for label, over in variants.items():
         if labels is not None and label not in labels:

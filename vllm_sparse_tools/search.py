@@ -212,6 +212,7 @@ def tune_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, ratios: Seq
     s_rank = _ranks(slash).repeat(r, 1)
     ratio = torch.tensor(list(ratios), dtype=torch.float64, device=device).repeat_interleave(u)
     v_floor, s_floor = _vs_floors(n, settings)
+    slash_tiles = settings.patterns.vertical_slash.slash_tiles
     lo = torch.ones(r * u, dtype=torch.int64, device=device)
     hi = (torch.full_like(lo, n) if max_knobs is None else
           torch.tensor([min(n, int(m)) for m in max_knobs], dtype=torch.int64, device=device).repeat_interleave(u))
@@ -221,7 +222,7 @@ def tune_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, ratios: Seq
         mid = (lo + hi) // 2
         v_count = mid.clamp(min=v_floor, max=n)
         s_count = torch.round(ratio * mid).long().clamp(min=max(1, s_floor), max=n)
-        ok = (vs_tiles(v_rank, s_rank, v_count, s_count, causal, settings.block_size, settings.slash_tiles)
+        ok = (vs_tiles(v_rank, s_rank, v_count, s_count, causal, settings.block_size, slash_tiles)
               <= target) & active
         best = torch.where(ok, mid, best)
         lo = torch.where(ok, mid + 1, lo)
@@ -302,12 +303,13 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     vs_families = [f for f in families if f[0] == "vertical_slash"]
     if vs_families:
         kvh = kv_head_map(h, hkv, device)
-        probs, qpos = last_queries_probs(q, k, kvh, 0, settings.last_q, scale)
+        vs = settings.patterns.vertical_slash
+        probs, qpos = last_queries_probs(q, k, kvh, 0, vs.last_q, scale)
         vertical, slash = vertical_and_slash_sums(probs, qpos)
         del probs
         vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
-        vertical[:, :settings.keep_first_columns] = float("inf")
-        slash[:, :max(1, settings.keep_last_diagonals)] = float("inf")
+        vertical[:, :vs.keep_first_columns] = float("inf")
+        slash[:, :max(1, vs.keep_last_diagonals)] = float("inf")
         tuned = tune_vertical_slash(vertical, slash, [f[1] for f in vs_families], target, tables.causal,
                                     settings, [vs_max_knob(n, f[1], max_keys, settings) for f in vs_families])
         for i, f in enumerate(vs_families):
@@ -487,10 +489,11 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
         f"of {n} tokens; density {density}, selection per {'KV group' if selection == 'group' else 'head'}")
     share = cap.num_heads // cap.num_kv_heads if selection == "group" and cap.num_heads % cap.num_kv_heads == 0 else 1
     fams = [[f[0], f[1]] for f in families]
+    vs = settings.patterns.vertical_slash
     fp = _fingerprint(samples, model=model_name, density=density, selection=selection, share=share,
                       rows=rows, tail_rows=tail_rows, seed=seed, block_size=settings.block_size,
-                      last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
-                      keep_last_diagonals=settings.keep_last_diagonals, families=fams, yarn=yarn,
+                      last_q=vs.last_q, keep_first_columns=vs.keep_first_columns,
+                      keep_last_diagonals=vs.keep_last_diagonals, families=fams, yarn=yarn,
                       dtype=str(cap.dtype), max_budget_density=max_budget_density)
     partial = Path(str(out_path) + ".partial.json") if out_path else None
     if partial is not None:
@@ -545,9 +548,8 @@ def search_model(model_dir: str, samples: list[list[int]], density: float, setti
     meta = {"density": density, "density_target": density, "length": n, "samples": len(samples),
             "model": model_name, "date": datetime.date.today().isoformat(),
             "selection": "per_kv_group" if share > 1 else "per_head", "kv_group_shared": share > 1,
-            "block_size": settings.block_size, "last_q": settings.last_q,
-            "keep_first_columns": settings.keep_first_columns,
-            "keep_last_diagonals": settings.keep_last_diagonals, "families": fams,
+            "block_size": settings.block_size, "last_q": vs.last_q, "keep_first_columns": vs.keep_first_columns,
+            "keep_last_diagonals": vs.keep_last_diagonals, "families": fams,
             "max_budget_density": max_budget_density,
             "rows": int(rows_t.numel()), "tail_rows": tail_rows, "device": str(cap.device),
             "dtype": str(cap.dtype).replace("torch.", ""), "yarn": yarn, "rope": rope_description(cap.config),

@@ -41,7 +41,8 @@ def test_bad_settings_stop_vllm_serve_with_the_error_as_last_line(tmp_path, case
                      "environment variable VLLM_SPARSE_DEFAULT_PATTERN='banana': unknown pattern 'banana' (known: "
                      "dense, a_shape, vertical_slash, block_sparse, flex_prefill)"),
         "settings_file": ({"VLLM_SPARSE_CONFIG": _write(tmp_path / "s.json", {"vertical_size": 0})},
-                          f"{tmp_path / 's.json'}: field 'vertical_size': Input should be greater than or equal to 1"),
+                          f"{tmp_path / 's.json'}: field 'patterns.vertical_slash.vertical_size': Input should be "
+                          "greater than or equal to 1"),
         "missing_head_config": ({"VLLM_SPARSE_HEAD_CONFIG": str(tmp_path / "nope.json")},
                                 f"{tmp_path / 'nope.json'}: cannot read head config"),
         "malformed_head_config": ({"VLLM_SPARSE_HEAD_CONFIG": _write(tmp_path / "h.json", "{\"format\": ")},

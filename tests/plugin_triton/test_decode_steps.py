@@ -178,6 +178,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
     cfg = SparseSettings(decode_mode="spans", decode_sink_pages=1, decode_recent_pages=1, decode_persist_pages=2,
                          decode_budget_pages=3, last_q=16, decode_span_index=index, decode_span_persist=persist,
                          decode_persist_next=persist_next)
+    last_q = cfg.patterns.vertical_slash.last_q
     gen = torch.Generator().manual_seed(4)
     prompt = [330, 290, 40]  # sequence 2 is short: already decoding when the others prefill
     chunks = [[0, 200, 330], [0, 170, 290]]
@@ -222,7 +223,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
         query = torch.cat(qs + [torch.zeros(pad, h, d)]).to(dtype).to(DEV)
         key = torch.cat(ks + [torch.zeros(pad, hkv, d)]).to(dtype).to(DEV)
         index.update(key_cache, torch.cat(sl + [torch.full((pad,), -1, dtype=torch.int64)]).to(DEV))
-        segs = plan_span_segments(qsl, seq_lens, page, SEG, cfg.last_q, DEV)  # the tests' segment size
+        segs = plan_span_segments(qsl, seq_lens, page, SEG, last_q, DEV)  # the tests' segment size
         planned = plan_step_segments(qsl, seq_lens, page, cfg, DEV)  # the backend's (1024-token segments)
         assert planned.persist_row.tolist() == segs.persist_row.tolist()
         if segs is not None:
@@ -251,7 +252,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
                 want[a] = params.fallback_count * k[a * page:(a + 1) * page].to(dtype).double().mean(0)
         tol = 1e-4 if INTERPRET else 2e-2
         assert torch.allclose(got, want, rtol=tol, atol=tol), (seq, (got - want).abs().max())
-        q_last = q[prompt[seq] - cfg.last_q:prompt[seq]].to(dtype).double()
+        q_last = q[prompt[seq] - last_q:prompt[seq]].to(dtype).double()
         n_pages = cdiv(prompt[seq], page)
         mass = last_queries_page_mass(q_last, k[:prompt[seq]].to(dtype).double(), page, d ** -0.5)
         for g in range(hkv):

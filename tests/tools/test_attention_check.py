@@ -126,7 +126,7 @@ def test_sample_rows():
 def test_variants():
     assert parse_variant("dense").dense and parse_variant("flex0.9").overrides["gamma"] == 0.9
     v = parse_variant("vs-small=vertical_size=250,slash_size=500")
-    assert v.settings().vertical_size == 250
+    assert v.settings().patterns.vertical_slash.vertical_size == 250
     assert v.env(min_sparse_query_len=512) == {
         "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "512", "VLLM_SPARSE_VERTICAL_SIZE": "250",
         "VLLM_SPARSE_SLASH_SIZE": "500"}

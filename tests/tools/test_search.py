@@ -218,10 +218,11 @@ def test_vs_tile_counts_equal_the_estimators_index(n, b, share, settings, slash_
     q, k, _ = _gqa(n, h, hkv)
     s = SparseSettings(block_size=b, slash_tiles=slash_tiles, **settings)
     tables = S.TileTables(n, b)
-    probs, qpos = last_queries_probs(q, k, kv_head_map(h, hkv), 0, s.last_q, scale)
+    vs = s.patterns.vertical_slash
+    probs, qpos = last_queries_probs(q, k, kv_head_map(h, hkv), 0, vs.last_q, scale)
     vert, sl = (sum_head_groups(x, share) for x in vertical_and_slash_sums(probs, qpos))
-    vert[:, :s.keep_first_columns] = float("inf")
-    sl[:, :max(1, s.keep_last_diagonals)] = float("inf")
+    vert[:, :vs.keep_first_columns] = float("inf")
+    sl[:, :max(1, vs.keep_last_diagonals)] = float("inf")
     vr, sr = S._ranks(vert), S._ranks(sl)
     units = h // share
     for knob in (1, 7, 60, 300, n):

@@ -12,8 +12,10 @@ from vllm_sparse_backend.startup import load_checked_settings
 
 def test_defaults_follow_the_papers():
     s = load_settings({})
-    assert (s.vertical_size, s.slash_size, s.last_q, s.block_size, s.topk_blocks) == (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
-    assert (s.gamma, s.tau, s.min_budget) == (0.95, 0.1, 1024)
+    vs, flex = s.patterns.vertical_slash, s.patterns.flex_prefill
+    assert (vs.vertical_size, vs.slash_size, vs.last_q, s.block_size, s.patterns.block_sparse.topk_blocks) == \
+        (1000, 6096, 64, 64, 100)  # MInference; 1000 diagonals lost answers at 128K (issue 53)
+    assert (flex.gamma, flex.tau, flex.min_budget) == (0.95, 0.1, 1024)
     assert s.default_pattern == "vertical_slash" and s.gating.enabled
     assert s.decode.mode == "dense"  # top-k decode is opt-in (issue 8)
 
@@ -23,8 +25,8 @@ def test_env_overrides_file(tmp_path):
     f.write_text(json.dumps({"vertical_size": 10, "default_pattern": "flex_prefill", "gamma": 0.9}))
     s = load_settings({"VLLM_SPARSE_CONFIG": str(f), "VLLM_SPARSE_GAMMA": "0.8", "VLLM_SPARSE_ENABLED": "false",
                        "VLLM_SPARSE_CACHE": "/tmp/ignored", "VLLM_SPARSE_MAX_BUDGET": "none"})
-    assert (s.vertical_size, s.default_pattern, s.gamma, s.gating.enabled, s.max_budget) == \
-        (10, "flex_prefill", 0.8, False, None)
+    assert (s.patterns.vertical_slash.vertical_size, s.default_pattern, s.patterns.flex_prefill.gamma,
+            s.gating.enabled, s.patterns.flex_prefill.max_budget) == (10, "flex_prefill", 0.8, False, None)
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -57,7 +59,7 @@ def test_bad_env_is_named(env, needle):
 def test_bad_file_is_named(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text(json.dumps({"slash_size": -3}))
-    with pytest.raises(ConfigError, match=r"bad\.json: field 'slash_size'"):
+    with pytest.raises(ConfigError, match=r"bad\.json: field 'patterns\.vertical_slash\.slash_size'"):
         load_settings({"VLLM_SPARSE_CONFIG": str(f)})
     f.write_text("{not json")
     with pytest.raises(ConfigError, match=r"bad\.json.*invalid JSON"):
@@ -129,6 +131,54 @@ def test_decode_settings_by_variable_flat_key_and_nested_key(tmp_path):
     f.write_text(json.dumps({"decode_persist_next": 2, "decode": {"spans": {"persist": "index"}}}))
     with pytest.raises(ConfigError, match="field 'decode.spans': Value error, decode_persist_next runs"):
         load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+
+# Every pattern setting's name before issue 52 grouped them (its variable's suffix and flat JSON
+# key), its nested place now, and a value other than the default.
+PATTERN_SETTINGS = {
+    "vertical_size": ("vertical_slash", "vertical_size", 250), "slash_size": ("vertical_slash", "slash_size", 500),
+    "vertical_share": ("vertical_slash", "vertical_share", 0.1), "slash_share": ("vertical_slash", "slash_share", 0.2),
+    "slash_band": ("vertical_slash", "slash_band", 64), "slash_tiles": ("vertical_slash", "slash_tiles", "ranges"),
+    "last_q": ("vertical_slash", "last_q", 32), "keep_first_columns": ("vertical_slash", "keep_first_columns", 4),
+    "keep_last_diagonals": ("vertical_slash", "keep_last_diagonals", 5),
+    "topk_blocks": ("block_sparse", "topk_blocks", 8), "block_scoring": ("block_sparse", "scoring", "sampled"),
+    "block_samples": ("block_sparse", "samples", 4), "antidiagonal_stride": ("block_sparse", "antidiagonal_stride", 8),
+    "block_mass": ("block_sparse", "block_mass", 0.9),
+    "sink_tokens": ("a_shape", "sink_tokens", 64), "local_window": ("a_shape", "local_window", 512),
+    "gamma": ("flex_prefill", "gamma", 0.9), "tau": ("flex_prefill", "tau", 0.2),
+    "flex_block_size": ("flex_prefill", "block_size", 64), "min_budget": ("flex_prefill", "min_budget", 256),
+    "max_budget": ("flex_prefill", "max_budget", 4096),
+}
+
+
+def test_pattern_settings_keep_their_variables_and_flat_json_keys(tmp_path):
+    by_env = load_checked_settings({f"VLLM_SPARSE_{name.upper()}": str(value)
+                                    for name, (_, _, value) in PATTERN_SETTINGS.items()})
+    for name, (pattern, field, value) in PATTERN_SETTINGS.items():
+        assert getattr(getattr(by_env.patterns, pattern), field) == value, name
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({name: value for name, (_, _, value) in PATTERN_SETTINGS.items()}))
+    assert load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)}) == by_env
+    nested: dict = {}
+    for pattern, field, value in PATTERN_SETTINGS.values():
+        nested.setdefault(pattern, {})[field] = value
+    f.write_text(json.dumps({"patterns": nested}))
+    assert load_checked_settings({"VLLM_SPARSE_CONFIG": str(f)}) == by_env
+    # a copy by flat name changes the nested field; a group's own check sees flat and nested alike
+    assert SparseSettings().replace(flex_block_size=64).patterns.flex_prefill.block_size == 64
+    f.write_text(json.dumps({"min_budget": 2048, "patterns": {"flex_prefill": {"max_budget": 1024}}}))
+    with pytest.raises(ConfigError, match="field 'patterns.flex_prefill': Value error, max_budget=1024 is below"):
+        load_settings({"VLLM_SPARSE_CONFIG": str(f)})
+
+
+def test_a_head_takes_the_parameters_its_entry_leaves_out_from_its_patterns_settings():
+    s = SparseSettings(**{name: value for name, (_, _, value) in PATTERN_SETTINGS.items()})
+    want = {"dense": (), "vertical_slash": (("vertical_size", 250), ("slash_size", 500)),
+            "a_shape": (("sink_tokens", 64), ("local_window", 512)), "block_sparse": (("topk_blocks", 8),),
+            "flex_prefill": (("gamma", 0.9),)}
+    assert {p: resolve_head(HeadPattern(pattern=p), s).params for p in want} == want
+    assert resolve_head(HeadPattern(pattern="a_shape", sink_tokens=7), s).params == \
+        (("sink_tokens", 7), ("local_window", 512))
+
 
 def _head_file(num_layers=2, num_heads=3):
     return {

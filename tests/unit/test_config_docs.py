@@ -22,13 +22,13 @@ def test_check_fails_when_a_description_changes(tmp_path, monkeypatch):
     page = tmp_path / "configuration.md"
     assert config_docs.main(["--path", str(page)]) == 0
     assert config_docs.main(["--check", "--path", str(page)]) == 0
-    monkeypatch.setattr(SparseSettings.model_fields["gamma"], "description", "Something else.")
+    monkeypatch.setattr(SETTINGS["gamma"].field, "description", "Something else.")
     assert config_docs.main(["--check", "--path", str(page)]) == 1
 
 
 def test_types_and_constraints_are_spelled_for_users():
     fields = SparseSettings.model_fields
-    assert config_docs.describe_type(fields["vertical_share"]) == "number > 0.0, <= 1.0, or none"
+    assert config_docs.describe_type(SETTINGS["vertical_share"].field) == "number > 0.0, <= 1.0, or none"
     assert config_docs.describe_type(fields["default_pattern"]).startswith("`dense`, `a_shape`")
     assert config_docs.describe_type(SETTINGS["enabled"].field) == "`true`, `false`"
     assert config_docs.describe_default(fields["default_pattern"].default) == "`vertical_slash`"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings
+from vllm_sparse_backend.config import ConfigError, PatternSettings, SparseSettings
 from pydantic import Field
 
 from vllm_sparse_backend.head_configs import HeadPattern, parse_head_config, resolve_head
@@ -92,7 +92,7 @@ def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(regi
                              "num_heads": 2, "layers": [{"heads": [{"pattern": "local_blocks", "reach": 64},
                                                                    {"pattern": "dense"}]}]}, "file.json")
     assert [h.pattern for h in cfg.layers[0].heads] == ["local_blocks", "dense"]
-    # its parameter: from the entry, else its own default (no setting has it)
+    # its parameter: from the entry, else its own default (the pattern has no settings group)
     assert resolve_head(cfg.layers[0].heads[0], settings).param("reach") == 64
     assert resolve_head(None, settings).param("reach") == 100
     # an entry may set only its pattern's parameters, within their bounds
@@ -103,6 +103,31 @@ def test_a_registered_pattern_is_accepted_by_settings_and_head_config_files(regi
         with pytest.raises(ConfigError, match="file.json: layer 0, head 0, " + why):
             parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
                                "num_heads": 1, "layers": [{"heads": [entry]}]}, "file.json")
+
+
+class SharpParams(HeadParams):
+    gamma: float | None = Field(0.5, gt=0.0, le=1.0, description="a name FlexPrefill's settings have too")
+
+
+class Sharp(LocalBlocks):
+    name = "sharp"
+    head_params = SharpParams
+
+
+def test_a_parameter_is_resolved_from_its_own_patterns_settings_only(monkeypatch):
+    """A new pattern's parameter named like another pattern's setting takes none of that
+    pattern's value: a head reads its own pattern's settings group (here none: the default)."""
+    monkeypatch.setitem(PATTERNS, Sharp.name, Sharp())
+    settings = SparseSettings(default_pattern="sharp", gamma=0.8)
+    assert resolve_head(None, settings).param("gamma") == 0.5
+    assert resolve_head(HeadPattern(pattern="sharp", gamma=0.25), settings).param("gamma") == 0.25
+
+
+def test_every_settings_group_of_a_pattern_is_named_as_a_registered_pattern():
+    """A group named otherwise would feed no head (heads find their settings by pattern name)."""
+    assert set(PatternSettings.model_fields) <= set(PATTERNS)
+    for name in PATTERNS:  # and every registered pattern's head parameters have a value
+        assert resolve_head(None, SparseSettings(default_pattern=name)).pattern == name
 
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():

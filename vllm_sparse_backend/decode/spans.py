@@ -110,8 +110,8 @@ def plan_span_segments(query_start_loc: list[int], seq_lens: list[int], page_siz
 def plan_step_segments(query_start_loc: list[int], seq_lens: list[int], page_size: int, cfg: SparseSettings,
                        device):
     """Host-side segment plan of a step's prefill rows (None when it has none)."""
-    return plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens, cfg.last_q,
-                              device)
+    return plan_span_segments(query_start_loc, seq_lens, page_size, span_params(cfg).segment_tokens,
+                              cfg.patterns.vertical_slash.last_q, device)
 
 
 def span_index_layout(num_pages: int, num_kv_heads: int, head_size: int) -> StateLayout:

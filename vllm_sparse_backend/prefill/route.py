@@ -138,7 +138,8 @@ def _row_dense_reason(q_len: int, seq_len: int, settings: SparseSettings, allow_
             budget_density(h, q_len, ctx, settings) > settings.gating.max_density for h in head_sets):
         return DenseReason.BUDGETS
     if row_heads is not None and settings.gating.cost_model and settings.gating.max_density < 1.0 \
-            and not row_cost.sparse_pays(q_len, ctx, row_heads[0], row_heads[1], 0.0, settings.last_q):
+            and not row_cost.sparse_pays(q_len, ctx, row_heads[0], row_heads[1], 0.0,
+                                             settings.patterns.vertical_slash.last_q):
         return DenseReason.CANNOT_PAY
     return None
 
@@ -179,7 +180,8 @@ def route_layer(rows: list[SparseRow], head_counts: Counter, settings: SparseSet
             if settings.gating.cost_model and history is not None and not capturing:
                 predicted = history.predicted_density(budget)
                 if (predicted > settings.gating.max_density or not row_cost.sparse_pays(
-                        row.q_len, row.ctx_len, num_heads, head_size, predicted, settings.last_q)) \
+                        row.q_len, row.ctx_len, num_heads, head_size, predicted,
+                        settings.patterns.vertical_slash.last_q)) \
                         and not history.probe_due():
                     route.dense.append((row, DenseReason.COST_MODEL))
                     continue

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 class HeadParams(BaseModel):
     """A pattern's per-head parameters, as a head-config entry of the pattern sets them. A
     subclass declares one field per parameter, with its bounds and ``None`` as the default: a head
-    that leaves a parameter out takes the setting of the same name (``SparseSettings``); a
-    parameter no setting has gives its own default instead. Fields nobody declares are refused."""
+    that leaves a parameter out takes its pattern's setting of the same name
+    (``settings.patterns.<pattern name>.<parameter>``); a parameter its pattern's settings lack
+    gives its own default instead. Fields nobody declares are refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -77,10 +77,10 @@ class BlockSparse(Pattern):
         return head.param("topk_blocks") >= -(-kv_len // settings.block_size)
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        bs = settings.patterns.block_sparse
         sel = block_sparse_selection(q, k, kvh, ctx_len, params["topk_blocks"], block_size=settings.block_size,
-                                     share=share, scoring=settings.block_scoring,
-                                     stride=settings.antidiagonal_stride, block_mass=settings.block_mass,
-                                     scale=scale, samples=settings.block_samples)
+                                     share=share, scoring=bs.scoring, stride=bs.antidiagonal_stride,
+                                     block_mass=bs.block_mass, scale=scale, samples=bs.samples)
         return sel, {self.name: q.shape[1]}
 
     def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
@@ -90,11 +90,12 @@ class BlockSparse(Pattern):
         topk = torch.full((num_lists,), 1, dtype=torch.int64, device=q_row.device)
         topk[group.ids] = group.params["topk_blocks"].to(torch.int64)
         max_topk = int(group.max_params["topk_blocks"])
-        if settings.block_scoring != "pooled":
+        bs = settings.patterns.block_sparse
+        if bs.scoring != "pooled":
             k_row = row_keys(key_cache, block_table_row, ctx_len + q_len, q_row.dtype, k_scale)
-            mass = scored_block_mass(settings.block_scoring, q_row, k_row, ctx_len, b, scale, share,
-                                     stride=settings.antidiagonal_stride, samples=settings.block_samples)
-            ix = estimate.mass_block_index(mass, topk, q_len, ctx_len, b, max_topk, settings.block_mass)
+            mass = scored_block_mass(bs.scoring, q_row, k_row, ctx_len, b, scale, share,
+                                     stride=bs.antidiagonal_stride, samples=bs.samples)
+            ix = estimate.mass_block_index(mass, topk, q_len, ctx_len, b, max_topk, bs.block_mass)
         else:
             pooled = estimate.pooled_keys(key_cache, block_table_row, ctx_len + q_len, b, k_scale)
             ix = estimate.block_sparse_index(q_row, pooled, ctx_len, topk, b, max_topk=max_topk, share=share)

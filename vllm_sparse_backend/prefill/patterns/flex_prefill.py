@@ -109,17 +109,17 @@ class FlexPrefill(Pattern):
     group_shareable = False  # the per-head query-aware decision has no group form
 
     def keys_per_query(self, head, kv_len, visible, settings):
-        return settings.min_budget
+        return settings.patterns.flex_prefill.min_budget
 
     def covers_every_key(self, head, kv_len, settings):
         # both its vertical-slash lines and its query-aware blocks then keep everything
-        return settings.min_budget >= kv_len
+        return settings.patterns.flex_prefill.min_budget >= kv_len
 
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
+        flex = settings.patterns.flex_prefill
         sel, decision = flex_prefill_selection(
-            q, k, kvh, ctx_len, params["gamma"].float(), tau=settings.tau, flex_block_size=settings.flex_block_size,
-            min_budget=settings.min_budget, max_budget=settings.max_budget, block_size=settings.block_size,
-            scale=scale)
+            q, k, kvh, ctx_len, params["gamma"].float(), tau=flex.tau, flex_block_size=flex.block_size,
+            min_budget=flex.min_budget, max_budget=flex.max_budget, block_size=settings.block_size, scale=scale)
         n_qa = int(decision.query_aware.sum())
         return sel, {f"{self.name}/query_aware": n_qa, f"{self.name}/vertical_slash": q.shape[1] - n_qa}
 
@@ -127,12 +127,13 @@ class FlexPrefill(Pattern):
                        scale, share, k_scale=None):
         if share > 1:
             raise ValueError("FlexPrefill heads cannot share one selection per KV group")
-        gamma = torch.full((num_lists,), settings.gamma, dtype=torch.float32, device=q_row.device)
+        flex = settings.patterns.flex_prefill
+        gamma = torch.full((num_lists,), flex.gamma, dtype=torch.float32, device=q_row.device)
         gamma[group.ids] = group.params["gamma"].float()
         ix, qa = estimate.flex_prefill_index(
-            q_row, key_cache, block_table_row, ctx_len, gamma, tau=settings.tau,
-            flex_block_size=settings.flex_block_size, min_budget=settings.min_budget,
-            max_budget=settings.max_budget, block_size=settings.block_size, scale=scale, k_scale=k_scale)
+            q_row, key_cache, block_table_row, ctx_len, gamma, tau=flex.tau, flex_block_size=flex.block_size,
+            min_budget=flex.min_budget, max_budget=flex.max_budget, block_size=settings.block_size, scale=scale,
+            k_scale=k_scale)
         if not group.all_heads:
             ix, qa = ix.map_lists(lambda t: t[group.ids]), qa[group.ids]
         return PagedSelection(ix, HeadSplit(self.name, f"{self.name}/query_aware", f"{self.name}/vertical_slash",

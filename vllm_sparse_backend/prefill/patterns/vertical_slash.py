@@ -34,8 +34,8 @@ def vs_budget(size: int, share: float | None, kv_len: int) -> int:
 
 def vs_budgets(vertical_size: int, slash_size: int, kv_len: int, settings) -> tuple[int, int]:
     """(vertical, slash) budgets of one head for a row of ``kv_len`` keys (see :func:`vs_budget`)."""
-    return (vs_budget(vertical_size, settings.vertical_share, kv_len),
-            vs_budget(slash_size, settings.slash_share, kv_len))
+    vs = settings.patterns.vertical_slash
+    return vs_budget(vertical_size, vs.vertical_share, kv_len), vs_budget(slash_size, vs.slash_share, kv_len)
 
 
 def slash_block_mask(slash_keep: torch.Tensor, q_len: int, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -206,14 +206,15 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
     table (one pass for every head of the layer), the group's heads picked, top-k on the device."""
     q_len = q_row.shape[0]
     kv_len = ctx_len + q_len
+    vs = settings.patterns.vertical_slash
     # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
-    vertical, slash = estimate.representative_scores(q_row, key_cache, bt_row, kv_len, min(settings.last_q, q_len),
+    vertical, slash = estimate.representative_scores(q_row, key_cache, bt_row, kv_len, min(vs.last_q, q_len),
                                                      scale, group_sum=share > 1, k_scale=k_scale)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
-    vertical[:, : settings.keep_first_columns] = float("inf")
-    slash[:, : max(1, settings.keep_last_diagonals)] = float("inf")  # at least the main diagonal
-    shares = {"vertical_size": settings.vertical_share, "slash_size": settings.slash_share}
+    vertical[:, : vs.keep_first_columns] = float("inf")
+    slash[:, : max(1, vs.keep_last_diagonals)] = float("inf")  # at least the main diagonal
+    shares = {"vertical_size": vs.vertical_share, "slash_size": vs.slash_share}
 
     def budget(name):  # a host int when the group has one budget (vs_topk then skips the per-head cut)
         lo, hi = group.min_params[name], group.max_params[name]
@@ -221,9 +222,9 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
             return vs_budget(int(hi), shares[name], kv_len)
         return group.params[name].clamp(min=vs_budget(1, shares[name], kv_len), max=kv_len)
 
-    max_v = vs_budget(int(group.max_params["vertical_size"]), settings.vertical_share, kv_len)
-    max_s = vs_budget(int(group.max_params["slash_size"]), settings.slash_share, kv_len)
-    band = settings.slash_band
+    max_v = vs_budget(int(group.max_params["vertical_size"]), vs.vertical_share, kv_len)
+    max_s = vs_budget(int(group.max_params["slash_size"]), vs.slash_share, kv_len)
+    band = vs.slash_band
     if band == 1:
         v_idx, v_cnt, s_idx, s_cnt = vs_index.vs_topk(vertical, slash, budget("vertical_size"), budget("slash_size"),
                                                       max_v, max_s)
@@ -236,7 +237,7 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
                                                   band_count(max_s, band))
         s_idx, s_cnt = band_diagonals(b_idx, band, band_shift(ctx_len, band), kv_len)
     return vs_index.vertical_slash_index(v_idx, v_cnt, s_idx, s_cnt, q_len, ctx_len, settings.block_size,
-                                         slash_tiles=settings.slash_tiles)
+                                         slash_tiles=vs.slash_tiles)
 
 
 class VerticalSlashParams(HeadParams):
@@ -257,11 +258,12 @@ class VerticalSlash(Pattern):
     def select(self, q, k, kvh, ctx_len, params, settings, scale, share):
         # budgets that grow with the row (vertical_share / slash_share) as on the GPU path
         v_floor, s_floor = vs_budgets(1, 1, k.shape[0], settings)
+        vs = settings.patterns.vertical_slash
         sel = vertical_slash_selection(
             q, k, kvh, ctx_len, params["vertical_size"].clamp(min=v_floor), params["slash_size"].clamp(min=s_floor),
-            last_q=settings.last_q, keep_first_columns=settings.keep_first_columns,
-            keep_last_diagonals=settings.keep_last_diagonals, block_size=settings.block_size, scale=scale,
-            share=share, slash_band=settings.slash_band, slash_tiles=settings.slash_tiles)
+            last_q=vs.last_q, keep_first_columns=vs.keep_first_columns, keep_last_diagonals=vs.keep_last_diagonals,
+            block_size=settings.block_size, scale=scale, share=share, slash_band=vs.slash_band,
+            slash_tiles=vs.slash_tiles)
         return sel, {self.name: q.shape[1]}
 
     def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
