@@ -58,6 +58,14 @@ def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return pages.float() * scale[:, None, :, None]
 
 
+def pool_block_bytes(layout: KVLayout, host_kv_dtype: str = "auto") -> int:
+    """Host bytes of one block's pool entry: its K and V pages of every layer (and their fp8 scales)."""
+    dtype = storage_dtype(host_kv_dtype, layout.dtype)
+    page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
+    scale_bytes = 2 * layout.num_kv_heads * 4 if dtype == FP8 else 0
+    return layout.num_layers * (2 * page_elems * dtype.itemsize + scale_bytes)
+
+
 class HostKVPool:
     """Every layer's K/V pages of the blocks written so far, in host memory."""
 
@@ -65,9 +73,7 @@ class HostKVPool:
         self.layout = layout
         self.dtype = storage_dtype(host_kv_dtype, layout.dtype)
         self.quantized = self.dtype == FP8
-        page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
-        scale_bytes = 2 * layout.num_kv_heads * 4 if self.quantized else 0
-        self.block_bytes = layout.num_layers * (2 * page_elems * self.dtype.itemsize + scale_bytes)
+        self.block_bytes = pool_block_bytes(layout, host_kv_dtype)
         self.capacity = pool_bytes // self.block_bytes
         if self.capacity < 1:
             raise ValueError(f"host_kv_pool_bytes={pool_bytes} holds no block: one block of every layer takes "
@@ -252,8 +258,11 @@ class HostPlacement:
     def write_tokens(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """A step's new tokens ``[n, Hkv, D]`` at vLLM's ``slot_mapping`` (block id x page size +
         offset, -1 = padding), as vLLM's cache update gets them: each touched page is read back
-        from the pool (zeros for a block's first write), the tokens are put at their offsets, and
-        the whole page is written again. One host copy of the tokens per call. fp8 pages are
+        from the pool, the tokens are put at their offsets, and the whole page is written again.
+        A page written at offset 0 starts from zeros instead: pages fill in order, so that is its
+        first write since vLLM (re)allocated the block, and whatever the pool held there belonged
+        to the block's previous owner (vLLM does not tell the worker it reused a block id). One
+        host copy of the tokens per call. fp8 pages are
         quantised again from their dequantised values with the page's new scale, so a token
         written earlier in a page that is still filling takes one more fp8 rounding per later
         write of its page (at most page size - 1 of them)."""
@@ -269,9 +278,10 @@ class HostPlacement:
         self.pool._check_ids(blocks)
         key_pages = torch.zeros((len(blocks), *self.layout.page_shape), dtype=self.layout.dtype)
         value_pages = torch.zeros_like(key_pages)
+        fresh = set(page_of[slots % page == 0].tolist())
         for i, b in enumerate(blocks):
             entry = self.pool.entry_of_block.get(b)
-            if entry is not None and self.pool.written[layer, entry]:
+            if entry is not None and self.pool.written[layer, entry] and b not in fresh:
                 key_pages[i], value_pages[i] = (t.to(self.layout.dtype) for t in self.pool.page(layer, entry))
         row = {b: i for i, b in enumerate(blocks)}
         index = torch.tensor([row[b] for b in page_of.tolist()])
