@@ -287,6 +287,16 @@ class SparseSettings(BaseModel):
         "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))
 
+    @model_validator(mode="after")
+    def _check_kv_placement(self) -> "SparseSettings":
+        if self.kv_placement != "host":
+            return self
+        if self.decode.mode != "topk":  # vLLM's page then holds only what the top-k selection scores
+            raise ValueError(f"kv_placement=host: needs decode_mode=topk (not {self.decode.mode})")
+        if self.host_kv_pool_bytes is None:
+            raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
+        return self
+
     def replace(self, **changes: Any) -> "SparseSettings":
         """A validated copy with ``changes`` (flat names or nested groups, as the constructor takes)."""
         return SparseSettings(**nest_settings(_as_dict(self), changes))
