@@ -117,6 +117,63 @@ def test_the_kv_write_fills_the_host_pool_and_the_summaries_in_vllms_page():
     check_pool_and_summaries(writer)
 
 
+def reference_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 causal attention of the last ``len(q)`` positions over ``key`` / ``value`` [s, Hkv, D]."""
+    q, key, value = q.double(), key.double(), value.double()
+    group = q.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    s = key.shape[0]
+    positions = torch.arange(s - q.shape[0], s)[:, None]
+    scores = scores.masked_fill(torch.arange(s)[None, :] > positions, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_a_step_with_prefill_rows_is_dense_attention_over_the_tokens_written(monkeypatch):
+    """A chunk with context beside a decode token: each row over its whole K/V from the pool,
+    against float64 attention over the reference pages."""
+    monkeypatch.setattr("vllm_sparse_backend.prefill.placed.QUERY_ROWS", 7)  # the chunk in three calls
+    gen = torch.Generator().manual_seed(2)
+    impl = impl_with(SETTINGS)
+    writer = Writer(impl, gen)
+    a, b = [3, 7, 1], [5, 2]
+    writer.step([(a, 0, 20), (b, 0, 17)])
+    writer.step([(a, 20, 18), (b, 17, 1)])  # the step attended below: 18 new tokens of a, 1 of b
+    lens = [38, 18]
+    table = torch.tensor([a + [0], b + [0, 0]], dtype=torch.int32)
+    md = FlashAttentionMetadata(num_actual_tokens=19, max_query_len=18,
+                                query_start_loc=torch.tensor([0, 18, 19], dtype=torch.int32), max_seq_len=38,
+                                seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table,
+                                slot_mapping=torch.zeros(19, dtype=torch.long))
+    q = torch.randn(21, H, D, generator=gen)  # rows past num_actual_tokens: padding
+    for name in LAYERS:
+        out = torch.full((21, H, D), float("nan"))
+        impl.forward(SimpleNamespace(layer_name=name), q, None, None, writer.pages[name], md, out)
+        for row, (start, end) in enumerate(((0, 18), (18, 19))):
+            blocks = table[row].long()[torch.arange(lens[row]) // PAGE]
+            offsets = torch.arange(lens[row]) % PAGE
+            key, value = writer.ref[name][0, blocks, offsets], writer.ref[name][1, blocks, offsets]
+            want = reference_attention(q[start:end], key, value, impl.scale)
+            torch.testing.assert_close(out[start:end].double(), want, atol=1e-5, rtol=1e-5)
+        assert torch.isnan(out[19:]).all()
+
+
+def test_gather_reads_the_blocks_pages_in_order_fp8_dequantised():
+    settings = SETTINGS.replace(host_kv_dtype="fp8_e4m3")
+    writer = Writer(impl_with(settings), torch.Generator().manual_seed(3))
+    writer.step([([3, 7, 1], 0, 40)])
+    placement = writer.impl.runtime.host_kv.placement
+    key, value = placement.gather(1, [1, 3])
+    for i, b in enumerate((1, 3)):
+        page_key, page_value = placement.pool.page(1, placement.pool.entry(1, b))
+        assert torch.equal(key[i * PAGE:(i + 1) * PAGE], page_key)
+        assert torch.equal(value[i * PAGE:(i + 1) * PAGE], page_value)
+    # fp8: within e4m3's rounding of the tokens written (3 mantissa bits), not equal to them
+    ref = writer.ref[LAYERS[1]][0, 3]
+    assert not torch.equal(key[PAGE:], ref)
+    torch.testing.assert_close(key[PAGE:], ref, atol=0.0, rtol=2 ** -3)
+
+
 def test_the_pool_must_hold_every_block_vllm_made():
     small = SETTINGS.replace(host_kv_pool_bytes=(BLOCKS - 2) * BLOCK_BYTES)
     impl = impl_with(small)

@@ -95,7 +95,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self.runtime = runtime = worker_runtime()
         cfg = runtime.settings
         group_heads = None  # this group's head patterns per layer (None: every row runs dense)
-        if selected:
+        if selected and cfg.kv_placement == "host":  # the sparse path reads vLLM's page: summaries only here
+            runtime.log_once("kv_placement=host: prefill rows run dense over their K/V gathered from the host pool",
+                             info=True)
+        elif selected:
             unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.gating.enabled else None
             # resolved before the other reasons are asked: a head-config file that does not fit fails here
             heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.gating.enabled and unsupported is None else None
@@ -243,7 +246,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
         the Triton path."""
         vc, cfg = self._vllm_config, self.runtime.settings
-        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc):
+        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc) \
+                or cfg.kv_placement == "host":  # no sparse rows with host placement (the builder's)
             return
         # the builder asks the same question of the layer's group
         if group_dense_reason(cfg, unsupported=unsupported_reason(self),
@@ -332,14 +336,18 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         host_kv.write(layer.layer_name, key, value, kv_cache, slot_mapping)
 
     def _host_forward(self, layer, query, kv_cache, md, output):
-        """kv_placement=host: a pure decode batch is top-k attention over the placed pages."""
-        if md.max_query_len != 1:
-            # vLLM's page holds summaries only: prefill rows would need their context's K/V
-            # fetched from the pool, which is not built (docs/decode-offload.md)
-            raise NotImplementedError("kv_placement=host: prefill rows over K/V in host memory are not built yet")
-        n = md.num_actual_tokens  # one token per sequence
-        self.runtime.host_kv.decode(layer.layer_name, query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n],
-                                    self.scale, output[:n])
+        """kv_placement=host (FlashAttention's metadata: the builder plans no sparse rows): a pure
+        decode batch is top-k attention over the placed pages; a step with prefill rows attends
+        every row dense over its K/V gathered from the pool, as FlashAttention would over vLLM's
+        cache (vLLM's page holds summaries only)."""
+        host_kv, n = self.runtime.host_kv, md.num_actual_tokens
+        if md.max_query_len == 1:  # one token per sequence
+            host_kv.decode(layer.layer_name, query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n], self.scale,
+                           output[:n])
+        else:
+            qsl = md.query_start_loc.tolist()
+            host_kv.prefill(layer.layer_name, query[:n], qsl, md.seq_lens[:len(qsl) - 1].tolist(), md.block_table,
+                            self.scale, output[:n])
         return output
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -1,5 +1,6 @@
 """``kv_placement=host`` as the CUDA backend drives it (issue 54): the K/V write of a step, the
-page summaries in vLLM's shrunk page, and the top-k decode over placed pages.
+page summaries in vLLM's shrunk page, the top-k decode over placed pages, and dense prefill rows
+over K/V gathered from the pool.
 
 vLLM's page of each layer is shrunk (:func:`.._compat.summary_page_spec`) to what the top-k
 selection scores: one key min and max per block and KV head. vLLM binds it to the layer as its
@@ -23,6 +24,7 @@ from ..decode.placed import fold_page_summaries, topk_decode_placed
 from ..decode.topk import TopkDecodeBudget
 from ..kv_placement.base import KVLayout
 from ..kv_placement.host import HostPlacement, pool_block_bytes
+from ..prefill.placed import dense_prefill_placed
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,17 @@ class HostKV:
         # vLLM's page holds no K/V here: the host placement reads its resident pages instead
         topk_decode_placed(query, None, None, summary_views(kv_cache), block_table, seq_lens, self.budget, scale,
                            out, placement=self.placement, layer=self.layer(layer_name))
+
+
+    def prefill(self, layer_name: str, query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                block_table: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """A step with prefill rows, into ``out``: every row dense over its whole K/V gathered from
+        the pool (:func:`..prefill.placed.dense_prefill_placed`; host lists of the step)."""
+        if self.placement is None:
+            raise RuntimeError("kv_placement=host: a prefill step before any K/V was written")
+        layer, placement = self.layer(layer_name), self.placement
+        dense_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out,
+                             lambda blocks: placement.gather(layer, blocks))
 
 
 def check_pool_holds_vllm_blocks(settings: SparseSettings, layout: KVLayout) -> None:

@@ -301,6 +301,17 @@ class HostPlacement:
         self.stats.evictions += len(residency.evicted)
         return residency
 
+    def gather(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V of ``block_ids`` in order, ``[n x page, Hkv, D]`` float32 on the hot
+        cache's device (dequantised where stored as fp8), outside the hot cache: a prefill row
+        reads its whole context once, which would only evict the decode steps' pages."""
+        index = torch.tensor([self.pool.entry(layer, b) for b in block_ids], dtype=torch.long)
+        key, value = self.pool.key[layer][index], self.pool.value[layer][index]
+        if self.pool.quantized:
+            key = dequantize_pages(key, self.pool.key_scale[layer][index])
+            value = dequantize_pages(value, self.pool.value_scale[layer][index])
+        return tuple(t.float().flatten(0, 1).to(self.layout.device) for t in (key, value))
+
     def resident_pages(self, layer: int, key_cache: torch.Tensor | None = None,
                        value_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.hot_key[layer], self.hot_value[layer]
