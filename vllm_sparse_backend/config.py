@@ -275,7 +275,7 @@ class SparseSettings(BaseModel):
     kv_placement: str = Field("gpu", json_schema_extra={"registry": "kv_placement"}, description=(
         "Where each KV-cache block's K/V lives: gpu = vLLM's cache. host (a pinned host pool with a GPU hot "
         "cache of host_kv_hot_pages pages per layer; vLLM's page keeps the key summaries; decode_mode=topk) "
-        "is wired into the CUDA backend but has not run in a server yet: setting it is a start-up error."))
+        "is wired into the backends but has not run on a GPU server yet: setting it is a start-up error."))
     host_kv_hot_pages: int = Field(256, ge=1, description=(
         "kv_placement=host: GPU slots per layer for pages copied from the host pool (least recently used "
         "reused first; sink and recent pages never evicted); at least decode_sink_pages + decode_recent_pages "

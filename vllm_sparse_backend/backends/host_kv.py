@@ -62,14 +62,19 @@ class HostKV:
     """One worker's host placement and the map from vLLM's layer names to its layers.
 
     ``layer_names``: every attention layer of the model this backend serves (vLLM gives each the
-    same block ids); ``page_size``: tokens per vLLM block."""
+    same block ids); ``page_size``: tokens per vLLM block. ``summaries_in_page``: the summaries
+    are vLLM's shrunk page (CUDA); False keeps them in tensors of their own beside vLLM's full
+    page (the CPU twin, whose own kernel still reads that page)."""
 
-    def __init__(self, settings: SparseSettings, layer_names: Sequence[str], page_size: int):
+    def __init__(self, settings: SparseSettings, layer_names: Sequence[str], page_size: int,
+                 summaries_in_page: bool = True):
         self.settings = settings
         self.page_size = page_size
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.budget = TopkDecodeBudget.from_settings(settings)
+        self.summaries_in_page = summaries_in_page
         self.placement: HostPlacement | None = None  # made at the first write (vLLM's cache exists then)
+        self.own_summaries: list[SummaryViews] = []  # per layer, where not in vLLM's page
 
     def layer(self, layer_name: str) -> int:
         index = self.layer_of.get(layer_name)
@@ -84,14 +89,22 @@ class HostKV:
         entry, so that a block's write never finds the pool full: ConfigError naming
         ``--num-gpu-blocks-override`` otherwise."""
         if self.placement is None:
-            if not kv_cache.dtype.is_floating_point or kv_cache.element_size() < 2:
+            if self.summaries_in_page and (not kv_cache.dtype.is_floating_point or kv_cache.element_size() < 2):
                 raise ConfigError(f"kv_placement=host: vLLM's KV cache dtype {kv_cache.dtype} cannot hold the page "
                                   f"summaries; run with the model's dtype (--kv-cache-dtype auto)")
             layout = KVLayout(num_layers=len(self.layer_of), num_blocks=kv_cache.shape[0], page_size=self.page_size,
                               num_kv_heads=key.shape[1], head_size=key.shape[2], dtype=key.dtype, device=key.device)
             check_pool_holds_vllm_blocks(self.settings, layout)
             self.placement = HostPlacement(self.settings, layout)
+            if not self.summaries_in_page:
+                shape = (layout.num_blocks, layout.num_kv_heads, layout.head_size)
+                self.own_summaries = [SummaryViews(torch.zeros(shape, dtype=key.dtype, device=key.device),
+                                                   torch.zeros(shape, dtype=key.dtype, device=key.device))
+                                      for _ in range(layout.num_layers)]
         return self.placement
+
+    def summaries(self, layer: int, kv_cache: torch.Tensor) -> SummaryViews:
+        return summary_views(kv_cache) if self.summaries_in_page else self.own_summaries[layer]
 
     def write(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
@@ -101,8 +114,9 @@ class HostKV:
         # key / value may carry padding rows past the slot mapping (vLLM pads them for CUDA graphs)
         n = slot_mapping.shape[0]
         key, value = key[:n], value[:n]
-        placement.write_tokens(self.layer(layer_name), key, value, slot_mapping)
-        summaries = summary_views(kv_cache)
+        layer = self.layer(layer_name)
+        placement.write_tokens(layer, key, value, slot_mapping)
+        summaries = self.summaries(layer, kv_cache)
         fold_page_summaries(summaries.min, summaries.max, key, slot_mapping, self.page_size)
 
     def decode(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -112,9 +126,10 @@ class HostKV:
         if self.placement is None:
             raise RuntimeError("kv_placement=host: a decode step before any K/V was written")
         self.placement.set_pinned(pinned_blocks(block_table, seq_lens, self.page_size, self.budget))
-        # vLLM's page holds no K/V here: the host placement reads its resident pages instead
-        topk_decode_placed(query, None, None, summary_views(kv_cache), block_table, seq_lens, self.budget, scale,
-                           out, placement=self.placement, layer=self.layer(layer_name))
+        layer = self.layer(layer_name)
+        # the host placement reads its resident pages, not vLLM's page
+        topk_decode_placed(query, None, None, self.summaries(layer, kv_cache), block_table, seq_lens, self.budget,
+                           scale, out, placement=self.placement, layer=layer)
 
 
     def prefill(self, layer_name: str, query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
