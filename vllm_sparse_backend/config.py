@@ -279,7 +279,7 @@ class SparseSettings(BaseModel):
     host_kv_hot_pages: int = Field(256, ge=1, description=(
         "kv_placement=host: GPU slots per layer for pages copied from the host pool (least recently used "
         "reused first; sink and recent pages never evicted); at least decode_sink_pages + decode_recent_pages "
-        "+ decode_budget_pages."))
+        "+ decode_budget_pages x the model's KV heads (each selects its own); a larger batch runs in groups."))
     host_kv_pool_bytes: int | None = Field(None, ge=1, description=(
         "kv_placement=host: host memory of the pool holding every block's K/V (all layers); vLLM's blocks "
         "must fit in it (cap them with --num-gpu-blocks-override). Required with kv_placement=host."))

@@ -213,6 +213,19 @@ def test_pinned_blocks_are_each_sequences_sink_and_recent_pages():
     assert pinned_blocks(table, torch.tensor([49, 17]), PAGE, TopkDecodeBudget(2, 1, 4)) == [2, 3, 5, 7, 11]
 
 
+def test_row_groups_fit_the_hot_slots_beside_the_pinned_blocks():
+    from vllm_sparse_backend.decode.placed import row_groups
+
+    rows = [{1, 2, 3}, {3, 4}, {5, 6, 7}, {8}]
+    assert row_groups(rows, None) == [range(4)]  # no hot cache: one group
+    assert row_groups(rows, 4) == [range(0, 2), range(2, 4)]  # {1, 2, 3, 4}, then {5, 6, 7, 8}
+    assert row_groups(rows, 3) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    # pinned blocks outside a group hold slots too: 9 is pinned, so {1, 2, 3, 4} + 9 needs 5
+    assert row_groups(rows, 4, frozenset({9})) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    # {1, 2, 3, 4} + 9 fits 5; {5, 6, 7, 8} + 3 + 9 does not
+    assert row_groups(rows, 5, frozenset({3, 9})) == [range(0, 2), range(2, 3), range(3, 4)]
+
+
 @pytest.mark.parametrize("changes, error", [
     ({"decode_mode": "dense"}, "kv_placement=host: needs decode_mode=topk"),
     ({"host_kv_pool_bytes": None}, "host_kv_pool_bytes: must be set"),

@@ -217,10 +217,12 @@ class HostPlacement:
         s = settings or SparseSettings()
         if s.host_kv_pool_bytes is None:
             raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
-        step_pages = s.decode.sink_pages + s.decode.recent_pages + s.decode.budget_pages
+        # each KV head selects its own budget_pages: one request's step reads up to this many pages
+        step_pages = s.decode.sink_pages + s.decode.recent_pages + layout.num_kv_heads * s.decode.budget_pages
         if s.host_kv_hot_pages < step_pages:
             raise ValueError(f"host_kv_hot_pages={s.host_kv_hot_pages}: below one request's step of {step_pages} "
-                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages)")
+                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages x "
+                             f"{layout.num_kv_heads} KV heads)")
         self.layout = layout
         self.pool = HostKVPool(layout, s.host_kv_pool_bytes, s.host_kv_dtype)
         self.caches = [HotPageCache(s.host_kv_hot_pages) for _ in range(layout.num_layers)]
@@ -236,6 +238,11 @@ class HostPlacement:
         # copies from pinned memory run after the host moves on: a write must not change a pool
         # page that a queued copy has yet to read
         self.copies_queued = torch.cuda.Event() if torch.device(layout.device).type == "cuda" else None
+
+    @property
+    def hot_slots(self) -> int:
+        """Slots per layer: the most blocks one fetch can make resident."""
+        return self.caches[0].num_slots if self.caches else 0
 
     @property
     def hot_nbytes(self) -> int:
