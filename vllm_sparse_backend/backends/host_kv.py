@@ -1,6 +1,7 @@
-"""``kv_placement=host`` as the CUDA backend drives it (issue 54): the K/V write of a step, the
-page summaries in vLLM's shrunk page, the top-k decode over placed pages, and dense prefill rows
-over K/V gathered from the pool.
+"""``kv_placement=host`` as the backends drive it (issue 54): the K/V write of a step, the page
+summaries in vLLM's shrunk page, the top-k decode over placed pages, and (CUDA) dense prefill rows
+over K/V gathered from the pool. The CPU twin keeps vLLM's page whole and the summaries beside it
+(:class:`HostKV` ``summaries_in_page=False``).
 
 vLLM's page of each layer is shrunk (:func:`.._compat.summary_page_spec`) to what the top-k
 selection scores: one key min and max per block and KV head. vLLM binds it to the layer as its
@@ -130,7 +131,6 @@ class HostKV:
         # the host placement reads its resident pages, not vLLM's page
         topk_decode_placed(query, None, None, self.summaries(layer, kv_cache), block_table, seq_lens, self.budget,
                            scale, out, placement=self.placement, layer=layer)
-
 
     def prefill(self, layer_name: str, query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                 block_table: torch.Tensor, scale: float, out: torch.Tensor) -> None:
