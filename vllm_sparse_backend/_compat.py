@@ -140,6 +140,16 @@ class FlashBackendVersions:
     supports_kv_cache_update_bypass = False  # 0.33: forward always receives key/value
 
     @classmethod
+    def customize_spec(cls, spec):
+        """0.32+ apply it to every attention layer's KV-cache spec (vLLM calls it a temporary
+        hook, issue #42449; 0.26 has none and never calls it): with kv_placement=host vLLM's
+        page shrinks to the key summaries (:func:`summary_page_spec`)."""
+        from .startup import load_checked_settings  # a class method: no engine object holds them here
+
+        spec = super().customize_spec(spec)
+        return summary_page_spec(spec) if load_checked_settings().kv_placement == "host" else spec
+
+    @classmethod
     def supports_device_cpu_query_lens_mismatch(cls) -> bool:
         # 0.32+: the builder cuts a step into row runs at the host's query_start_loc_cpu, which
         # adaptive verification (speculative decoding) leaves stale when it trims drafts on the
@@ -249,6 +259,19 @@ KV_PLACEMENT_HOOKS = (
     ("vllm.model_executor.layers.attention.attention", None, ("unified_kv_cache_update",)),
     ("vllm.config.cache", "CacheConfig", ("kv_cache_memory_bytes", "num_gpu_blocks_override")),
 )
+
+
+def summary_page_spec(spec):
+    """vLLM's ``AttentionSpec`` of a layer with its page holding one key min and max per KV head
+    (``[blocks, Hkv, 1, 2 x head_size]`` in the spec's dtype: backends/host_kv.py) instead of the
+    block's K/V: the whole block is one state (``tokens_per_state``), whose content is the two
+    summaries. The page is then 1/block_size of the K/V page (a head size of values each for K
+    and V per token, against two per block), so vLLM's block pool admits block_size times the
+    tokens in the same memory. The spec fields: :data:`KV_PLACEMENT_HOOKS`."""
+    import dataclasses
+
+    return dataclasses.replace(spec, tokens_per_state=spec.block_size,
+                               state_content_bytes=2 * spec.head_size * spec.dtype.itemsize)
 
 
 def kv_placement_hooks_missing() -> list[str]:

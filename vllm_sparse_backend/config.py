@@ -329,18 +329,28 @@ class SparseSettings(BaseModel):
     # KV placement (issue 54): where each block's full K/V lives. docs/decode-offload.md.
     kv_placement: str = Field("gpu", json_schema_extra={"registry": "kv_placement"}, description=(
         "Where each KV-cache block's K/V lives: gpu = vLLM's cache. host (a pinned host pool with a GPU hot "
-        "cache of host_kv_hot_pages pages per layer) exists as a library but is not wired into serving yet: "
-        "setting it is a start-up error."))
+        "cache of host_kv_hot_pages pages per layer; vLLM's page keeps the key summaries; decode_mode=topk) "
+        "is wired into the backends but has not run on a GPU server yet: setting it is a start-up error."))
     host_kv_hot_pages: int = Field(256, ge=1, description=(
         "kv_placement=host: GPU slots per layer for pages copied from the host pool (least recently used "
         "reused first; sink and recent pages never evicted); at least decode_sink_pages + decode_recent_pages "
-        "+ decode_budget_pages."))
+        "+ decode_budget_pages x the model's KV heads (each selects its own); a larger batch runs in groups."))
     host_kv_pool_bytes: int | None = Field(None, ge=1, description=(
-        "kv_placement=host: host memory of the pool holding every block's K/V (all layers); a request whose "
-        "blocks do not fit gets an error. Required with kv_placement=host."))
+        "kv_placement=host: host memory of the pool holding every block's K/V (all layers); vLLM's blocks "
+        "must fit in it (cap them with --num-gpu-blocks-override). Required with kv_placement=host."))
     host_kv_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description=(
         "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))
+
+    @model_validator(mode="after")
+    def _check_kv_placement(self) -> "SparseSettings":
+        if self.kv_placement != "host":
+            return self
+        if self.decode.mode != "topk":  # vLLM's page then holds only what the top-k selection scores
+            raise ValueError(f"kv_placement=host: needs decode_mode=topk (not {self.decode.mode})")
+        if self.host_kv_pool_bytes is None:
+            raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
+        return self
 
     def replace(self, **changes: Any) -> "SparseSettings":
         """A validated copy with ``changes`` (flat names or nested groups, as the constructor takes)."""

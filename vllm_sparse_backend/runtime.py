@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from .config import ConfigError, SparseSettings
 from .decode.memory import DecodeStateMemory
@@ -28,6 +29,9 @@ from .prefill.plan import RankHeads
 from .startup import load_checked_settings, report_startup_error
 from .observability import metrics
 from .observability.stats import SparseStats
+
+if TYPE_CHECKING:
+    from .backends.host_kv import HostKV
 
 logger = logging.getLogger("vllm.sparse_prefill")
 LOG_ONCE_MEMORY = 256  # distinct texts log_once remembers
@@ -54,6 +58,9 @@ class WorkerRuntime:
         self.claimed: set = set()  # claim signatures already run (layers of one shape share a claim)
         # decode_mode topk / spans: the memory claimed in the profiling run for every layer's state
         self.decode_memory = DecodeStateMemory()
+        # kv_placement=host: the one host placement of every layer (backends/host_kv.py), made by the
+        # first layer that writes K/V
+        self.host_kv: HostKV | None = None
         # layer name -> that layer's head patterns on this rank, resolved once (backends.common.layer_heads):
         # the builder plans with them, the layer's impl runs them
         self.layer_heads: dict[str, RankHeads] = {}

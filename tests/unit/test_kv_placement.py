@@ -204,7 +204,8 @@ def test_a_full_pool_refuses_the_write_and_keeps_what_it_holds():
 def test_host_placement_checks_its_settings():
     with pytest.raises(ValueError, match="host_kv_pool_bytes: must be set"):
         HostPlacement(SparseSettings(), LAYOUT)
-    with pytest.raises(ValueError, match="host_kv_hot_pages=8: below one request's step of 73 pages"):
+    # 1 sink + 8 recent pages + 64 for each of the 2 KV heads
+    with pytest.raises(ValueError, match="host_kv_hot_pages=8: below one request's step of 137 pages"):
         HostPlacement(SparseSettings(host_kv_hot_pages=8, host_kv_pool_bytes=1 << 20), LAYOUT)
 
 

@@ -92,6 +92,27 @@ def test_host_pages_give_the_topk_modes_output_while_steps_evict():
     assert placement.stats.evictions > 0 and placement.stats.hits > 0  # both paths of the cache ran
 
 
+def test_a_batch_whose_pages_outnumber_the_hot_slots_runs_in_groups_with_the_topk_modes_output():
+    key_cache, value_cache, block_table, seq_lens = _batch(seed=5)
+    # four sequences (the two of _batch twice over): up to 7 pages each (sink + recent + 2 KV heads
+    # x budget), 28 at once, against 10 hot slots
+    block_table, seq_lens = block_table.repeat(2, 1), seq_lens.repeat(2)
+    summaries = _summaries(key_cache, block_table, seq_lens)
+    settings = SparseSettings(host_kv_pool_bytes=1 << 24, host_kv_hot_pages=10, decode_sink_pages=BUDGET.sink_pages,
+                              decode_recent_pages=BUDGET.recent_pages, decode_budget_pages=BUDGET.budget_pages)
+    layout = KVLayout(num_layers=2, num_blocks=BLOCKS, page_size=PAGE, num_kv_heads=HKV, head_size=D,
+                      dtype=torch.float32, device=DEV)
+    placement = HostPlacement(settings, layout)
+    placement.write(LAYER, list(range(BLOCKS)), key_cache, value_cache)
+    q = torch.randn(4, H, D, generator=torch.Generator().manual_seed(9)).to(DEV)
+    want = topk_decode(q, key_cache, value_cache, summaries, block_table, seq_lens, BUDGET, 0.2, torch.empty_like(q))
+    got = torch.empty_like(q)
+    topk_decode_placed(q, torch.zeros_like(key_cache), torch.zeros_like(value_cache), summaries, block_table,
+                       seq_lens, BUDGET, 0.2, got, placement=placement, layer=LAYER)
+    assert torch.equal(got, want)
+    assert placement.stats.evictions > 0  # the groups took each other's slots
+
+
 def test_fp8_host_pages_match_float64_topk_attention_over_the_dequantized_pages():
     key_cache, value_cache, block_table, seq_lens = _batch(seed=3)
     placement = _host_placement("fp8_e4m3")

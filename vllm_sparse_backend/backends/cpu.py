@@ -14,11 +14,13 @@ from __future__ import annotations
 from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
                                                  CPUAttentionMetadataBuilder)
 
-from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
+from .. import kernels
+from .._compat import attention_layers, current_vllm_config, slice_rows, sparse_backend_selected
 from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
 from ..prefill.route import group_dense_reason
+from .host_kv import HostKV
 from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
                      distinct_head_sets, first_unsupported_layer, guard_stats, layer_heads, log_dense_group,
                      long_query_lens, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed)
@@ -50,7 +52,11 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 # PyTorch attention of the sparse path
                 if self.sparse_enabled and cfg.gating.max_density < 1.0:
                     self._head_sets = distinct_head_sets(layer_heads_of_group)
-            if cfg.decode.mode != "dense":
+            if cfg.kv_placement == "host":
+                runtime.log_once("kv_placement=host on the CPU twin: pure decode steps run decode_mode=topk over "
+                                 "the host pool (the top-k kernels, under Triton's interpreter on CPU); prefill stays "
+                                 "on vLLM's CPU kernel, which reads vLLM's full page", info=True)
+            elif cfg.decode.mode != "dense":
                 runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
                                  "decode stays dense", cfg.decode.mode)
             if self.sparse_enabled:
@@ -102,8 +108,40 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
             self.runtime = worker_runtime()
             check_head_config_fits_model(self.runtime, vllm_config)
 
+    def _host_placement(self) -> HostKV | None:
+        """kv_placement=host: the worker's host placement (None: off, or its kernels cannot run
+        here, logged once). vLLM's CPU page stays whole (vLLM's CPU kernel reads it for prefill),
+        so the summaries live beside it; on CPU host and device memory are one, so this path is
+        there to run the placement's logic in a real server."""
+        runtime = self.runtime
+        if runtime is None or runtime.settings.kv_placement != "host":
+            return None
+        if runtime.host_kv is None:
+            if kernels.UNAVAILABLE:
+                runtime.log_once("kv_placement=host: the top-k decode kernels cannot run here (%s); decode stays "
+                                 "dense on vLLM's CPU kernel", kernels.UNAVAILABLE)
+                return None
+            vc = self._vllm_config
+            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size,
+                                     summaries_in_page=False)
+        return runtime.host_kv
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        host_kv = self._host_placement()
+        if host_kv is not None:
+            host_kv.write(layer.layer_name, key, value, kv_cache, slot_mapping)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
+        if attn_metadata is not None and getattr(attn_metadata, "max_query_len", 0) == 1 and output_scale is None:
+            host_kv = self._host_placement()
+            if host_kv is not None and host_kv.placement is not None:  # a pure decode step
+                self.runtime.log_once("kv_placement=host: decode steps read the host pool", info=True)
+                n = attn_metadata.num_actual_tokens
+                host_kv.decode(layer.layer_name, query[:n], kv_cache, attn_metadata.block_table[:n],
+                               attn_metadata.seq_lens[:n], self.scale, output[:n])
+                return output
         if not isinstance(attn_metadata, SparseStepMetadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)

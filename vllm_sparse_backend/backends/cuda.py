@@ -68,6 +68,7 @@ from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, 
                      guard_stats, layer_heads, log_dense_group, long_query_lens, plan_sparse_step, recoverable,
                      resolve_group_heads, sparse_path_failed, unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
+from .host_kv import HostKV
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
@@ -94,7 +95,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self.runtime = runtime = worker_runtime()
         cfg = runtime.settings
         group_heads = None  # this group's head patterns per layer (None: every row runs dense)
-        if selected:
+        if selected and cfg.kv_placement == "host":  # the sparse path reads vLLM's page: summaries only here
+            runtime.log_once("kv_placement=host: prefill rows run dense over their K/V gathered from the host pool",
+                             info=True)
+        elif selected:
             unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.gating.enabled else None
             # resolved before the other reasons are asked: a head-config file that does not fit fails here
             heads = resolve_group_heads(runtime, vllm_config, layer_names) if cfg.gating.enabled and unsupported is None else None
@@ -133,6 +137,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # kv_placement=host: each layer's decode reads its selection back to the host and copies
+        # pages from there (backends/host_kv.py), which a graph cannot replay
+        if load_checked_settings().kv_placement == "host":
+            return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -216,9 +224,13 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         super().__init__(*args, **kwargs)
         # vLLM builds this impl only where the backend is selected, in the worker
         self.runtime = worker_runtime()
-        mode = decode_mode(self.runtime.settings)
+        settings = self.runtime.settings
+        # kv_placement=host: the top-k summaries are vLLM's own page (host_kv.py), no state beside it
+        mode = decode_mode(settings) if settings.kv_placement != "host" else None
         self._use_decode(None if mode is None else LayerDecode(mode, self._decode_unsupported_reason(),
                                                                self.runtime.log_once, self.runtime.decode_memory))
+        if settings.kv_placement == "host":
+            self._flash_only = None  # every step reads the placement
         self._vllm_config = current_vllm_config()
         # Layers are built before the weights load: the earliest point the worker knows the model.
         if self._vllm_config is not None and sparse_backend_selected(self._vllm_config):
@@ -234,7 +246,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         """Profiling run (no metadata): see claim.py. Skipped where no row of this layer could run
         the Triton path."""
         vc, cfg = self._vllm_config, self.runtime.settings
-        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc):
+        if vc is None or not query.is_cuda or cfg.kernel == "torch" or not sparse_backend_selected(vc) \
+                or cfg.kv_placement == "host":  # no sparse rows with host placement (the builder's)
             return
         # the builder asks the same question of the layer's group
         if group_dense_reason(cfg, unsupported=unsupported_reason(self),
@@ -303,6 +316,40 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             reason = "an fp8 KV cache"
         return reason
 
+    def _host_placement(self) -> HostKV | None:
+        """kv_placement=host: the worker's host placement, made by the first layer that asks (None:
+        vLLM's cache holds the K/V)."""
+        runtime = self.runtime
+        if runtime.settings.kv_placement != "host":
+            return None
+        if runtime.host_kv is None:
+            vc = self._vllm_config
+            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size)
+        return runtime.host_kv
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        """vLLM's cache update before attention (this backend does not write the cache in
+        forward): FlashAttention's, or with kv_placement=host the host pool and the summaries."""
+        host_kv = self._host_placement()
+        if host_kv is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        host_kv.write(layer.layer_name, key, value, kv_cache, slot_mapping)
+
+    def _host_forward(self, layer, query, kv_cache, md, output):
+        """kv_placement=host (FlashAttention's metadata: the builder plans no sparse rows): a pure
+        decode batch is top-k attention over the placed pages; a step with prefill rows attends
+        every row dense over its K/V gathered from the pool, as FlashAttention would over vLLM's
+        cache (vLLM's page holds summaries only)."""
+        host_kv, n = self.runtime.host_kv, md.num_actual_tokens
+        if md.max_query_len == 1:  # one token per sequence
+            host_kv.decode(layer.layer_name, query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n], self.scale,
+                           output[:n])
+        else:
+            qsl = md.query_start_loc.tolist()
+            host_kv.prefill(layer.layer_name, query[:n], qsl, md.seq_lens[:len(qsl) - 1].tolist(), md.block_table,
+                            self.scale, output[:n])
+        return output
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         # A step without sparse rows pays this one check per layer: nothing of ours runs for it.
@@ -310,6 +357,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
                                    output_scale, output_block_scale)
         runtime = self.runtime
+        if attn_metadata is not None and self._host_placement() is not None:
+            return self._host_forward(layer, query, kv_cache, attn_metadata, output)
         if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
             if self._decode is not None:
                 self._claim_decode_state(query)

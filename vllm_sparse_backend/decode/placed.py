@@ -60,11 +60,31 @@ def fold_page_summaries(summary_min: torch.Tensor, summary_max: torch.Tensor, ke
 def selected_blocks(block_table: torch.Tensor, selected: torch.Tensor) -> list[int]:
     """The distinct block ids of the selected logical pages (``selected`` ``[batch, S, width]``,
     -1 padded, as :func:`select_pages` returns them), ascending. Reads both back to the host."""
-    sel = selected.cpu().long()
-    rows = torch.arange(sel.shape[0])[:, None, None].expand_as(sel)
-    valid = sel >= 0
-    blocks = block_table.cpu().long()[rows[valid], sel[valid]]
-    return sorted(set(blocks.tolist()))
+    return sorted(set().union(*row_blocks(block_table, selected)))
+
+
+def row_blocks(block_table: torch.Tensor, selected: torch.Tensor) -> list[set[int]]:
+    """Each row's distinct selected block ids (one host read of both)."""
+    sel, table = selected.cpu().long(), block_table.cpu().long()
+    return [set(table[r][sel[r][sel[r] >= 0]].tolist()) for r in range(sel.shape[0])]
+
+
+def row_groups(blocks_of_row: list[set[int]], slots: int | None, pinned: frozenset[int] = frozenset()) -> list[range]:
+    """Consecutive rows grouped so that each group's blocks fit ``slots`` hot slots beside the
+    pinned blocks it does not need (what :meth:`..kv_placement.host.HotPageCache.lookup` asks);
+    one group where there is no limit. A row that does not fit alone is a group of its own (its
+    fetch then raises, naming the setting)."""
+    if slots is None or not blocks_of_row:
+        return [range(len(blocks_of_row))]
+    groups, start, union = [], 0, set()
+    for r, blocks in enumerate(blocks_of_row):
+        grown = union | blocks
+        if r > start and len(grown) + len(pinned - grown) > slots:
+            groups.append(range(start, r))
+            start, grown = r, set(blocks)
+        union = grown
+    groups.append(range(start, len(blocks_of_row)))
+    return groups
 
 
 def slot_table(block_table: torch.Tensor, blocks: list[int], residency: Residency) -> torch.Tensor:
@@ -86,18 +106,27 @@ def topk_decode_placed(query: torch.Tensor, key_cache: torch.Tensor, value_cache
 
     Shapes as there; ``key_cache`` / ``value_cache`` are vLLM's views of the layer (what a ``gpu``
     placement reads; a ``host`` one ignores them). The summaries must cover every block of the
-    batch. Returns what the fetch did (hits and copies, for the caller's counters)."""
+    batch. A batch whose selected pages do not fit the hot cache at once (``hot_slots``) runs in
+    groups of consecutive rows, each fetched and attended in turn. Returns what the last fetch
+    did (hits and copies; the placement counts them all)."""
     key, value = placement.resident_pages(layer, key_cache, value_cache)  # the fetch fills these in place
     page = key.shape[1]
     selected, counts = kernels.select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
                                             sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
                                             num_pages_budget=budget.budget_pages)
-    blocks = selected_blocks(block_table, selected)
-    residency = placement.fetch(layer, blocks)
-    scales = getattr(placement, "resident_scales", lambda _layer: None)(layer)
-    if scales is not None:  # fp8 pages: the attention kernel reads the model's dtypes only
-        key, value = (dequantize_pages(t, s).to(query.dtype) for t, s in zip((key, value), scales))
-    kernels.topk_decode_attention(query, key, value, slot_table(block_table, blocks, residency), seq_lens,
-                                  selected, counts, scale, out, topk_tokens=budget.topk_tokens,
-                                  sink_pages=budget.sink_pages, recent_pages=budget.recent_pages)
+    blocks_of_row = row_blocks(block_table, selected)
+    # a batch whose pages outnumber the hot slots runs in groups of rows, one fetch each
+    slots = getattr(placement, "hot_slots", None)
+    for rows in row_groups(blocks_of_row, slots, getattr(placement, "pinned", frozenset())):
+        r = slice(rows.start, rows.stop)
+        blocks = sorted(set().union(*blocks_of_row[r]))
+        residency = placement.fetch(layer, blocks)
+        scales = getattr(placement, "resident_scales", lambda _layer: None)(layer)
+        keys, values = key, value
+        if scales is not None:  # fp8 pages: the attention kernel reads the model's dtypes only
+            keys, values = (dequantize_pages(t, s).to(query.dtype) for t, s in zip((key, value), scales))
+        kernels.topk_decode_attention(query[r], keys, values, slot_table(block_table[r], blocks, residency),
+                                      seq_lens[r], selected[r], counts[r], scale, out[r],
+                                      topk_tokens=budget.topk_tokens, sink_pages=budget.sink_pages,
+                                      recent_pages=budget.recent_pages)
     return residency

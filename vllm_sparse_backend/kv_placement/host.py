@@ -58,6 +58,14 @@ def dequantize_pages(pages: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return pages.float() * scale[:, None, :, None]
 
 
+def pool_block_bytes(layout: KVLayout, host_kv_dtype: str = "auto") -> int:
+    """Host bytes of one block's pool entry: its K and V pages of every layer (and their fp8 scales)."""
+    dtype = storage_dtype(host_kv_dtype, layout.dtype)
+    page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
+    scale_bytes = 2 * layout.num_kv_heads * 4 if dtype == FP8 else 0
+    return layout.num_layers * (2 * page_elems * dtype.itemsize + scale_bytes)
+
+
 class HostKVPool:
     """Every layer's K/V pages of the blocks written so far, in host memory."""
 
@@ -65,9 +73,7 @@ class HostKVPool:
         self.layout = layout
         self.dtype = storage_dtype(host_kv_dtype, layout.dtype)
         self.quantized = self.dtype == FP8
-        page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
-        scale_bytes = 2 * layout.num_kv_heads * 4 if self.quantized else 0
-        self.block_bytes = layout.num_layers * (2 * page_elems * self.dtype.itemsize + scale_bytes)
+        self.block_bytes = pool_block_bytes(layout, host_kv_dtype)
         self.capacity = pool_bytes // self.block_bytes
         if self.capacity < 1:
             raise ValueError(f"host_kv_pool_bytes={pool_bytes} holds no block: one block of every layer takes "
@@ -211,10 +217,12 @@ class HostPlacement:
         s = settings or SparseSettings()
         if s.host_kv_pool_bytes is None:
             raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
-        step_pages = s.decode.sink_pages + s.decode.recent_pages + s.decode.budget_pages
+        # each KV head selects its own budget_pages: one request's step reads up to this many pages
+        step_pages = s.decode.sink_pages + s.decode.recent_pages + layout.num_kv_heads * s.decode.budget_pages
         if s.host_kv_hot_pages < step_pages:
             raise ValueError(f"host_kv_hot_pages={s.host_kv_hot_pages}: below one request's step of {step_pages} "
-                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages)")
+                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages x "
+                             f"{layout.num_kv_heads} KV heads)")
         self.layout = layout
         self.pool = HostKVPool(layout, s.host_kv_pool_bytes, s.host_kv_dtype)
         self.caches = [HotPageCache(s.host_kv_hot_pages) for _ in range(layout.num_layers)]
@@ -230,6 +238,11 @@ class HostPlacement:
         # copies from pinned memory run after the host moves on: a write must not change a pool
         # page that a queued copy has yet to read
         self.copies_queued = torch.cuda.Event() if torch.device(layout.device).type == "cuda" else None
+
+    @property
+    def hot_slots(self) -> int:
+        """Slots per layer: the most blocks one fetch can make resident."""
+        return self.caches[0].num_slots if self.caches else 0
 
     @property
     def hot_nbytes(self) -> int:
@@ -252,8 +265,11 @@ class HostPlacement:
     def write_tokens(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """A step's new tokens ``[n, Hkv, D]`` at vLLM's ``slot_mapping`` (block id x page size +
         offset, -1 = padding), as vLLM's cache update gets them: each touched page is read back
-        from the pool (zeros for a block's first write), the tokens are put at their offsets, and
-        the whole page is written again. One host copy of the tokens per call. fp8 pages are
+        from the pool, the tokens are put at their offsets, and the whole page is written again.
+        A page written at offset 0 starts from zeros instead: pages fill in order, so that is its
+        first write since vLLM (re)allocated the block, and whatever the pool held there belonged
+        to the block's previous owner (vLLM does not tell the worker it reused a block id). One
+        host copy of the tokens per call. fp8 pages are
         quantised again from their dequantised values with the page's new scale, so a token
         written earlier in a page that is still filling takes one more fp8 rounding per later
         write of its page (at most page size - 1 of them)."""
@@ -269,9 +285,10 @@ class HostPlacement:
         self.pool._check_ids(blocks)
         key_pages = torch.zeros((len(blocks), *self.layout.page_shape), dtype=self.layout.dtype)
         value_pages = torch.zeros_like(key_pages)
+        fresh = set(page_of[slots % page == 0].tolist())
         for i, b in enumerate(blocks):
             entry = self.pool.entry_of_block.get(b)
-            if entry is not None and self.pool.written[layer, entry]:
+            if entry is not None and self.pool.written[layer, entry] and b not in fresh:
                 key_pages[i], value_pages[i] = (t.to(self.layout.dtype) for t in self.pool.page(layer, entry))
         row = {b: i for i, b in enumerate(blocks)}
         index = torch.tensor([row[b] for b in page_of.tolist()])
@@ -290,6 +307,17 @@ class HostPlacement:
         self.stats.hits += len(block_ids) - len(residency.copied)
         self.stats.evictions += len(residency.evicted)
         return residency
+
+    def gather(self, layer: int, block_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V of ``block_ids`` in order, ``[n x page, Hkv, D]`` float32 on the hot
+        cache's device (dequantised where stored as fp8), outside the hot cache: a prefill row
+        reads its whole context once, which would only evict the decode steps' pages."""
+        index = torch.tensor([self.pool.entry(layer, b) for b in block_ids], dtype=torch.long)
+        key, value = self.pool.key[layer][index], self.pool.value[layer][index]
+        if self.pool.quantized:
+            key = dequantize_pages(key, self.pool.key_scale[layer][index])
+            value = dequantize_pages(value, self.pool.value_scale[layer][index])
+        return tuple(t.float().flatten(0, 1).to(self.layout.device) for t in (key, value))
 
     def resident_pages(self, layer: int, key_cache: torch.Tensor | None = None,
                        value_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
