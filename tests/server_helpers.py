@@ -32,3 +32,13 @@ def plugin_pythonpath(folder: Path, module: str, source: str, entry_point: str) 
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{module} = {module}:{entry_point}\n")
     return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+
+
+def greedy_tokens(server, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """The server's greedy continuation of ``prompt`` (token ids), ``max_tokens`` long whatever
+    it says, as token ids and their log-probabilities."""
+    out = server.request("POST", "/v1/completions", {
+        "model": server.model(), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
+    choice = out["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from server_helpers import ready_server  # noqa: E402
+from server_helpers import greedy_tokens, ready_server  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.kernels,
@@ -104,21 +104,13 @@ def host_server(model_dir, tmp_path_factory):
     h.stop()
 
 
-def _complete(server, prompt):
-    out = server.request("POST", "/v1/completions", {
-        "model": server.model(), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
-    choice = out["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
 def test_host_kv_decode_gives_the_dense_servers_tokens(dense_server, host_server):
     rng = random.Random(54)
     # 1 page and 6 pages of 128 tokens: the default budget (64 pages) selects every page
     prompts = [[rng.randrange(3, 4000) for _ in range(n)] for n in (100, 700)]
     for prompt in prompts:
-        want_ids, want_logprobs = _complete(dense_server, prompt)
-        got_ids, got_logprobs = _complete(host_server, prompt)
+        want_ids, want_logprobs = greedy_tokens(dense_server, prompt, MAX_TOKENS)
+        got_ids, got_logprobs = greedy_tokens(host_server, prompt, MAX_TOKENS)
         assert got_ids == want_ids
         assert got_logprobs == pytest.approx(want_logprobs, abs=1e-3)
     log = Path(host_server.log_path).read_text(errors="replace")

@@ -22,7 +22,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from server_helpers import plugin_pythonpath, ready_server  # noqa: E402
+from server_helpers import greedy_tokens, plugin_pythonpath, ready_server  # noqa: E402
 from vllm_sparse_tools import assets  # noqa: E402
 from vllm_sparse_tools.demo import demo_server_args  # noqa: E402
 from vllm_sparse_backend.prefill.route import DenseReason  # noqa: E402
@@ -106,14 +106,6 @@ def _prompts(server, text, lengths, first=20_000):
     return out
 
 
-def _complete(server, prompt):
-    out = server.request("POST", "/v1/completions", {
-        "model": server.model(), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "logprobs": 1, "return_token_ids": True, "ignore_eos": True})
-    choice = out["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
-
-
 def _stats(server) -> dict:
     """The sparse server's stats file (zero counts before its first sparse row)."""
     if not server.stats_path.exists():
@@ -130,8 +122,8 @@ def _change(before: dict, after: dict) -> tuple[dict, int, int]:
 
 
 def _same_as_dense(dense_server, sparse_server, prompt):
-    dense_ids, dense_lp = _complete(dense_server, prompt)
-    sparse_ids, sparse_lp = _complete(sparse_server, prompt)
+    dense_ids, dense_lp = greedy_tokens(dense_server, prompt, MAX_TOKENS)
+    sparse_ids, sparse_lp = greedy_tokens(sparse_server, prompt, MAX_TOKENS)
     assert sparse_ids == dense_ids
     assert max(abs(a - b) for a, b in zip(dense_lp, sparse_lp)) < LOGPROB_TOL, (dense_lp, sparse_lp)
 
