@@ -116,3 +116,25 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed
     p = torch.exp(s - torch.where(torch.isinf(m), torch.zeros_like(m), m))
     denom = p.sum(-1, keepdim=True)
     return torch.matmul(p, v) / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     query_rows: int = 512) -> torch.Tensor:
+    """softmax(q k^T x scale, causal) v for the last ``q`` positions of a sequence of ``s`` keys:
+    query ``[q, H, D]``, key / value ``[s, Hkv, D]`` (H a multiple of Hkv, GQA); query row ``i``
+    sits at position ``s - q + i`` and sees keys ``0 .. s - q + i``. ``[q, H, D]`` in the query's dtype.
+    ``query_rows`` per call bounds the ``[H, rows, s]`` scores a call materialises."""
+    q_len, s = query.shape[0], key.shape[0]
+    group = query.shape[1] // key.shape[1]
+    k = key.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
+    v = value.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+    out = torch.empty_like(query)
+    positions = torch.arange(s, device=query.device)
+    for a in range(0, q_len, query_rows):
+        b = min(a + query_rows, q_len)
+        rows = torch.arange(s - q_len + a, s - q_len + b, device=query.device)
+        bias = torch.where(positions[None, :] <= rows[:, None], 0.0, float("-inf")).to(query.dtype)
+        o = torch.nn.functional.scaled_dot_product_attention(query[a:b].transpose(0, 1), k, v, attn_mask=bias,
+                                                             scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out

@@ -14,29 +14,10 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from vllm_sparse_kernels.torch_attention import causal_attention
 
 # Query rows per attention call: bounds the [heads, rows, keys] scores a call materialises.
 QUERY_ROWS = 512
-
-
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(q k^T x scale, causal) v for the last ``q`` positions of a sequence of ``s`` keys:
-    query ``[q, H, D]``, key / value ``[s, Hkv, D]`` (H a multiple of Hkv, GQA); query row ``i``
-    sits at position ``s - q + i`` and sees keys ``0 .. s - q + i``. ``[q, H, D]`` in the query's dtype."""
-    q_len, s = query.shape[0], key.shape[0]
-    group = query.shape[1] // key.shape[1]
-    k = key.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [H, s, D]
-    v = value.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
-    out = torch.empty_like(query)
-    positions = torch.arange(s, device=query.device)
-    for a in range(0, q_len, QUERY_ROWS):
-        b = min(a + QUERY_ROWS, q_len)
-        rows = torch.arange(s - q_len + a, s - q_len + b, device=query.device)
-        bias = torch.where(positions[None, :] <= rows[:, None], 0.0, float("-inf")).to(query.dtype)
-        o = torch.nn.functional.scaled_dot_product_attention(query[a:b].transpose(0, 1), k, v, attn_mask=bias,
-                                                             scale=scale)
-        out[a:b] = o.transpose(0, 1)
-    return out
 
 
 def dense_prefill_placed(query: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int],
@@ -51,4 +32,4 @@ def dense_prefill_placed(query: torch.Tensor, query_start_loc: Sequence[int], se
         if b == a:
             continue
         key, value = gather(table[row, :-(-seq_len // page_size)].tolist())
-        out[a:b] = causal_attention(query[a:b], key[:seq_len], value[:seq_len], scale)
+        out[a:b] = causal_attention(query[a:b], key[:seq_len], value[:seq_len], scale, QUERY_ROWS)
