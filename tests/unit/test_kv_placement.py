@@ -15,7 +15,7 @@ from vllm_sparse_backend.config import ConfigError, SparseSettings
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS, KVLayout, kv_placement
 from vllm_sparse_backend.kv_placement.gpu import GPUPlacement
 from vllm_sparse_backend.kv_placement.host import (FP8, HostKVPoolFull, HostPlacement, HotCacheTooSmall, HotPages,
-                                                   hot_cache_bytes, hot_slots_needed)
+                                                   hot_slots_needed)
 from vllm_sparse_backend.startup import load_checked_settings
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, page_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -217,7 +217,6 @@ def test_the_hot_cache_takes_the_bytes_of_its_slots(dtype, nbytes):
     placement = host(hot_pages=6, dtype=dtype)
     assert placement.hot_nbytes == nbytes
     storage = FP8 if dtype == "fp8_e4m3" else torch.bfloat16
-    assert hot_cache_bytes(2, 6, LAYOUT.page_shape, storage) == nbytes
     assert HotPages.allocate(2, 6, LAYOUT.page_shape, storage, "cpu").nbytes == nbytes
 
 

@@ -365,7 +365,10 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
             host_kv = self._host_placement()
             if host_kv is not None:  # and the host placement's hot cache, once for every layer
-                host_kv.claim_hot_cache(self.num_kv_heads, self.head_size, output.dtype, query.device)
+                hot = host_kv.claim_hot_cache(self.num_kv_heads, self.head_size, output.dtype, query.device)
+                runtime.log_once("kv_placement=host: %.2f GiB of hot cache (host_kv_hot_pages=%d per layer) held in "
+                                 "vLLM's profiling run", hot.nbytes / 2 ** 30, runtime.settings.host_kv_hot_pages,
+                                 info=True)
             if self._decode is not None:
                 self._claim_decode_state(query)
             self._claim_scratch(layer, query, output)

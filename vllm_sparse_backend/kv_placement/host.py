@@ -68,14 +68,6 @@ def pool_block_bytes(layout: KVLayout, host_kv_dtype: str = "auto") -> int:
     return layout.num_layers * (2 * page_elems * dtype.itemsize + scale_bytes)
 
 
-def hot_cache_bytes(num_layers: int, slots: int, page_shape: tuple[int, int, int], dtype: torch.dtype) -> int:
-    """Device bytes of the hot cache: K and V ``[layers, slots, page, Hkv, D]`` in the storage
-    ``dtype`` (:func:`storage_dtype`), and for fp8 a float32 scale per slot, KV head and K/V."""
-    page, num_kv_heads, head_size = page_shape
-    scales = 2 * num_kv_heads * 4 if dtype == FP8 else 0
-    return num_layers * slots * (2 * page * num_kv_heads * head_size * dtype.itemsize + scales)
-
-
 def hot_slots_needed(sink_pages: int, recent_pages: int, budget_pages: int, num_kv_heads: int, page_size: int,
                      num_blocks: int, max_num_seqs: int, max_model_len: int) -> int:
     """The hot slots per layer that make :class:`HotCacheTooSmall` impossible in a decode step.
@@ -291,7 +283,7 @@ class HostPlacement:
 
     @property
     def hot_nbytes(self) -> int:
-        """GPU memory of the hot cache (:func:`hot_cache_bytes`)."""
+        """GPU memory of the hot cache."""
         return self.hot.nbytes
 
     def write(self, layer: int, block_ids: Sequence[int], key_pages: torch.Tensor,
