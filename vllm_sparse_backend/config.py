@@ -333,8 +333,9 @@ class SparseSettings(BaseModel):
         "is wired into the backends but has not run on a GPU server yet: setting it is a start-up error."))
     host_kv_hot_pages: int = Field(256, ge=1, description=(
         "kv_placement=host: GPU slots per layer for pages copied from the host pool (least recently used "
-        "reused first; sink and recent pages never evicted); at least decode_sink_pages + decode_recent_pages "
-        "+ decode_budget_pages x the model's KV heads (each selects its own); a larger batch runs in groups."))
+        "reused first; sink and recent pages never evicted); checked at start-up against the largest decode step: "
+        "one sequence's decode_sink_pages + decode_recent_pages + decode_budget_pages x the model's KV heads "
+        "beside the sink and recent pages of the other --max-num-seqs - 1 sequences."))
     host_kv_pool_bytes: int | None = Field(None, ge=1, description=(
         "kv_placement=host: host memory of the pool holding every block's K/V (all layers); vLLM's blocks "
         "must fit in it (cap them with --num-gpu-blocks-override). Required with kv_placement=host."))

@@ -22,10 +22,12 @@ from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache_shape_bytes  # noqa: E402
 
 from vllm_sparse_backend import _compat  # noqa: E402
-from vllm_sparse_backend.backends.host_kv import HostKV, pinned_blocks, summary_views  # noqa: E402
+from vllm_sparse_backend.backends.host_kv import (HostKV, check_host_kv_fits, check_vllm_cache_fits,  # noqa: E402
+                                                 pinned_blocks, summary_views)
 from vllm_sparse_backend.config import ConfigError, SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode.topk import TopkDecodeBudget  # noqa: E402
-from vllm_sparse_backend.kv_placement.host import HostPlacement  # noqa: E402
+from vllm_sparse_backend.kv_placement.base import KVLayout  # noqa: E402
+from vllm_sparse_backend.kv_placement.host import HostPlacement, HotPages  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 
 cuda_backend = pytest.importorskip("vllm_sparse_backend.backends.cuda")
@@ -183,6 +185,96 @@ def test_the_pool_must_hold_every_block_vllm_made():
                                 vllm_page(torch.Generator()), torch.tensor([0]))
 
 
+LAYOUT = KVLayout(num_layers=len(LAYERS), num_blocks=BLOCKS, page_size=PAGE, num_kv_heads=HKV, head_size=D,
+                  dtype=torch.float32)
+
+
+# SETTINGS: 1 sink + 1 recent + 1 page for each of the 2 KV heads
+@pytest.mark.parametrize("max_num_seqs, max_model_len, need", [
+    (3, 64, 8),  # 4 pages of one sequence + 2 pinned for each of the 2 others
+    (3, 32, 6),  # a sequence has 2 pages: 2 + 2 x 2
+    (8, 64, 12),  # 4 + 7 x 2 = 18, but vLLM has 12 blocks
+])
+def test_the_hot_cache_must_hold_the_largest_decode_step(max_num_seqs, max_model_len, need):
+    with pytest.raises(ConfigError, match=f"host_kv_hot_pages={need - 1} is below the {need} slots .* "
+                                          f"--max-num-seqs {max_num_seqs} .* set host_kv_hot_pages={need},"):
+        check_host_kv_fits(SETTINGS.replace(host_kv_hot_pages=need - 1), LAYOUT, max_num_seqs, max_model_len)
+    check_host_kv_fits(SETTINGS.replace(host_kv_hot_pages=need), LAYOUT, max_num_seqs, max_model_len)
+
+
+def test_the_pool_must_hold_vllms_blocks_at_start_up():
+    with pytest.raises(ConfigError, match=f"vLLM made {BLOCKS} KV-cache blocks .* holds {BLOCKS - 1} .* "
+                                          f"--num-gpu-blocks-override {BLOCKS - 1}"):
+        check_host_kv_fits(SETTINGS.replace(host_kv_pool_bytes=BLOCKS * BLOCK_BYTES - 1), LAYOUT, 1, 64)
+    check_host_kv_fits(SETTINGS.replace(host_kv_pool_bytes=BLOCKS * BLOCK_BYTES), LAYOUT, 1, 64)
+
+
+def test_the_builder_checks_with_vllms_numbers_once_its_cache_is_sized():
+    from vllm.model_executor.layers.attention import Attention
+
+    def config(num_blocks):
+        return SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
+                               scheduler_config=SimpleNamespace(max_num_seqs=3),
+                               model_config=SimpleNamespace(max_model_len=64, dtype=torch.float32),
+                               compilation_config=SimpleNamespace(
+                                   static_forward_context={n: object.__new__(Attention) for n in LAYERS}))
+    small = SETTINGS.replace(host_kv_hot_pages=7)  # 8 needed (above)
+    with pytest.raises(ConfigError, match="host_kv_hot_pages=7 is below the 8 slots"):
+        check_vllm_cache_fits(small, config(BLOCKS), SPEC)
+    check_vllm_cache_fits(small.replace(host_kv_hot_pages=8), config(BLOCKS), SPEC)
+    check_vllm_cache_fits(small, config(None), SPEC)  # vLLM's minimal profiling cache: the first write checks
+    with pytest.raises(ConfigError, match="host_kv_pool_bytes=.* holds 12 .* --num-gpu-blocks-override 12"):
+        check_vllm_cache_fits(SETTINGS, config(BLOCKS + 1), SPEC)
+
+
+def test_the_first_write_checks_the_hot_cache_with_vllms_numbers():
+    impl = impl_with(SETTINGS)
+    impl.runtime.host_kv = HostKV(SETTINGS, LAYERS, PAGE, max_num_seqs=3, max_model_len=64)  # 8 slots needed
+    with pytest.raises(ConfigError, match="host_kv_hot_pages=6 is below the 8 slots"):
+        impl.do_kv_cache_update(SimpleNamespace(layer_name=LAYERS[0]), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D),
+                                vllm_page(torch.Generator()), torch.tensor([0]))
+
+
+def profiling_forward(impl, allocations: list) -> None:
+    """vLLM's profiling run through the impl's forward (no metadata, no KV cache yet), every layer."""
+    impl.vllm_flash_attn_version = 2  # FlashAttention's profiling branch asks for it
+    for name in LAYERS:
+        out = torch.full((5, H, D), float("nan"))
+        impl.forward(SimpleNamespace(layer_name=name), torch.randn(5, H, D), torch.randn(5, HKV, D),
+                     torch.randn(5, HKV, D), torch.empty(0), None, out)
+    assert len(allocations) == 1
+
+
+def count_hot_allocations(monkeypatch) -> list:
+    allocations = []
+    allocate = HotPages.allocate.__func__
+
+    def counted(cls, *args):
+        allocations.append(args)
+        return allocate(cls, *args)
+    monkeypatch.setattr(HotPages, "allocate", classmethod(counted))
+    return allocations
+
+
+def test_the_profiling_run_claims_the_hot_cache_once_and_the_placement_fills_it(monkeypatch):
+    allocations = count_hot_allocations(monkeypatch)
+    impl = impl_with(SETTINGS)
+    profiling_forward(impl, allocations)
+    profiling_forward(impl, allocations)  # (a second run, or CUDA-graph profiling, claims nothing more)
+    hot = impl.runtime.host_kv.hot
+    # 2 layers x 6 slots x (K, V) x 16 tokens x 2 KV heads x 32 dims x 4 bytes
+    assert hot.nbytes == 2 * 6 * 2 * PAGE * HKV * D * 4 == 98304
+    writer = Writer(impl, torch.Generator().manual_seed(3))
+    a, b = [3, 7, 1], [5, 2]
+    writer.step([(a, 0, 20), (b, 0, 17)])
+    for t in range(3):
+        writer.step([(a, 20 + t, 1), (b, 17 + t, 1)])
+    placement = impl.runtime.host_kv.placement
+    assert placement.hot is hot and placement.hot_key.data_ptr() == hot.key.data_ptr()
+    assert placement.hot_nbytes == 98304
+    assert len(allocations) == 1
+
+
 def test_a_page_that_vllm_did_not_shrink_is_refused():
     full_page = torch.zeros(compute_layer_kv_cache_shape_bytes(SPEC, BLOCKS), dtype=torch.int8).view(torch.float32)
     with pytest.raises(ValueError, match="not a page summary .* customize_spec"):
@@ -246,6 +338,8 @@ def test_decode_through_the_impl_forward_is_the_topk_mode_over_the_same_tokens(m
     gen = torch.Generator().manual_seed(1)
     settings = SETTINGS.replace(host_kv_hot_pages=8)  # a step's pages: sink + recent + one per KV head
     impl = impl_with(settings)
+    allocations = count_hot_allocations(monkeypatch)
+    profiling_forward(impl, allocations)  # the hot cache, claimed before any step
     writer = Writer(impl, gen)
     table = torch.tensor([[3, 7, 1, 11], [5, 2, 8, 0]], dtype=torch.int32)
     lens = [40, 45]
@@ -271,3 +365,4 @@ def test_decode_through_the_impl_forward_is_the_topk_mode_over_the_same_tokens(m
             assert torch.equal(out[:2], want), (step, name)
             assert torch.isnan(out[2:]).all()
     assert placement.stats.misses > 0
+    assert len(allocations) == 1 and placement.hot is impl.runtime.host_kv.hot  # no step allocated slots

@@ -25,6 +25,7 @@ import torch
 pytest.importorskip("vllm")
 
 from server_helpers import greedy_tokens, ready_server  # noqa: E402
+from vllm_sparse_tools.demo import ServerError, start_server, wait_ready  # noqa: E402
 from tiny_llama import make_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.kernels,
@@ -39,6 +40,10 @@ ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
 MAX_TOKENS = 6
 # tiny_llama: 2 layers, 2 KV heads of 64, float32; vLLM's CPU blocks of 128 tokens
 POOL_BYTES = BLOCKS * 2 * 2 * 128 * 2 * 64 * 4
+# the largest decode step of 2 sequences: one's 32 pages (4096 tokens; 1 sink + 8 recent + 64 x 2
+# KV heads is more) beside the other's 1 sink + 8 recent pinned pages: 41 hot slots per layer
+HOST_ARGS = ["--attention-backend", "sparse-prefill", "--max-num-seqs", "2"]
+HOT_PAGES = 41
 
 _LIFT_REFUSAL = """
 from vllm_sparse_backend.kv_placement.host import HostPlacement
@@ -90,15 +95,18 @@ def dense_server(model_dir, tmp_path_factory):
     h.stop()
 
 
+def host_env(site: Path, hot_pages: int) -> dict[str, str]:
+    (site / "sitecustomize.py").write_text(_LIFT_REFUSAL)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            "TRITON_INTERPRET": "1", "VLLM_SPARSE_KV_PLACEMENT": "host", "VLLM_SPARSE_DECODE_MODE": "topk",
+            "VLLM_SPARSE_HOST_KV_POOL_BYTES": str(POOL_BYTES), "VLLM_SPARSE_HOST_KV_HOT_PAGES": str(hot_pages),
+            "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "100000"}  # prefill on vLLM's CPU kernel, as in the dense server
+
+
 @pytest.fixture(scope="module")
 def host_server(model_dir, tmp_path_factory):
-    site = tmp_path_factory.mktemp("lift-refusal")
-    (site / "sitecustomize.py").write_text(_LIFT_REFUSAL)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-           "TRITON_INTERPRET": "1", "VLLM_SPARSE_KV_PLACEMENT": "host", "VLLM_SPARSE_DECODE_MODE": "topk",
-           "VLLM_SPARSE_HOST_KV_POOL_BYTES": str(POOL_BYTES),
-           "VLLM_SPARSE_MIN_SPARSE_QUERY_LEN": "100000"}  # prefill on vLLM's CPU kernel, as in the dense server
-    h = ready_server(model_dir, ARGS + ["--attention-backend", "sparse-prefill"], env,
+    # the smallest hot cache that fits starts
+    h = ready_server(model_dir, ARGS + HOST_ARGS, host_env(tmp_path_factory.mktemp("lift-refusal"), HOT_PAGES),
                      tmp_path_factory.mktemp("host"), timeout=400)
     yield h
     h.stop()
@@ -115,3 +123,16 @@ def test_host_kv_decode_gives_the_dense_servers_tokens(dense_server, host_server
         assert got_logprobs == pytest.approx(want_logprobs, abs=1e-3)
     log = Path(host_server.log_path).read_text(errors="replace")
     assert "kv_placement=host: decode steps read the host pool" in log
+
+
+def test_a_hot_cache_below_the_largest_decode_step_stops_the_start_up(model_dir, tmp_path):
+    """With vLLM's numbers (its 64 blocks, --max-num-seqs, --max-model-len), before any request."""
+    handle = start_server(model_dir, ARGS + HOST_ARGS, host_env(tmp_path, HOT_PAGES - 1), tmp_path / "server.log")
+    try:
+        with pytest.raises(ServerError):
+            wait_ready(handle, timeout=400)
+    finally:
+        handle.stop()
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert f"host_kv_hot_pages={HOT_PAGES - 1} is below the {HOT_PAGES} slots" in log
+    assert f"set host_kv_hot_pages={HOT_PAGES}" in log

@@ -14,7 +14,8 @@ from vllm_sparse_backend import _compat
 from vllm_sparse_backend.config import ConfigError, SparseSettings
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS, KVLayout, kv_placement
 from vllm_sparse_backend.kv_placement.gpu import GPUPlacement
-from vllm_sparse_backend.kv_placement.host import HostKVPoolFull, HostPlacement, HotCacheTooSmall
+from vllm_sparse_backend.kv_placement.host import (FP8, HostKVPoolFull, HostPlacement, HotCacheTooSmall, HotPages,
+                                                   hot_slots_needed)
 from vllm_sparse_backend.startup import load_checked_settings
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=64, page_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
@@ -204,9 +205,44 @@ def test_a_full_pool_refuses_the_write_and_keeps_what_it_holds():
 def test_host_placement_checks_its_settings():
     with pytest.raises(ValueError, match="host_kv_pool_bytes: must be set"):
         HostPlacement(SparseSettings(), LAYOUT)
-    # 1 sink + 8 recent pages + 64 for each of the 2 KV heads
-    with pytest.raises(ValueError, match="host_kv_hot_pages=8: below one request's step of 137 pages"):
-        HostPlacement(SparseSettings(host_kv_hot_pages=8, host_kv_pool_bytes=1 << 20), LAYOUT)
+
+
+@pytest.mark.parametrize("dtype, nbytes", [
+    # 2 layers x 6 slots x (K, V) x 4 tokens x 2 heads x 8 dims x 2 bytes
+    ("auto", 2 * 6 * 2 * 4 * 2 * 8 * 2),
+    # fp8: 1 byte a value, and a float32 scale per slot, KV head and K/V: 2 x 6 x (128 + 16)
+    ("fp8_e4m3", 2 * 6 * (2 * 4 * 2 * 8 + 2 * 2 * 4)),
+])
+def test_the_hot_cache_takes_the_bytes_of_its_slots(dtype, nbytes):
+    placement = host(hot_pages=6, dtype=dtype)
+    assert placement.hot_nbytes == nbytes
+    storage = FP8 if dtype == "fp8_e4m3" else torch.bfloat16
+    assert HotPages.allocate(2, 6, LAYOUT.page_shape, storage, "cpu").nbytes == nbytes
+
+
+def test_a_hot_cache_allocated_beforehand_is_the_one_the_placement_fills():
+    hot = HotPages.allocate(2, 6, LAYOUT.page_shape, torch.bfloat16, "cpu")
+    settings = SparseSettings(host_kv_hot_pages=6, host_kv_pool_bytes=64 * BF16_BLOCK_BYTES)
+    placement = HostPlacement(settings, LAYOUT, hot)
+    gen = torch.Generator().manual_seed(0)
+    written = pages(2, gen)
+    placement.write(1, [3, 9], written, written)
+    slots = placement.fetch(1, [3, 9]).slots
+    assert placement.hot_key.data_ptr() == hot.key.data_ptr()
+    assert torch.equal(hot.key[1, slots], written) and torch.equal(hot.value[1, slots], written)
+    with pytest.raises(ValueError, match=r"needs \(2, 7, 4, 2, 8\) torch.bfloat16 .* host_kv_hot_pages"):
+        HostPlacement(settings.replace(host_kv_hot_pages=7), LAYOUT, hot)
+
+
+@pytest.mark.parametrize("num_blocks, max_num_seqs, max_model_len, need", [
+    (10_000, 1, 32768, 137),  # one sequence: 1 sink + 8 recent + 64 pages for each of 2 KV heads
+    (10_000, 4, 32768, 164),  # + 9 pinned pages for each of the 3 others
+    (10_000, 4, 4096, 91),  # a sequence has 64 pages: 64 + 3 x 9
+    (10_000, 4, 256, 16),  # 4 pages: 4 + 3 x 4
+    (100, 4, 32768, 100),  # no step names more than vLLM's blocks
+])
+def test_the_hot_slots_a_decode_step_can_need(num_blocks, max_num_seqs, max_model_len, need):
+    assert hot_slots_needed(1, 8, 64, 2, 64, num_blocks, max_num_seqs, max_model_len) == need
 
 
 def test_gpu_placement_reads_vllms_cache_by_block_id():

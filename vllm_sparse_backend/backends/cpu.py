@@ -20,7 +20,7 @@ from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
 from ..prefill.route import group_dense_reason
-from .host_kv import HostKV
+from .host_kv import HostKV, check_vllm_cache_fits
 from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model, count_dense_tokens,
                      distinct_head_sets, first_unsupported_layer, guard_stats, layer_heads, log_dense_group,
                      long_query_lens, plan_sparse_step, recoverable, resolve_group_heads, sparse_path_failed)
@@ -56,6 +56,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
                 runtime.log_once("kv_placement=host on the CPU twin: pure decode steps run decode_mode=topk over "
                                  "the host pool (the top-k kernels, under Triton's interpreter on CPU); prefill stays "
                                  "on vLLM's CPU kernel, which reads vLLM's full page", info=True)
+                check_vllm_cache_fits(cfg, vllm_config, kv_cache_spec)  # vLLM has sized its cache: before any request
             elif cfg.decode.mode != "dense":
                 runtime.log_once("decode_mode=%s needs the CUDA backend (the CPU cache is not readable from Python); "
                                  "decode stays dense", cfg.decode.mode)
@@ -123,7 +124,8 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 return None
             vc = self._vllm_config
             runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size,
-                                     summaries_in_page=False)
+                                     summaries_in_page=False, max_num_seqs=vc.scheduler_config.max_num_seqs,
+                                     max_model_len=vc.model_config.max_model_len)
         return runtime.host_kv
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

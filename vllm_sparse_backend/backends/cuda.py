@@ -68,7 +68,7 @@ from .common import (UNQUANTIZED_KV_CACHE_DTYPES, DenseRun, SparseStepMetadata, 
                      guard_stats, layer_heads, log_dense_group, long_query_lens, plan_sparse_step, recoverable,
                      resolve_group_heads, sparse_path_failed, unsupported_reason)
 from .decode import LayerDecode, claim_decode_state, step_decode_plan
-from .host_kv import HostKV
+from .host_kv import HostKV, check_vllm_cache_fits
 
 # vLLM's fp8 KV caches the sparse path reads (allocated as bytes; FlashAttention views them as
 # e4m3, with per-layer k / v scales). e5m2 is not among them: FlashAttention, which runs decode
@@ -98,6 +98,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         if selected and cfg.kv_placement == "host":  # the sparse path reads vLLM's page: summaries only here
             runtime.log_once("kv_placement=host: prefill rows run dense over their K/V gathered from the host pool",
                              info=True)
+            check_vllm_cache_fits(cfg, vllm_config, kv_cache_spec)  # vLLM has sized its cache: before any request
         elif selected:
             unsupported = first_unsupported_layer(vllm_config, layer_names) if cfg.gating.enabled else None
             # resolved before the other reasons are asked: a head-config file that does not fit fails here
@@ -324,7 +325,9 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             return None
         if runtime.host_kv is None:
             vc = self._vllm_config
-            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size)
+            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size,
+                                     max_num_seqs=vc.scheduler_config.max_num_seqs,
+                                     max_model_len=vc.model_config.max_model_len)
         return runtime.host_kv
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
@@ -360,6 +363,12 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if attn_metadata is not None and self._host_placement() is not None:
             return self._host_forward(layer, query, kv_cache, attn_metadata, output)
         if attn_metadata is None:  # vLLM's profiling run: count the decode state and the sparse scratch in it
+            host_kv = self._host_placement()
+            if host_kv is not None:  # and the host placement's hot cache, once for every layer
+                hot = host_kv.claim_hot_cache(self.num_kv_heads, self.head_size, output.dtype, query.device)
+                runtime.log_once("kv_placement=host: %.2f GiB of hot cache (host_kv_hot_pages=%d per layer) held in "
+                                 "vLLM's profiling run", hot.nbytes / 2 ** 30, runtime.settings.host_kv_hot_pages,
+                                 info=True)
             if self._decode is not None:
                 self._claim_decode_state(query)
             self._claim_scratch(layer, query, output)

@@ -8,7 +8,10 @@ selection scores: one key min and max per block and KV head. vLLM binds it to th
 logical ``[blocks, Hkv, states, content]`` view, here ``[blocks, Hkv, 1, 2 x D]`` in the model's
 dtype: the first D values are the min, the last D the max (:func:`summary_views`). The full K/V
 of every block go to the worker's one :class:`.HostPlacement`, which holds every layer (a pool
-entry per vLLM block id), made at the first write, once vLLM's block count is known.
+entry per vLLM block id), made at the first write, once vLLM's block count is known. Its hot
+cache is allocated before that, in vLLM's profiling run (:meth:`HostKV.claim_hot_cache`), so
+that vLLM sizes its KV cache with it counted; :func:`check_host_kv_fits` refuses, at start-up,
+a pool or hot cache that a step could outgrow.
 
 Pure torch and plain tensors: a test drives it without a running vLLM.
 """
@@ -24,7 +27,8 @@ from ..config import ConfigError, SparseSettings
 from ..decode.placed import fold_page_summaries, topk_decode_placed
 from ..decode.topk import TopkDecodeBudget
 from ..kv_placement.base import KVLayout
-from ..kv_placement.host import HostPlacement, pool_block_bytes
+from ..kv_placement.host import HostPlacement, HotPages, hot_slots_needed, pool_block_bytes, storage_dtype
+from ..startup import report_startup_error
 from ..prefill.placed import dense_prefill_placed
 
 
@@ -65,12 +69,16 @@ class HostKV:
     ``layer_names``: every attention layer of the model this backend serves (vLLM gives each the
     same block ids); ``page_size``: tokens per vLLM block. ``summaries_in_page``: the summaries
     are vLLM's shrunk page (CUDA); False keeps them in tensors of their own beside vLLM's full
-    page (the CPU twin, whose own kernel still reads that page)."""
+    page (the CPU twin, whose own kernel still reads that page). ``max_num_seqs`` /
+    ``max_model_len``: vLLM's, for :func:`check_host_kv_fits` at the first write (None: the pool
+    alone is checked there)."""
 
     def __init__(self, settings: SparseSettings, layer_names: Sequence[str], page_size: int,
-                 summaries_in_page: bool = True):
+                 summaries_in_page: bool = True, max_num_seqs: int | None = None, max_model_len: int | None = None):
         self.settings = settings
         self.page_size = page_size
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len
+        self.hot: HotPages | None = None  # claimed in vLLM's profiling run (claim_hot_cache)
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.budget = TopkDecodeBudget.from_settings(settings)
         self.summaries_in_page = summaries_in_page
@@ -84,6 +92,17 @@ class HostKV:
                              f"KV pool was made for")
         return index
 
+    def claim_hot_cache(self, num_kv_heads: int, head_size: int, dtype: torch.dtype, device) -> HotPages:
+        """The hot cache of every layer, allocated on the first call and kept for the placement:
+        called in vLLM's profiling run, whose measurement then counts it when vLLM sizes its KV
+        cache (with ``--kv-cache-memory-bytes`` nothing is measured: it comes on top). ``dtype``:
+        the model's K/V dtype."""
+        if self.hot is None:
+            page_shape = (self.page_size, num_kv_heads, head_size)
+            self.hot = HotPages.allocate(len(self.layer_of), self.settings.host_kv_hot_pages, page_shape,
+                                         storage_dtype(self.settings.host_kv_dtype, dtype), device)
+        return self.hot
+
     def placement_for(self, kv_cache: torch.Tensor, key: torch.Tensor) -> HostPlacement:
         """The placement, made on the first call from vLLM's cache (its block count) and the
         step's keys (heads, head size, dtype, device). Every vLLM block id must have its pool
@@ -95,8 +114,13 @@ class HostKV:
                                   f"summaries; run with the model's dtype (--kv-cache-dtype auto)")
             layout = KVLayout(num_layers=len(self.layer_of), num_blocks=kv_cache.shape[0], page_size=self.page_size,
                               num_kv_heads=key.shape[1], head_size=key.shape[2], dtype=key.dtype, device=key.device)
-            check_pool_holds_vllm_blocks(self.settings, layout)
-            self.placement = HostPlacement(self.settings, layout)
+            if self.max_num_seqs is None or self.max_model_len is None:
+                check_pool_holds_vllm_blocks(self.settings, layout)
+            else:
+                check_host_kv_fits(self.settings, layout, self.max_num_seqs, self.max_model_len)
+            # without a profiling run (the CPU twin) the hot cache is allocated here
+            self.placement = HostPlacement(self.settings, layout, self.claim_hot_cache(
+                layout.num_kv_heads, layout.head_size, layout.dtype, layout.device))
             if not self.summaries_in_page:
                 shape = (layout.num_blocks, layout.num_kv_heads, layout.head_size)
                 self.own_summaries = [SummaryViews(torch.zeros(shape, dtype=key.dtype, device=key.device),
@@ -153,3 +177,42 @@ def check_pool_holds_vllm_blocks(settings: SparseSettings, layout: KVLayout) -> 
                           f"{settings.host_kv_pool_bytes} holds {holds} (one block of all {layout.num_layers} layers "
                           f"takes {block_bytes} bytes); start vLLM with --num-gpu-blocks-override {holds} or raise "
                           f"host_kv_pool_bytes")
+
+
+def check_host_kv_fits(settings: SparseSettings, layout: KVLayout, max_num_seqs: int, max_model_len: int) -> None:
+    """ConfigError, before any request runs, where a step could fail inside forward: vLLM's
+    blocks beyond the pool (:func:`check_pool_holds_vllm_blocks`), or a decode step needing more
+    hot slots than ``host_kv_hot_pages`` (:func:`..kv_placement.host.hot_slots_needed`, from
+    vLLM's ``max_num_seqs`` and ``max_model_len``). Each names the value that would fit."""
+    check_pool_holds_vllm_blocks(settings, layout)
+    d = settings.decode
+    need = hot_slots_needed(d.sink_pages, d.recent_pages, d.budget_pages, layout.num_kv_heads, layout.page_size,
+                            layout.num_blocks, max_num_seqs, max_model_len)
+    if settings.host_kv_hot_pages < need:
+        raise ConfigError(f"kv_placement=host: host_kv_hot_pages={settings.host_kv_hot_pages} is below the {need} "
+                          f"slots per layer a decode step can need (one sequence's decode_sink_pages + "
+                          f"decode_recent_pages + decode_budget_pages x {layout.num_kv_heads} KV heads, within "
+                          f"--max-model-len {max_model_len}, beside the sink and recent pages pinned for each of "
+                          f"--max-num-seqs {max_num_seqs} - 1 other sequences); set host_kv_hot_pages={need}, or "
+                          f"lower --max-num-seqs")
+
+
+def check_vllm_cache_fits(settings: SparseSettings, vllm_config, kv_cache_spec) -> None:
+    """:func:`check_host_kv_fits` with vLLM's numbers, from a metadata builder, which vLLM makes
+    once it has sized its KV cache and before any request (the ConfigError stops the start-up,
+    also left for the plugin's ``vllm`` command). Skipped while vLLM's block count is unset (a
+    minimal cache of its profiling run): the first K/V write then checks."""
+    from .._compat import attention_layers
+
+    num_blocks = vllm_config.cache_config.num_gpu_blocks
+    if num_blocks is None:
+        return
+    layout = KVLayout(num_layers=len(attention_layers(vllm_config, None)), num_blocks=num_blocks,
+                      page_size=kv_cache_spec.block_size, num_kv_heads=kv_cache_spec.num_kv_heads,
+                      head_size=kv_cache_spec.head_size, dtype=vllm_config.model_config.dtype)
+    try:
+        check_host_kv_fits(settings, layout, vllm_config.scheduler_config.max_num_seqs,
+                           vllm_config.model_config.max_model_len)
+    except ConfigError as error:
+        report_startup_error(error)
+        raise

@@ -9,9 +9,11 @@ slots per layer that a step's blocks are copied into (least recently used slots 
   its first write and gives it back when freed; a pool with no entry left refuses the write
   with :class:`HostKVPoolFull` (the caller fails that request, not the server).
 - :class:`HotPageCache`: one layer's slot bookkeeping, host only.
-- :class:`HostPlacement`: the two together, with the hot tensors allocated once at start
-  (``host_kv_hot_pages`` slots per layer): a step copies pages into existing slots and never
-  allocates, which a CUDA graph of the attention that reads them needs.
+- :class:`HotPages`: the hot tensors, ``host_kv_hot_pages`` slots per layer, allocated once
+  (the backend does it in vLLM's profiling run, so that vLLM sizes its KV cache with them
+  counted) and handed to :class:`HostPlacement`, the two above together: a step copies pages
+  into existing slots and never allocates, which a CUDA graph of the attention that reads them
+  needs. :func:`hot_slots_needed`: the slots no decode step can outgrow.
 
 Why a block's hot copy is dropped on :meth:`HostPlacement.free` and refreshed on a write: vLLM
 reuses a block id for other content once it reallocates it, and rewrites the last page of a
@@ -64,6 +66,42 @@ def pool_block_bytes(layout: KVLayout, host_kv_dtype: str = "auto") -> int:
     page_elems = layout.page_size * layout.num_kv_heads * layout.head_size
     scale_bytes = 2 * layout.num_kv_heads * 4 if dtype == FP8 else 0
     return layout.num_layers * (2 * page_elems * dtype.itemsize + scale_bytes)
+
+
+def hot_slots_needed(sink_pages: int, recent_pages: int, budget_pages: int, num_kv_heads: int, page_size: int,
+                     num_blocks: int, max_num_seqs: int, max_model_len: int) -> int:
+    """The hot slots per layer that make :class:`HotCacheTooSmall` impossible in a decode step.
+    A step runs in groups of rows (:func:`..decode.placed.row_groups`), the smallest being one
+    row: its selection (sink + recent + a budget per KV head, at most the pages of a
+    ``max_model_len`` sequence) beside the pinned sink and recent pages of every other running
+    sequence (``max_num_seqs`` - 1 of them). No step names more than vLLM's ``num_blocks``."""
+    pages = -(-max_model_len // page_size)
+    row = min(sink_pages + recent_pages + num_kv_heads * budget_pages, pages)
+    pinned = min(sink_pages + recent_pages, pages)
+    return min(row + (max_num_seqs - 1) * pinned, num_blocks)
+
+
+@dataclass
+class HotPages:
+    """The hot cache's tensors: K and V ``[layers, slots, page, Hkv, D]`` in the pool's storage
+    dtype and, for fp8, their scales ``[layers, slots, Hkv]`` (float32)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(cls, num_layers: int, slots: int, page_shape: tuple[int, int, int], dtype: torch.dtype,
+                 device) -> "HotPages":
+        shape, scale_shape = (num_layers, slots, *page_shape), (num_layers, slots, page_shape[1])
+        scales = [torch.ones(scale_shape, device=device) for _ in range(2)] if dtype == FP8 else [None, None]
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device),
+                   *scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.key, self.value, self.key_scale, self.value_scale) if t is not None)
 
 
 class HostKVPool:
@@ -213,26 +251,25 @@ class HostPlacement:
     name = "host"
     wired = False  # the backends do not call it yet: docs/decode-offload.md
 
-    def __init__(self, settings: SparseSettings | None, layout: KVLayout):
+    def __init__(self, settings: SparseSettings | None, layout: KVLayout, hot: HotPages | None = None):
+        """``hot``: the hot cache allocated beforehand (in vLLM's profiling run); None allocates it here."""
         s = settings or SparseSettings()
         if s.host_kv_pool_bytes is None:
             raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
-        # each KV head selects its own budget_pages: one request's step reads up to this many pages
-        step_pages = s.decode.sink_pages + s.decode.recent_pages + layout.num_kv_heads * s.decode.budget_pages
-        if s.host_kv_hot_pages < step_pages:
-            raise ValueError(f"host_kv_hot_pages={s.host_kv_hot_pages}: below one request's step of {step_pages} "
-                             f"pages (decode_sink_pages + decode_recent_pages + decode_budget_pages x "
-                             f"{layout.num_kv_heads} KV heads)")
         self.layout = layout
         self.pool = HostKVPool(layout, s.host_kv_pool_bytes, s.host_kv_dtype)
         self.caches = [HotPageCache(s.host_kv_hot_pages) for _ in range(layout.num_layers)]
         shape = (layout.num_layers, s.host_kv_hot_pages, *layout.page_shape)
-        self.hot_key = torch.empty(shape, dtype=self.pool.dtype, device=layout.device)
-        self.hot_value = torch.empty(shape, dtype=self.pool.dtype, device=layout.device)
-        scale_shape = (layout.num_layers, s.host_kv_hot_pages, layout.num_kv_heads)
-        quantized = self.pool.quantized
-        self.hot_key_scale = torch.ones(scale_shape, device=layout.device) if quantized else None
-        self.hot_value_scale = torch.ones(scale_shape, device=layout.device) if quantized else None
+        if hot is None:
+            hot = HotPages.allocate(layout.num_layers, s.host_kv_hot_pages, layout.page_shape, self.pool.dtype,
+                                    layout.device)
+        elif tuple(hot.key.shape) != shape or hot.key.dtype != self.pool.dtype:
+            raise ValueError(f"the hot cache allocated beforehand is {tuple(hot.key.shape)} {hot.key.dtype}; this "
+                             f"cache needs {shape} {self.pool.dtype} (layers, host_kv_hot_pages, page, KV heads, "
+                             f"head size)")
+        self.hot = hot
+        self.hot_key, self.hot_value = hot.key, hot.value
+        self.hot_key_scale, self.hot_value_scale = hot.key_scale, hot.value_scale
         self.pinned: frozenset[int] = frozenset()
         self.stats = HotCacheStats()
         # copies from pinned memory run after the host moves on: a write must not change a pool
@@ -246,9 +283,8 @@ class HostPlacement:
 
     @property
     def hot_nbytes(self) -> int:
-        """GPU memory of the hot cache (to claim before vLLM sizes its own cache)."""
-        scales = 0 if self.hot_key_scale is None else 2 * self.hot_key_scale.nbytes
-        return self.hot_key.nbytes + self.hot_value.nbytes + scales
+        """GPU memory of the hot cache."""
+        return self.hot.nbytes
 
     def write(self, layer: int, block_ids: Sequence[int], key_pages: torch.Tensor,
               value_pages: torch.Tensor) -> None:
