@@ -23,7 +23,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache
 
 from vllm_sparse_backend import _compat  # noqa: E402
 from vllm_sparse_backend.backends.host_kv import HostKV, pinned_blocks, summary_views  # noqa: E402
-from vllm_sparse_backend.config import ConfigError, SparseSettings  # noqa: E402
+from vllm_sparse_backend.config import ConfigError  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode.topk import TopkDecodeBudget  # noqa: E402
 from vllm_sparse_backend.kv_placement.host import HostPlacement  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
