@@ -94,7 +94,7 @@ if not __package__:
 
 import torch  # noqa: E402
 
-from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode.topk import TopkDecodeBudget  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
 from vllm_sparse_tools.evaluation.tasks import score  # noqa: E402

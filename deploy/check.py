@@ -169,7 +169,8 @@ def _check_settings(env: dict, mounts: dict, volumes: dict, configmaps: dict, wh
     """(settings, problems): the plugin's own validation of VLLM_SPARSE_* and the VLLM_SPARSE_CONFIG
     file; settings None when they are rejected."""
     try:
-        from vllm_sparse_backend.config import ConfigError, load_settings
+        from vllm_sparse_backend.config import ConfigError
+        from vllm_sparse_backend.settings import load_settings
     except ImportError as e:
         return None, [f"{where}: cannot import vllm_sparse_backend to check its settings ({e})"]
     settings_env = {k: v for k, v in env.items() if k.startswith("VLLM_SPARSE_") and isinstance(v, str)}

@@ -20,7 +20,14 @@ the variable ``VLLM_SPARSE_<NAME>`` and the key ``<name>`` of the JSON file, of
 ``SparseSettings(...)``, ``replace(...)`` and ``model_copy(update=...)`` land on the nested field
 (``decode.spans.theta``), and the nested form (``{"decode": {"spans": {"theta": 0.8}}}``) is
 accepted too. Code reads the nested field only; there is no flat attribute. Flat names are
-unique across groups (``SETTINGS`` checks it at import), so each says one field.
+unique across groups (``settings_of`` checks it when a settings class is made), so each says one
+field.
+
+This module holds the loading and the groups that are not a pattern's. Each pattern declares
+its group in its own file (``Pattern.settings_model``, a :class:`PatternGroup`), and
+:mod:`vllm_sparse_backend.settings`, above the pattern registry, assembles the final
+``SparseSettings`` from :class:`SparseSettingsBase` and the registered patterns' groups: this
+module imports nothing of the plugin, so no registry imports back into it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import ipaddress
 import json
 import os
 import re
-from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
+from types import MappingProxyType
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, NamedTuple, Self, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.fields import FieldInfo
@@ -187,101 +195,35 @@ class DecodeSettings(BaseModel):
         return self
 
 
-class VerticalSlashSettings(BaseModel):
-    """MInference vertical-slash (Alg. 2): budgets and last-q estimation (read by
-    prefill/patterns/vertical_slash.py; ``last_q`` also by the cost model's estimation term,
-    prefill/route.py, and by spans decode's persistent pages, which reuse the same last queries)."""
+class PatternGroup(BaseModel):
+    """The base of a pattern's settings model (``Pattern.settings_model``, declared in the
+    pattern's own file): the group ``settings.patterns.<pattern name>``."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    vertical_size: int = Field(1000, ge=1, description="Vertical-slash: columns (keys) kept per head.")
-    slash_size: int = Field(6096, ge=1, description="Vertical-slash: diagonals kept per head.")
-    vertical_share: float | None = Field(None, gt=0.0, le=1.0, description=(
-        "Budget growing with the context: a row's column budget is the larger of vertical_size and this share "
-        "of its keys (context + chunk), head-config files' vertical-slash heads included; none = fixed."))
-    slash_share: float | None = Field(None, gt=0.0, le=1.0, description=(
-        "Budget growing with the context: a row's diagonal budget is the larger of slash_size and this share "
-        "of its keys; none = fixed."))
-    slash_band: int = Field(1, ge=1, le=1024, description=(
-        "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
-        "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
-    slash_tiles: Literal["blocks", "ranges"] = Field("blocks", description=(
-        "How the kernel computes a kept diagonal: blocks = the (at most two) aligned key blocks it crosses in "
-        "each query block; ranges = its 64 keys as one unaligned key range (touching diagonals merged)."))
-    last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
-    keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
-    keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
+    def check_with(self, settings: "SparseSettingsBase") -> None:
+        """Bounds that depend on settings outside the group (the sparse ``block_size``, say):
+        ValueError naming the fields. Runs when the settings are built."""
 
 
-class BlockSparseSettings(BaseModel):
-    """MInference block-sparse (Alg. 3) and its two experimental scorings (read by
-    prefill/patterns/block_sparse.py)."""
+class PatternGroups(BaseModel):
+    """What ``settings.patterns`` is before the registry fills it in: the final model, one
+    group per registered pattern that declares settings, is built in :mod:`.settings`."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
-    scoring: Literal["pooled", "antidiagonal", "sampled"] = Field(
-        "pooled", json_schema_extra=_flat("block_scoring"), description=(
-            "How block-sparse heads score key blocks: pooled = mean-pooled Q . K (MInference); antidiagonal = "
-            "estimated softmax mass from anti-diagonals of stride x stride cells (XAttention); sampled = exact "
-            "attention of block_samples queries of each query block. The last two are experiments."))
-    samples: int = Field(2, ge=1, le=256, json_schema_extra=_flat("block_samples"), description=(
-        "Sampled block scores: queries per query block (block_size of them = the exact block mass)."))
-    antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
-                                                     "block_size; 1 / stride of the QK work).")
-    block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
-        "Anti-diagonal or sampled scoring: keep the fewest key blocks reaching this share of a query block's "
-        "estimated mass (at most topk_blocks); none = always topk_blocks."))
 
-    @model_validator(mode="after")
-    def _check(self) -> "BlockSparseSettings":
-        if self.block_mass is not None and self.scoring == "pooled":
-            raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
-        return self
-
-
-class AShapeSettings(BaseModel):
-    """A-shape, StreamingLLM-style sink + local window (read by prefill/patterns/a_shape.py)."""
+class SparseSettingsBase(BaseModel):
+    """Every setting but the patterns' own: :class:`vllm_sparse_backend.settings.SparseSettings`
+    is this with ``patterns`` narrowed to the registered patterns' groups (the patterns live
+    above this module, and this module imports nothing of the plugin)."""
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every setting by its flat name, made for each subclass as pydantic completes it (the
+    # before-validator needs its own class's: the final one's includes the pattern groups).
+    flat_settings: ClassVar[Mapping[str, "Setting"]] = MappingProxyType({})
 
-    sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
-    local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
-
-
-class FlexPrefillSettings(BaseModel):
-    """FlexPrefill (read by prefill/patterns/flex_prefill.py)."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    gamma: float = Field(0.95, gt=0.0, le=1.0, description="FlexPrefill cumulative attention to cover.")
-    tau: float = Field(0.1, ge=0.0, le=1.0, description="FlexPrefill sqrt-JSD threshold for query-aware heads.")
-    block_size: int = Field(128, json_schema_extra=_flat("flex_block_size"),
-                            description="FlexPrefill block size (64 or 128).")
-    min_budget: int = Field(1024, ge=0, description="FlexPrefill minimum tokens per head (vertical and slash).")
-    max_budget: int | None = Field(None, ge=1, description="FlexPrefill maximum tokens per head, none = unbounded.")
-
-    @model_validator(mode="after")
-    def _check(self) -> "FlexPrefillSettings":
-        v = self.block_size
-        if v < 16 or v > 256 or v & (v - 1):
-            raise ValueError(f"flex_block_size={v}: must be a power of two between 16 and 256")
-        if self.max_budget is not None and self.max_budget < self.min_budget:
-            raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
-        return self
-
-
-class PatternSettings(BaseModel):
-    """Each prefill pattern's parameters, one group per pattern named as the pattern is
-    registered (prefill/patterns). A head-config entry may override the fields its pattern
-    declares per head (``head_params``); the group gives the rest, and the default of those."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    vertical_slash: VerticalSlashSettings = Field(default_factory=VerticalSlashSettings,
-                                                  description="Vertical-slash heads.")
-    block_sparse: BlockSparseSettings = Field(default_factory=BlockSparseSettings, description="Block-sparse heads.")
-    a_shape: AShapeSettings = Field(default_factory=AShapeSettings, description="A-shape heads.")
-    flex_prefill: FlexPrefillSettings = Field(default_factory=FlexPrefillSettings, description="FlexPrefill heads.")
-
-
-class SparseSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls.flat_settings = MappingProxyType(settings_of(cls))
 
     # Each description is the user-facing meaning; docs/configuration.md is generated from them
     # (python -m vllm_sparse_tools.config_docs). Why the defaults are what they are, with the
@@ -295,7 +237,7 @@ class SparseSettings(BaseModel):
         description="Pattern of heads that no head-config file covers (a registered pattern's name).")
     block_size: int = Field(64, description=(
         "Query and key block size of the sparse format (tokens; a power of two from 16 to 256)."))
-    patterns: PatternSettings = Field(default_factory=PatternSettings, description=(
+    patterns: PatternGroups = Field(default_factory=PatternGroups, description=(
         "Each pattern's own parameters; a head-config entry overrides its per-head ones."))
     kv_group_shared: bool = Field(True, description=(
         "One key selection per KV head, shared by the query heads of its GQA group (their scores summed), so the "
@@ -344,7 +286,7 @@ class SparseSettings(BaseModel):
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))
 
     @model_validator(mode="after")
-    def _check_kv_placement(self) -> "SparseSettings":
+    def _check_kv_placement(self) -> Self:
         if self.kv_placement != "host":
             return self
         if self.decode.mode != "topk":  # vLLM's page then holds only what the top-k selection scores
@@ -353,11 +295,11 @@ class SparseSettings(BaseModel):
             raise ValueError("host_kv_pool_bytes: must be set with kv_placement=host (the host memory of the pool)")
         return self
 
-    def replace(self, **changes: Any) -> "SparseSettings":
+    def replace(self, **changes: Any) -> Self:
         """A validated copy with ``changes`` (flat names or nested groups, as the constructor takes)."""
-        return SparseSettings(**nest_settings(_as_dict(self), changes))
+        return type(self)(**nest_settings(self.flat_settings, _as_dict(self), changes))
 
-    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> "SparseSettings":
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
         # pydantic's copy does not validate: a grouped setting's flat name would become a stray
         # attribute and change nothing, so an update naming one goes through replace()
         if update and not set(update) <= set(type(self).model_fields):
@@ -367,20 +309,16 @@ class SparseSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nest_flat_names(cls, data: Any) -> Any:
-        return nest_settings(data) if isinstance(data, Mapping) else data
+        return nest_settings(cls.flat_settings, data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
-    def _check_blocks(self) -> "SparseSettings":
-        # block_size's own check, and the pattern fields whose bounds depend on it
+    def _check_blocks(self) -> Self:
+        # block_size's own check, then the pattern settings whose bounds depend on it
         v = self.block_size
         if v < 16 or v > 256 or v & (v - 1):
             raise ValueError(f"block_size={v}: must be a power of two between 16 and 256")
-        s = self.patterns.block_sparse.antidiagonal_stride
-        if s < 1 or s & (s - 1) or self.block_size % s:
-            raise ValueError(f"antidiagonal_stride={s}: must be a power of two dividing block_size={self.block_size}")
-        flex = self.patterns.flex_prefill.block_size
-        if flex % self.block_size and self.block_size % flex:
-            raise ValueError("flex_block_size and block_size must divide one another")
+        for name in type(self.patterns).model_fields:
+            getattr(self.patterns, name).check_with(self)
         return self
 
 
@@ -400,12 +338,13 @@ def _group_model(field: FieldInfo) -> type[BaseModel] | None:
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def _settings_of(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str, Setting]:
+def settings_of(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> dict[str, Setting]:
+    """Every setting of ``model`` by its flat name (TypeError where two share one)."""
     out: dict[str, Setting] = {}
     for name, field in model.model_fields.items():
         group = _group_model(field)
         flat = (field.json_schema_extra or {}).get("flat", name)
-        found = _settings_of(group, prefix + (name,)) if group else {flat: Setting(prefix + (name,), field)}
+        found = settings_of(group, prefix + (name,)) if group else {flat: Setting(prefix + (name,), field)}
         for alias, setting in found.items():
             if alias in out:  # the flat alias must say one field (the env variable is built from it)
                 raise TypeError(f"settings {out[alias].key} and {setting.key} share the name {alias!r}")
@@ -439,15 +378,15 @@ def _merge(into: dict, path: tuple[str, ...], value: Any, *, later_wins: bool, g
         node[leaf] = value
 
 
-def nest_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
-    """Settings values with each flat alias moved to its nested place (``stats_file`` ->
-    ``observability.stats_file``); with several layers a later layer's value wins. Within one
-    layer a setting given both flat and nested is an error."""
+def nest_settings(settings: Mapping[str, Setting], *layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings values with each flat alias of ``settings`` (a model's ``flat_settings``) moved
+    to its nested place (``stats_file`` -> ``observability.stats_file``); with several layers a
+    later layer's value wins. Within one layer a setting given both flat and nested is an error."""
     out: dict[str, Any] = {}
     for values in layers:
         layer: dict[str, Any] = {}
         for key, value in values.items():
-            path = SETTINGS[key].path if key in SETTINGS else (key,)
+            path = settings[key].path if key in settings else (key,)
             _merge(layer, path, value, later_wins=False, given_as=".".join(path))
         for key, value in layer.items():
             _merge(out, (key,), value, later_wins=True, given_as=key)
@@ -463,10 +402,6 @@ def _lookup(values: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any
     return True, node
 
 
-# Every setting by its flat name (= its environment variable's suffix and its flat JSON key).
-SETTINGS: dict[str, Setting] = _settings_of(SparseSettings)
-
-
 def _format_error(where: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -475,17 +410,20 @@ def _format_error(where: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+S = TypeVar("S", bound=SparseSettingsBase)
 # A check of a field whose value names a registered thing: returns the name, or raises ValueError
 # saying which names are known.
 NameCheck = Callable[[str], str]
 
 
-def load_settings(env: Mapping[str, str] | None = None,
-                  names: Mapping[str, NameCheck] | None = None) -> SparseSettings:
-    """Build settings from ``VLLM_SPARSE_CONFIG`` (JSON file) and ``VLLM_SPARSE_*`` variables.
-    ``names`` checks, by flat setting name, the values that name registered things (the
+def read_settings(model: type[S], env: Mapping[str, str] | None = None,
+                  names: Mapping[str, NameCheck] | None = None) -> S:
+    """Build settings of class ``model`` (:class:`.settings.SparseSettings`, whose
+    ``settings.load_settings`` calls this) from ``VLLM_SPARSE_CONFIG`` (JSON file) and
+    ``VLLM_SPARSE_*`` variables. ``names`` checks, by flat setting name, the values that name registered things (the
     registries own them: ``startup.load_checked_settings`` passes them all)."""
     env = os.environ if env is None else env
+    settings = model.flat_settings
     names = names or {}
     from_file: dict[str, Any] = {}
     path = env.get(CONFIG_FILE_ENV)
@@ -500,27 +438,27 @@ def load_settings(env: Mapping[str, str] | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a JSON object of settings, got {type(data).__name__}")
         try:
-            from_file = nest_settings(data)
-            SparseSettings(**from_file)
+            from_file = nest_settings(settings, data)
+            model(**from_file)
         except ValueError as e:  # ValidationError included
             raise ConfigError(_format_error(path, e) if isinstance(e, ValidationError) else f"{path}: {e}") from None
         for name, check in names.items():
-            given, value = _lookup(from_file, SETTINGS[name].path)
+            given, value = _lookup(from_file, settings[name].path)
             if given:
                 try:
                     check(value)
                 except ValueError as e:
-                    raise ConfigError(f"{path}: field '{SETTINGS[name].key}': {e}") from None
+                    raise ConfigError(f"{path}: field '{settings[name].key}': {e}") from None
     from_env: dict[str, Any] = {}
     for key, raw in env.items():
         if not key.startswith(ENV_PREFIX) or key in NON_SETTING_ENV:
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name not in SETTINGS:
-            known = ", ".join(ENV_PREFIX + f.upper() for f in SETTINGS)
+        if name not in settings:
+            known = ", ".join(ENV_PREFIX + f.upper() for f in settings)
             raise ConfigError(f"environment variable {key}: unknown setting (known: {known})")
         from_env[name] = None if raw.strip().lower() in ("", "none", "null") else raw
-        field = SETTINGS[name].field
+        field = settings[name].field
         try:  # the field alone, so the message names this variable
             TypeAdapter(Annotated[field.annotation, field]).validate_python(from_env[name])
         except ValidationError as e:
@@ -531,7 +469,7 @@ def load_settings(env: Mapping[str, str] | None = None,
             except ValueError as e:
                 raise ConfigError(f"environment variable {key}={raw!r}: {e}") from None
     try:
-        return SparseSettings(**nest_settings(from_file, from_env))
+        return model(**nest_settings(settings, from_file, from_env))
     except ValidationError as e:
         where = " + ".join(filter(None, [path, "VLLM_SPARSE_* variables"]))
         raise ConfigError(_format_error(where, e)) from None

@@ -34,7 +34,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from .config import ConfigError, SparseSettings
+from .config import ConfigError
+from .settings import SparseSettings
 from .prefill.patterns import check_pattern_name, get_pattern
 
 FORMAT_NAME = "vllm-sparse-head-config"

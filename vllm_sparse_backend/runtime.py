@@ -22,7 +22,8 @@ import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from .config import ConfigError, SparseSettings
+from .config import ConfigError
+from .settings import SparseSettings
 from .decode.memory import DecodeStateMemory
 from .head_configs import HeadConfigFile, check_fits_hf_config, resolve_head_config
 from .prefill.plan import RankHeads

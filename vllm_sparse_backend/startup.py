@@ -37,7 +37,8 @@ import os
 import sys
 from typing import Mapping
 
-from .config import ENV_PREFIX, ConfigError, NameCheck, SparseSettings, load_settings
+from .config import ENV_PREFIX, ConfigError, NameCheck
+from .settings import SparseSettings, load_settings
 from .decode import check_decode_mode_name
 from .head_configs import HeadConfigFile, HeadConfigMisfit, check_fits_hf_config, resolve_head_config
 from .kv_placement import check_kv_placement_name
@@ -61,7 +62,7 @@ def name_checks() -> dict[str, NameCheck]:
 
 
 def load_checked_settings(env: Mapping[str, str] | None = None) -> SparseSettings:
-    """:func:`~.config.load_settings` with the names checked by their registries: what serving,
+    """:func:`~.settings.load_settings` with the names checked by their registries: what serving,
     the worker and the command line use."""
     return load_settings(env, name_checks())
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_sparse_backend.config import ConfigError, SparseSettings
+from vllm_sparse_backend.config import ConfigError
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.head_configs import (FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, check_fits_model, read_model_shape,
                             save_head_config)
 

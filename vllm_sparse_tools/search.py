@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
 from vllm_sparse_backend.prefill.index import causal_block_mask, num_blocks, range_cover
 from vllm_sparse_backend.prefill.estimate import estimate_index

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends.common import DenseRun, SparseStepMetadata  # noqa: E402
-from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode import decode_mode  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 

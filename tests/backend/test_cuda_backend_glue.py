@@ -12,7 +12,7 @@ pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
 from vllm_sparse_backend.backends.common import SparseStepMetadata  # noqa: E402
-from vllm_sparse_backend.config import load_settings  # noqa: E402
+from vllm_sparse_backend.settings import load_settings  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402
 from vllm_sparse_backend.prefill.plan import SparseRow, rank_heads  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_sparse_backend._compat import KVCacheRequest  # noqa: E402
-from vllm_sparse_backend.config import SparseSettings  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode import decode_mode  # noqa: E402
 from vllm_sparse_backend.decode.memory import (ALIGNMENT, DecodeStateMemory, StateBuffer,  # noqa: E402
                                                StateCost)

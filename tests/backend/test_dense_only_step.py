@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm_sparse_backend.backends import common  # noqa: E402
-from vllm_sparse_backend.config import load_settings  # noqa: E402
+from vllm_sparse_backend.settings import load_settings  # noqa: E402
 from vllm_sparse_backend.prefill.plan import rank_heads  # noqa: E402
 from vllm_sparse_backend.runtime import WorkerRuntime  # noqa: E402
 

@@ -24,7 +24,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layer_kv_cache
 from vllm_sparse_backend import _compat  # noqa: E402
 from vllm_sparse_backend.backends.host_kv import (HostKV, check_host_kv_fits, check_vllm_cache_fits,  # noqa: E402
                                                  pinned_blocks, summary_views)
-from vllm_sparse_backend.config import ConfigError, SparseSettings  # noqa: E402
+from vllm_sparse_backend.config import ConfigError  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings  # noqa: E402
 from vllm_sparse_backend.decode.topk import TopkDecodeBudget  # noqa: E402
 from vllm_sparse_backend.kv_placement.base import KVLayout  # noqa: E402
 from vllm_sparse_backend.kv_placement.host import HostPlacement, HotPages  # noqa: E402

@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # 
 
 from vllm_sparse_backend import runtime as runtime_module  # noqa: E402
 from vllm_sparse_backend.backends import common  # noqa: E402
-from vllm_sparse_backend.config import load_settings  # noqa: E402
+from vllm_sparse_backend.settings import load_settings  # noqa: E402
 from vllm_sparse_backend.observability import stats as stats_module  # noqa: E402
 from vllm_sparse_backend.prefill import run as run_module  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402

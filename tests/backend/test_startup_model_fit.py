@@ -18,7 +18,8 @@ import types
 import pytest
 
 from vllm_sparse_backend import startup, vllm_cli
-from vllm_sparse_backend.config import ConfigError, load_settings
+from vllm_sparse_backend.config import ConfigError
+from vllm_sparse_backend.settings import load_settings
 from vllm_sparse_backend.runtime import WorkerRuntime
 
 OTHER_MODEL_CONFIG = "smollm2-135m-instruct"  # shipped for a 30-layer, 9-head model

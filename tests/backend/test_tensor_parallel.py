@@ -27,7 +27,8 @@ pytest.importorskip("vllm")
 from vllm.distributed import parallel_state  # noqa: E402
 
 from vllm_sparse_backend.backends import common  # noqa: E402
-from vllm_sparse_backend.config import ConfigError, SparseSettings, load_settings  # noqa: E402
+from vllm_sparse_backend.config import ConfigError  # noqa: E402
+from vllm_sparse_backend.settings import SparseSettings, load_settings  # noqa: E402
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head_config  # noqa: E402
 from vllm_sparse_kernels.reference.index import index_to_dense_mask  # noqa: E402
 from vllm_sparse_backend.prefill.estimate import estimate_index  # noqa: E402

@@ -169,7 +169,7 @@ def test_backend_step_prefill_and_decode(index, persist, persist_next):
     are those the last queries score highest by the span keys; "attention" (issue 24): those
     that get the most of the last queries' attention (float64 softmax over the prompt here);
     with persist_next=1 in runs of 2 pages from the persist // 2 most attended ones."""
-    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.settings import SparseSettings
     from vllm_sparse_backend.decode.spans import SpanIndex, plan_step_segments
 
     page, hkv, group, d = 16, 2, 2, 64

@@ -19,7 +19,7 @@ import torch
 from triton_setup import CUDA, INTERPRET, kernel_module
 from kernel_helpers import assert_same_index, fp8_cache, make_row, no_host_sync
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.observability.record import run_recorded
 from vllm_sparse_backend.observability.stats import SparseStats
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern

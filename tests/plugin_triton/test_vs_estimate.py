@@ -290,7 +290,7 @@ def test_gpu_last_q_scores_group_sum(h, hkv, d, stack, diagonals):
 def _glue_case(dtype, device, seed=5):
     """The GPU path (run_sparse_rows_paged: estimation on the paged cache + the Triton kernel) vs
     the torch path (run_sparse_rows: torch estimation + reference on gathered K/V)."""
-    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.settings import SparseSettings
     from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
     from vllm_sparse_backend.prefill.estimate import HeadGroups
     from vllm_sparse_backend.prefill.plan import SparseRow

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f64
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_tools.evaluation import attention_check as ac
 from vllm_sparse_tools.evaluation.variants import PRESETS, Variant, parse_variant, searched_variant
 from vllm_sparse_backend.head_configs import resolve_head

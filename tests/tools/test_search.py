@@ -17,7 +17,7 @@ from vllm_sparse_kernels.reference.dense import causal_mask, masked_attention_f6
 
 from vllm_sparse_tools import search as S
 from vllm_sparse_tools.cli import main as main_cli
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_tools.evaluation import attention_check as ac
 from vllm_sparse_backend.head_configs import load_head_config, resolve_head
 from vllm_sparse_backend.prefill.index import build_index, causal_block_mask

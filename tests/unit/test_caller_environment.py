@@ -13,7 +13,7 @@ import pytest
 
 from conftest import LOCATION_ENV
 from repo_files import REPO_ROOT as ROOT
-from vllm_sparse_backend.config import SparseSettings, load_settings
+from vllm_sparse_backend.settings import SparseSettings, load_settings
 from vllm_sparse_tools.demo import DEMO_SPARSE_ENV
 
 # One test each from the files that failed in such a shell (issue 56): prometheus-client's

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from vllm_sparse_backend.config import SETTINGS, ConfigError, GatingSettings, SparseSettings, load_settings
+from vllm_sparse_backend.config import ConfigError, GatingSettings
+from vllm_sparse_backend.settings import SETTINGS, SparseSettings, load_settings
 from vllm_sparse_backend.head_configs import (HeadConfigFile, HeadPattern, import_minference, layer_heads,
                                               load_head_config, parse_head_config, resolve_head, save_head_config)
 from vllm_sparse_backend.startup import load_checked_settings

@@ -1,6 +1,6 @@
 """docs/configuration.md is generated from SparseSettings and must stay in step with it."""
 
-from vllm_sparse_backend.config import SETTINGS, SparseSettings
+from vllm_sparse_backend.settings import SETTINGS, SparseSettings
 from vllm_sparse_tools import config_docs
 
 

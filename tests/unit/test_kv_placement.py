@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from vllm_sparse_backend import _compat
-from vllm_sparse_backend.config import ConfigError, SparseSettings
+from vllm_sparse_backend.config import ConfigError
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.kv_placement import KV_PLACEMENTS, KVLayout, kv_placement
 from vllm_sparse_backend.kv_placement.gpu import GPUPlacement
 from vllm_sparse_backend.kv_placement.host import (FP8, HostKVPoolFull, HostPlacement, HotCacheTooSmall, HotPages,

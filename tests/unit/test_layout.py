@@ -313,6 +313,14 @@ def test_no_import_circle_in_the_serving_package_even_through_deferred_imports()
     assert _import_circles(ROOT, SERVING, deferred=True) == []
 
 
+def test_the_settings_loading_imports_nothing_of_the_plugin():
+    """``config.py`` (the loading and the groups) sits below every registry: each pattern
+    declares its settings in its own file and ``settings.py``, above the registry, assembles them
+    (issue 52), so no registry can import back into the settings."""
+    path = ROOT / SERVING / "config.py"
+    assert [name for name in _imported_modules(path, SERVING) if name.split(".")[0] == SERVING] == []
+
+
 def test_the_circle_scan_sees_deferred_imports_when_asked(tmp_path):
     pkg = tmp_path / "pkg"
     pkg.mkdir()

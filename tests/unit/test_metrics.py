@@ -19,7 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_sparse_backend.observability import metrics, timing
-from vllm_sparse_backend.config import ConfigError, load_settings
+from vllm_sparse_backend.config import ConfigError
+from vllm_sparse_backend.settings import load_settings
 from vllm_sparse_backend.observability.metrics import PrometheusMetrics
 from vllm_sparse_backend.observability.timing import SampledTimer
 from vllm_sparse_backend.observability.stats import SparseStats
@@ -238,7 +239,7 @@ def test_the_metrics_port_binds_metrics_host(monkeypatch, env, addr):
 # A stand-in worker: records through the stats of a worker runtime, as the backends do.
 _WORKER = textwrap.dedent("""
     import sys
-    from vllm_sparse_backend.config import load_settings
+    from vllm_sparse_backend.settings import load_settings
     from vllm_sparse_backend.runtime import WorkerRuntime
     stats = WorkerRuntime(load_settings()).stats
     stats.record_sparse_row(4096, causal=1000, computed=100, head_patterns={"vertical_slash": 4})

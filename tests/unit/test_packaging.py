@@ -624,7 +624,7 @@ def test_check_script_exit_status_fails_the_build(tmp_path, check):
 
 def test_docs_document_every_setting_metric_and_container_variable():
     from vllm_sparse_backend.observability import metrics
-    from vllm_sparse_backend.config import SETTINGS
+    from vllm_sparse_backend.settings import SETTINGS
 
     docs = ROOT / "docs"
     configuration = (docs / "configuration.md").read_text()

@@ -12,11 +12,14 @@ under that mask.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from pydantic import Field, create_model
 
-from vllm_sparse_backend.config import ConfigError, PatternSettings, SparseSettings
-from pydantic import Field
+from vllm_sparse_backend.config import ConfigError, PatternGroup, SparseSettingsBase, read_settings
+from vllm_sparse_backend.settings import PatternSettings, SparseSettings, pattern_settings_model
 
 from vllm_sparse_backend.head_configs import HeadPattern, parse_head_config, resolve_head
 from vllm_sparse_backend.prefill.budgets import budget_density, budgets_cover_every_key, kv_group_share
@@ -124,10 +127,53 @@ def test_a_parameter_is_resolved_from_its_own_patterns_settings_only(monkeypatch
 
 
 def test_every_settings_group_of_a_pattern_is_named_as_a_registered_pattern():
-    """A group named otherwise would feed no head (heads find their settings by pattern name)."""
-    assert set(PatternSettings.model_fields) <= set(PATTERNS)
+    """A group named otherwise would feed no head (heads find their settings by pattern name);
+    the groups are the registered patterns' own models, in the registry's order."""
+    declared = {name: p.settings_model for name, p in PATTERNS.items() if p.settings_model is not None}
+    assert list(PatternSettings.model_fields) == list(declared) == ["a_shape", "vertical_slash", "block_sparse",
+                                                                     "flex_prefill"]
+    assert {name: f.annotation for name, f in PatternSettings.model_fields.items()} == declared
     for name in PATTERNS:  # and every registered pattern's head parameters have a value
         assert resolve_head(None, SparseSettings(default_pattern=name)).pattern == name
+
+
+class ReachSettings(PatternGroup):
+    reach: int = Field(256, ge=1, json_schema_extra={"flat": "local_blocks_reach"},
+                       description="keys reached back by heads whose entry leaves reach out")
+
+    def check_with(self, settings) -> None:
+        if self.reach % settings.block_size:
+            raise ValueError(f"local_blocks_reach={self.reach}: must be a multiple of "
+                             f"block_size={settings.block_size}")
+
+
+class LocalBlocksWithSettings(LocalBlocks):
+    settings_model = ReachSettings
+
+
+def test_a_pattern_declaring_settings_gets_its_group_its_variable_and_its_checks(monkeypatch, tmp_path):
+    """A pattern with settings is still its file plus the registry line: the settings are built
+    from the registry (as settings.py builds SparseSettings) with its group, its flat name as a
+    variable and a JSON key, its bounds and its check against the other settings."""
+    monkeypatch.setitem(PATTERNS, LocalBlocks.name, LocalBlocksWithSettings())
+    patterns = pattern_settings_model(PATTERNS)
+    settings_class = create_model("Settings", __base__=SparseSettingsBase,
+                                  patterns=(patterns, Field(default_factory=patterns, description="patterns")))
+    assert list(patterns.model_fields) == [*PatternSettings.model_fields, "local_blocks"]
+    s = read_settings(settings_class, {"VLLM_SPARSE_LOCAL_BLOCKS_REACH": "128", "VLLM_SPARSE_VERTICAL_SIZE": "500"})
+    assert (s.patterns.local_blocks.reach, s.patterns.vertical_slash.vertical_size) == (128, 500)
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"patterns": {"local_blocks": {"reach": 192}}}))
+    assert read_settings(settings_class, {"VLLM_SPARSE_CONFIG": str(path)}).patterns.local_blocks.reach == 192
+    # a head whose entry leaves reach out takes the setting (not the parameter's own default, 100)
+    s = settings_class(default_pattern="local_blocks", local_blocks_reach=320)
+    assert resolve_head(None, s).param("reach") == 320
+    assert resolve_head(None, s.replace(local_blocks_reach=64)).param("reach") == 64
+    assert resolve_head(HeadPattern(pattern="local_blocks", reach=32), s).param("reach") == 32
+    with pytest.raises(ConfigError, match="VLLM_SPARSE_LOCAL_BLOCKS_REACH='0'"):
+        read_settings(settings_class, {"VLLM_SPARSE_LOCAL_BLOCKS_REACH": "0"})
+    with pytest.raises(ConfigError, match="local_blocks_reach=100: must be a multiple of block_size=64"):
+        read_settings(settings_class, {"VLLM_SPARSE_LOCAL_BLOCKS_REACH": "100"})
 
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.head_configs import HeadPattern, resolve_head
 from vllm_sparse_backend.prefill.index import build_index, count_pairs, num_blocks, range_stops
 from vllm_sparse_kernels.reference.index import index_to_dense_mask

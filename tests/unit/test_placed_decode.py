@@ -13,7 +13,7 @@ import torch
 
 from triton_setup import CUDA, INTERPRET, kernel_module
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.decode.placed import topk_decode_placed
 from vllm_sparse_backend.decode.topk import PageSummaries, TopkDecodeBudget, topk_decode
 from vllm_sparse_backend.kv_placement import KVLayout

@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.prefill.plan import SparseRow
 from vllm_sparse_backend.prefill.route import DenseReason, plan_step
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from repo_files import REPO_ROOT as ROOT
-from vllm_sparse_backend.config import ENV_PREFIX, NON_SETTING_ENV, SETTINGS
+from vllm_sparse_backend.config import ENV_PREFIX, NON_SETTING_ENV
+from vllm_sparse_backend.settings import SETTINGS
 
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]

@@ -107,7 +107,7 @@ def test_batch_of_rows_through_the_paged_cache(rng):
     """Several rows of different lengths, some with cached context, K/V read from a shuffled
     paged cache: each row equals its own masked dense attention."""
     from vllm_sparse_backend.prefill.run import run_sparse_rows
-    from vllm_sparse_backend.config import SparseSettings
+    from vllm_sparse_backend.settings import SparseSettings
     from vllm_sparse_backend.head_configs import resolve_head, HeadPattern
 
     h, hkv, d, page = 4, 2, 64, 16

@@ -3,7 +3,7 @@ start-up question the CUDA builder and the profiling-run claim both ask."""
 
 import json
 
-from vllm_sparse_backend.config import SparseSettings
+from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.observability.metrics import NO_METRICS, label_value
 from vllm_sparse_backend.prefill.route import DenseReason, group_dense_reason
 from vllm_sparse_backend.observability.stats import SparseStats

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from vllm_sparse_backend.observability import metrics, stats as stats_module
-from vllm_sparse_backend.config import ConfigError, load_settings
+from vllm_sparse_backend.config import ConfigError
+from vllm_sparse_backend.settings import load_settings
 from vllm_sparse_backend.observability.stats import SparseStats
 from fakes import ManualEvent
 

@@ -23,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-from ..config import ConfigError, SparseSettings
+from ..config import ConfigError
+from ..settings import SparseSettings
 from ..decode.placed import fold_page_summaries, topk_decode_placed
 from ..decode.topk import TopkDecodeBudget
 from ..kv_placement.base import KVLayout

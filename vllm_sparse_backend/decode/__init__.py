@@ -6,7 +6,7 @@ mode is a file of this folder holding a :class:`.base.DecodeMode`, plus one line
 
 from __future__ import annotations
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from .base import DecodeMode
 from .spans import SpanDecode
 from .topk import TopkDecode

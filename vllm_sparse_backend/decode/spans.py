@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from ..kernels import span_decode, topk_decode
 from .memory import EmptyTensor, StateLayout, empty_on
 

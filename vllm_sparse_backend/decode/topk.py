@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from ..kernels import topk_decode as kernels
 from .memory import EmptyTensor, StateLayout, empty_on
 

@@ -6,7 +6,7 @@ below. ``kv_placement=gpu`` (the default) is what the backends do without any pl
 
 from __future__ import annotations
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from .base import KVLayout, KVPlacement, Residency
 from .gpu import GPUPlacement
 from .host import HostPlacement

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from .base import KVLayout, Residency
 
 

@@ -28,7 +28,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from .base import KVLayout, Residency
 
 FP8 = torch.float8_e4m3fn

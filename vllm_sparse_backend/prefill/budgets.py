@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterable
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from ..head_configs import ResolvedHead
 from .patterns import get_pattern
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from ..observability.record import run_recorded
 from ..observability.stats import SparseStats
 from .estimate import HeadGroups, estimate_index_paged

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from vllm_sparse_kernels.kv_layout import kv_head_map
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from ..head_configs import ResolvedHead
 from .budgets import kv_group_share
 from .index import SparseIndex, build_index, num_blocks

@@ -12,7 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from .budgets import kv_group_share
-from ..config import ConfigError, SparseSettings
+from ..config import ConfigError
+from ..settings import SparseSettings
 from ..head_configs import HeadConfigFile, ResolvedHead, layer_heads
 
 

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..config import SparseSettings
+from ..settings import SparseSettings
 from .budgets import budget_density, budgets_cover_every_key
 from .cost import ROW_COST, LayerDensityHistory, RowCost
 from .plan import SparseRow, StepPlan

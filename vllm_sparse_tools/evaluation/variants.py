@@ -1,6 +1,6 @@
 """Named configurations compared by the accuracy runs and the attention check.
 
-A variant is a label and a set of :class:`~vllm_sparse_backend.config.SparseSettings` overrides
+A variant is a label and a set of :class:`~vllm_sparse_backend.settings.SparseSettings` overrides
 (``None`` for the dense baseline: vLLM's own backend, no plugin). The accuracy runs pass the
 overrides to the server as ``VLLM_SPARSE_<FIELD>`` variables; the attention check builds the same
 settings in process, so both measure the same selections.
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vllm_sparse_backend.config import ENV_PREFIX, SETTINGS, SparseSettings, nest_settings
+from vllm_sparse_backend.config import ENV_PREFIX
+from vllm_sparse_backend.settings import SETTINGS, SparseSettings, nest_settings
 
 # The library's defaults ("default", and "vs" spelled out): vertical-slash with 1000 columns and
 # 6096 diagonals per head (MInference's). FlexPrefill at the paper's two gammas. A-shape and block-sparse at

@@ -2,9 +2,10 @@
 
 A new pattern is a new file of this folder holding a :class:`~.base.Pattern` subclass, plus one
 line below. Head-config files, the ``default_pattern`` setting, the planner's budget checks and
-both estimators find it here. A pattern with settings of its own (budgets the user sets for
-every head) also adds a group of them to ``config.PatternSettings``, named as it is registered:
-the settings cannot import this package, and its heads read that group.
+both estimators find it here, and so do the settings: a pattern with settings of its own
+(budgets the user sets for every head) declares their model in its file
+(``Pattern.settings_model``), and :mod:`vllm_sparse_backend.settings` makes it the group
+``settings.patterns.<name>``, named as the pattern is registered (its heads read that group).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import num_blocks, query_block_bounds
 from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection
@@ -26,6 +27,13 @@ def a_shape_selection(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_l
     return PatternSelection.blocks_only(sink | local)
 
 
+class AShapeSettings(PatternGroup):
+    """A-shape settings, ``settings.patterns.a_shape``: StreamingLLM-style sink + local window."""
+
+    sink_tokens: int = Field(128, ge=0, description="A-shape: leading tokens every query sees.")
+    local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
+
+
 class AShapeParams(HeadParams):
     sink_tokens: int | None = Field(None, ge=0, description="first keys kept (sinks)")
     local_window: int | None = Field(None, ge=1, description="keys kept before each query block")
@@ -34,6 +42,7 @@ class AShapeParams(HeadParams):
 class AShape(Pattern):
     name = "a_shape"
     head_params = AShapeParams
+    settings_model = AShapeSettings
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return head.param("sink_tokens") + head.param("local_window")

@@ -6,6 +6,9 @@ backend needs to know about it:
 
 * its per-head parameters (:attr:`Pattern.head_params`, a pydantic model): what a head-config
   entry of the pattern may set, with their bounds; a resolved head carries exactly these;
+* its settings (:attr:`Pattern.settings_model`, a :class:`~vllm_sparse_backend.config.PatternGroup`
+  declared in the pattern's file, or None): the group ``settings.patterns.<name>``, which
+  :mod:`vllm_sparse_backend.settings` builds from the registry;
 * what its budgets allow before anything is estimated (:meth:`Pattern.keys_per_query`,
   :meth:`Pattern.covers_every_key`: the planner and the density gate use them);
 * whether the heads of a KV group may share one selection (:attr:`Pattern.group_shareable`);
@@ -27,11 +30,12 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
+from ...config import PatternGroup
 from ..index import SparseIndex, build_index
 
 if TYPE_CHECKING:
-    from ...config import SparseSettings
     from ...head_configs import ResolvedHead
+    from ...settings import SparseSettings
 
 
 class HeadParams(BaseModel):
@@ -85,6 +89,10 @@ class Pattern(ABC):
     # The per-head parameters (each becomes a [heads] tensor for the estimators; nothing else of
     # a head reaches them). The base class: none.
     head_params: ClassVar[type[HeadParams]] = HeadParams
+    # The pattern's settings, ``settings.patterns.<name>`` (flat names as environment variables
+    # too): budgets the user sets for all its heads, the defaults of its head parameters of the
+    # same name. None: the pattern has no settings.
+    settings_model: ClassVar[type[PatternGroup] | None] = None
     # Whether the query heads of a KV group may share one key selection (kv_group_shared). A
     # pattern whose per-head decision has no group form says False.
     group_shareable: ClassVar[bool] = True

@@ -12,12 +12,15 @@ has two) so that every query sees at least its own position."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from vllm_sparse_kernels.prefill.estimate_math import mass_block_counts, scored_block_mass
 from vllm_sparse_kernels.kv_quant import scale_operand
 from vllm_sparse_kernels.kv_layout import gather_pages
 
+from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask
 from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
@@ -62,6 +65,37 @@ def row_keys(key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int
     return k if ks is None else k * ks.to(dtype)
 
 
+class BlockSparseSettings(PatternGroup):
+    """Block-sparse settings, ``settings.patterns.block_sparse``: MInference's scoring and the
+    two experimental ones."""
+
+    topk_blocks: int = Field(100, ge=1, description="Key blocks per query block for block-sparse heads.")
+    scoring: Literal["pooled", "antidiagonal", "sampled"] = Field(
+        "pooled", json_schema_extra={"flat": "block_scoring"}, description=(
+            "How block-sparse heads score key blocks: pooled = mean-pooled Q . K (MInference); antidiagonal = "
+            "estimated softmax mass from anti-diagonals of stride x stride cells (XAttention); sampled = exact "
+            "attention of block_samples queries of each query block. The last two are experiments."))
+    samples: int = Field(2, ge=1, le=256, json_schema_extra={"flat": "block_samples"}, description=(
+        "Sampled block scores: queries per query block (block_size of them = the exact block mass)."))
+    antidiagonal_stride: int = Field(16, description="Anti-diagonal scoring: cell size (a power of two dividing "
+                                                     "block_size; 1 / stride of the QK work).")
+    block_mass: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Anti-diagonal or sampled scoring: keep the fewest key blocks reaching this share of a query block's "
+        "estimated mass (at most topk_blocks); none = always topk_blocks."))
+
+    @model_validator(mode="after")
+    def _check(self) -> "BlockSparseSettings":
+        if self.block_mass is not None and self.scoring == "pooled":
+            raise ValueError("block_mass applies to block_scoring=antidiagonal or sampled only")
+        return self
+
+    def check_with(self, settings) -> None:
+        s = self.antidiagonal_stride
+        if s < 1 or s & (s - 1) or settings.block_size % s:
+            raise ValueError(f"antidiagonal_stride={s}: must be a power of two dividing "
+                             f"block_size={settings.block_size}")
+
+
 class BlockSparseParams(HeadParams):
     topk_blocks: int | None = Field(None, ge=1, description="key blocks kept per query block")
 
@@ -69,6 +103,7 @@ class BlockSparseParams(HeadParams):
 class BlockSparse(Pattern):
     name = "block_sparse"
     head_params = BlockSparseParams
+    settings_model = BlockSparseSettings
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return head.param("topk_blocks") * settings.block_size

@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from vllm_sparse_kernels.prefill.estimate_math import rescale_block_mask, sqrt_js_divergence
 
+from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
 from .base import (HeadGroup, HeadParams, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget, keep_top,
@@ -97,6 +98,30 @@ def flex_prefill_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, 
     return PatternSelection(block_mask, vs.columns, column_keep), FlexDecision(query_aware, jsd)
 
 
+class FlexPrefillSettings(PatternGroup):
+    """FlexPrefill settings, ``settings.patterns.flex_prefill``."""
+
+    gamma: float = Field(0.95, gt=0.0, le=1.0, description="FlexPrefill cumulative attention to cover.")
+    tau: float = Field(0.1, ge=0.0, le=1.0, description="FlexPrefill sqrt-JSD threshold for query-aware heads.")
+    block_size: int = Field(128, json_schema_extra={"flat": "flex_block_size"},
+                            description="FlexPrefill block size (64 or 128).")
+    min_budget: int = Field(1024, ge=0, description="FlexPrefill minimum tokens per head (vertical and slash).")
+    max_budget: int | None = Field(None, ge=1, description="FlexPrefill maximum tokens per head, none = unbounded.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FlexPrefillSettings":
+        v = self.block_size
+        if v < 16 or v > 256 or v & (v - 1):
+            raise ValueError(f"flex_block_size={v}: must be a power of two between 16 and 256")
+        if self.max_budget is not None and self.max_budget < self.min_budget:
+            raise ValueError(f"max_budget={self.max_budget} is below min_budget={self.min_budget}")
+        return self
+
+    def check_with(self, settings) -> None:
+        if self.block_size % settings.block_size and settings.block_size % self.block_size:
+            raise ValueError("flex_block_size and block_size must divide one another")
+
+
 class FlexPrefillParams(HeadParams):
     gamma: float | None = Field(None, gt=0.0, le=1.0, description="share of the attention mass kept")
 
@@ -106,6 +131,7 @@ class FlexPrefill(Pattern):
 
     name = "flex_prefill"
     head_params = FlexPrefillParams
+    settings_model = FlexPrefillSettings
     group_shareable = False  # the per-head query-aware decision has no group form
 
     def keys_per_query(self, head, kv_len, visible, settings):

@@ -15,10 +15,12 @@ Everything is batched over heads.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field
 
+from ...config import PatternGroup
 from ...kernels import estimate, vs_index
 from ..index import SparseIndex, compact, num_blocks, query_block_bounds
 from .base import (HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
@@ -240,6 +242,30 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
                                          slash_tiles=vs.slash_tiles)
 
 
+class VerticalSlashSettings(PatternGroup):
+    """Vertical-slash settings, ``settings.patterns.vertical_slash``: budgets and last-q
+    estimation (``last_q`` is also read by the cost model's estimation term, prefill/route.py,
+    and by spans decode's persistent pages, which reuse the same last queries)."""
+
+    vertical_size: int = Field(1000, ge=1, description="Vertical-slash: columns (keys) kept per head.")
+    slash_size: int = Field(6096, ge=1, description="Vertical-slash: diagonals kept per head.")
+    vertical_share: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Budget growing with the context: a row's column budget is the larger of vertical_size and this share "
+        "of its keys (context + chunk), head-config files' vertical-slash heads included; none = fixed."))
+    slash_share: float | None = Field(None, gt=0.0, le=1.0, description=(
+        "Budget growing with the context: a row's diagonal budget is the larger of slash_size and this share "
+        "of its keys; none = fixed."))
+    slash_band: int = Field(1, ge=1, le=1024, description=(
+        "Diagonals kept together as one slash unit: 1 = single diagonals (MInference), block_size = "
+        "bands of whole key blocks chosen by their summed scores (slash_size / band of them)."))
+    slash_tiles: Literal["blocks", "ranges"] = Field("blocks", description=(
+        "How the kernel computes a kept diagonal: blocks = the (at most two) aligned key blocks it crosses in "
+        "each query block; ranges = its 64 keys as one unaligned key range (touching diagonals merged)."))
+    last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
+    keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
+    keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
+
+
 class VerticalSlashParams(HeadParams):
     vertical_size: int | None = Field(None, ge=1, description="columns (keys) kept")
     slash_size: int | None = Field(None, ge=1, description="diagonals kept")
@@ -248,6 +274,7 @@ class VerticalSlashParams(HeadParams):
 class VerticalSlash(Pattern):
     name = "vertical_slash"
     head_params = VerticalSlashParams
+    settings_model = VerticalSlashSettings
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return sum(vs_budgets(head.param("vertical_size"), head.param("slash_size"), kv_len, settings))
