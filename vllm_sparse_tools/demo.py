@@ -251,6 +251,11 @@ def start_server(model_dir: str | os.PathLike, extra_args: Sequence[str],
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = server_command(pathlib.Path(model_dir).resolve(), extra_args, host, port)
     full_env = {**os.environ, **BASE_SERVER_ENV, **(env or {})}
+    # the server runs in another folder (below): a relative PYTHONPATH entry (make test's
+    # .venv/kernel-site) would name nothing there, so it is resolved here, where it was meant
+    if full_env.get("PYTHONPATH"):
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) for p in full_env["PYTHONPATH"].split(os.pathsep) if p)
     with open(log_path, "wb") as log:
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()

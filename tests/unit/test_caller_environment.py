@@ -50,3 +50,23 @@ def test_suite_passes_in_a_shell_that_ran_the_readme_exports(tmp_path):
                           cwd=ROOT, env={**os.environ, **exports}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert f"{1 + len(ONCE_BROKEN)} passed" in done.stdout, done.stdout[-2000:]
+
+
+def test_a_relative_pythonpath_reaches_the_server_that_runs_in_another_folder(tmp_path, monkeypatch):
+    """make test puts the interpreter's Triton on PYTHONPATH as .venv/kernel-site; the server's
+    working folder is its log's, so the entry must arrive resolved from the caller's folder."""
+    from vllm_sparse_tools import demo
+
+    (tmp_path / "site").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["site", str(tmp_path / "abs")]))
+    started, real_popen = {}, subprocess.Popen
+
+    def popen(cmd, **kw):
+        started.update(kw)
+        return real_popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(demo.subprocess, "Popen", popen)
+    demo.start_server(tmp_path, [], {}, tmp_path / "logs" / "server.log").proc.wait()
+    assert started["cwd"] == tmp_path / "logs"
+    assert started["env"]["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "site"), str(tmp_path / "abs")]
