@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="start nothing: rebuild the tables from these files (same prompts; the first "
                         "file's first variant is the reference) into --out")
     p.add_argument("--skip-answered", nargs="+", metavar="JSON", default=[],
-                   help="send each variant only the prompts these runs did not answer with it (join them with --report)")
+                   help="send each variant only the prompts these runs did not answer with it (join: --report)")
     p.add_argument("--stage-texts", type=pathlib.Path, metavar="DIR", default=None,
                    help="write every known text xz-compressed into DIR (e.g. .gpu/texts) and print "
                         "the --text arguments; needs the network on first use")
@@ -180,7 +180,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     samples = paired.build_prompts(model_dir, texts, specs, args.prompt_cache, args.build_workers, log)
     done = paired.answered([json.loads(pathlib.Path(f).read_text()) for f in args.skip_answered])
-    todo = {v: {s.key for s in samples if (s.key, paired.prompt_hash(s.prompt_ids), v) not in done} for v in labels}
+    hashes = {s.key: paired.prompt_hash(s.prompt_ids) for s in samples} if done else {}  # once per prompt
+    todo = {v: {s.key for s in samples if (s.key, hashes.get(s.key), v) not in done} for v in labels}
     samples = [s for s in samples if any(s.key in todo[v] for v in labels)]
     cfg = acc.model_config(model_dir)
     native = cfg.get("max_position_embeddings") or 0

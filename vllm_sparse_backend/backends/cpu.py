@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from .. import kernels
-from .._compat import attention_layers, current_vllm_config, slice_rows, sparse_backend_selected
+from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
 from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
@@ -122,10 +122,7 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 runtime.log_once("kv_placement=host: the top-k decode kernels cannot run here (%s); decode stays "
                                  "dense on vLLM's CPU kernel", kernels.UNAVAILABLE)
                 return None
-            vc = self._vllm_config
-            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size,
-                                     summaries_in_page=False, max_num_seqs=vc.scheduler_config.max_num_seqs,
-                                     max_model_len=vc.model_config.max_model_len)
+            runtime.host_kv = HostKV.for_vllm(runtime.settings, self._vllm_config, summaries_in_page=False)
         return runtime.host_kv
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

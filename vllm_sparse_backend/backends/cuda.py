@@ -324,10 +324,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         if runtime.settings.kv_placement != "host":
             return None
         if runtime.host_kv is None:
-            vc = self._vllm_config
-            runtime.host_kv = HostKV(runtime.settings, list(attention_layers(vc, None)), vc.cache_config.block_size,
-                                     max_num_seqs=vc.scheduler_config.max_num_seqs,
-                                     max_model_len=vc.model_config.max_model_len)
+            runtime.host_kv = HostKV.for_vllm(runtime.settings, self._vllm_config)
         return runtime.host_kv
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

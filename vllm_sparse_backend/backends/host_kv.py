@@ -86,6 +86,16 @@ class HostKV:
         self.placement: HostPlacement | None = None  # made at the first write (vLLM's cache exists then)
         self.own_summaries: list[SummaryViews] = []  # per layer, where not in vLLM's page
 
+    @classmethod
+    def for_vllm(cls, settings: SparseSettings, vllm_config, summaries_in_page: bool = True) -> "HostKV":
+        """The placement of every attention layer of ``vllm_config``'s model, with vLLM's block
+        size, ``max_num_seqs`` and ``max_model_len`` (what both backends make at their first use)."""
+        from .._compat import attention_layers
+
+        return cls(settings, list(attention_layers(vllm_config, None)), vllm_config.cache_config.block_size,
+                   summaries_in_page, max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                   max_model_len=vllm_config.model_config.max_model_len)
+
     def layer(self, layer_name: str) -> int:
         index = self.layer_of.get(layer_name)
         if index is None:

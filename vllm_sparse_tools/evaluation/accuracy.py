@@ -100,14 +100,13 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
         args = ["--attention-backend", "sparse-prefill"]
     # A user's server takes vLLM's chunk, and the selection's answers depend on it (each chunk
     # estimates its own columns): a judge of the served answers must not choose another.
-    vllm_chunk = as_served and cuda and max_num_batched_tokens is None
-    if max_num_batched_tokens is None:
+    if max_num_batched_tokens is None and not (as_served and cuda):
         max_num_batched_tokens = min(GPU_CHUNK, max_model_len) if cuda else max_model_len
     # fp32 on CPU: without avx512_bf16, bf16 compute is several times slower there.
     args += ["--served-model-name", served_name, "--dtype", "bfloat16" if cuda else "float32",
              *([] if as_served else ["--enforce-eager", "--no-enable-prefix-caching"]),
              "--max-model-len", str(max_model_len),
-             *([] if vllm_chunk else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
+             *([] if max_num_batched_tokens is None else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
              "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
     if as_served and enforce_eager:
         args.append("--enforce-eager")
