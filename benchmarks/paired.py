@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="start nothing: rebuild the tables from these files (same prompts; the first "
                         "file's first variant is the reference) into --out")
     p.add_argument("--skip-answered", nargs="+", metavar="JSON", default=[],
-                   help="send each variant only the prompts these runs did not answer with it (join: --report)")
+                   help="send each variant only the prompts these runs did not answer with it, and start no "
+                        "server for a variant they answered all of (dense answers repeat exactly; join: --report)")
     p.add_argument("--stage-texts", type=pathlib.Path, metavar="DIR", default=None,
                    help="write every known text xz-compressed into DIR (e.g. .gpu/texts) and print "
                         "the --text arguments; needs the network on first use")
@@ -175,8 +176,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         p.error(str(e))
     specs = specs[int(shard) - 1::int(shards)]
 
-    def log(m: str) -> None:
-        print(m, flush=True)
+    def log(m: str) -> None: print(m, flush=True)  # noqa: E704
 
     samples = paired.build_prompts(model_dir, texts, specs, args.prompt_cache, args.build_workers, log)
     done = paired.answered([json.loads(pathlib.Path(f).read_text()) for f in args.skip_answered])
@@ -218,8 +218,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             paired.write(out_json, out_txt, meta, list(records.values()), labels, log=lambda m: None)
 
     # Which servers run together: all at once on CUDA (on their GPUs), else one at a time.
-    together = cuda and not args.one_at_a_time
-    rounds = [list(range(len(variants)))] if together else [[i] for i in range(len(variants))]
+    together, live = cuda and not args.one_at_a_time, [i for i, v in enumerate(labels) if todo[v]]  # none: no server
+    rounds = [live] if together else [[i] for i in live]
     gpu_of = {i: gpus[i % len(gpus)] for i in range(len(variants))} if cuda else {}
     log(f"{len(samples)} prompts ({len(timed)} timed alone), max-model-len {max_model_len}, "
         f"{len(rounds)} round(s) of servers, concurrency {concurrency}; out {out_json}")

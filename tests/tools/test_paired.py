@@ -432,3 +432,13 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     assert sent["dense"] == sorted(r["hash"] for r in doc["prompts"][6:])
     meta, records, labels = P.merge([part, rest])  # no prompt answered twice by one variant
     assert len(records) == 12 and P.compare(records, "dense", "default")["n"] == 12
+    # a new variant against answers dense gave before: no dense server starts, and the files join
+    launched.clear()
+    assert bench.main(["--model", str(tmp_path / "model"), "--text", f"austen={tmp_path / 'austen.txt'}",
+                       "--lengths", "1200", "--prompts", "12", "--ttft-prompts", "0", "--build-workers", "1",
+                       "--variants", "dense", "wide=vertical_size=2000", "--prompt-cache", str(tmp_path / "cache"),
+                       "--skip-answered", str(out.with_suffix(".json")), "--out", str(tmp_path / "wide")]) == 0
+    assert [label for label, *_ in launched] == ["wide"]
+    wide = json.loads((tmp_path / "wide.json").read_text())
+    meta, records, labels = P.merge([doc, wide])
+    assert labels == ["dense", "default", "wide"] and P.compare(records, "dense", "wide")["n"] == 12
