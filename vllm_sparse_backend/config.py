@@ -281,6 +281,10 @@ class SparseSettingsBase(BaseModel):
     host_kv_pool_bytes: int | None = Field(None, ge=1, description=(
         "kv_placement=host: host memory of the pool holding every block's K/V (all layers); vLLM's blocks "
         "must fit in it (cap them with --num-gpu-blocks-override). Required with kv_placement=host."))
+    host_kv_prefill_pages: int = Field(0, ge=0, description=(
+        "kv_placement=host: earlier pages a prefill chunk reads from the pool beside its decode_sink_pages and "
+        "the decode_recent_pages before it, those whose summaries promise its last 64 queries the most "
+        "attention; 0 = every page (dense prefill over the whole context)."))
     host_kv_dtype: Literal["auto", "fp8_e4m3"] = Field("auto", description=(
         "kv_placement=host: how pool and hot cache store pages: auto = the model's K/V dtype; fp8_e4m3 = fp8 "
         "with one scale per page, KV head and K/V (half the bytes of bf16)."))

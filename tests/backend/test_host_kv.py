@@ -161,6 +161,38 @@ def test_a_step_with_prefill_rows_is_dense_attention_over_the_tokens_written(mon
         assert torch.isnan(out[19:]).all()
 
 
+def test_host_kv_prefill_pages_reads_the_sink_the_window_and_the_chosen_page():
+    """With a page budget a chunk's rows attend the sink page, the pages from the window before
+    the chunk on, and one of the pages between (chosen by the summaries in vLLM's page): float64
+    attention over exactly those tokens, and not over all of them."""
+    gen = torch.Generator().manual_seed(3)
+    impl = impl_with(SETTINGS.replace(host_kv_prefill_pages=1))
+    writer = Writer(impl, gen)
+    blocks = [3, 7, 1, 5, 2, 9, 0, 11]
+    writer.step([(blocks, 0, 100)])
+    writer.step([(blocks, 100, 28)])  # the chunk attended below: pages 6-7, the window page 5
+    table = torch.tensor([blocks], dtype=torch.int32)
+    md = FlashAttentionMetadata(num_actual_tokens=28, max_query_len=28,
+                                query_start_loc=torch.tensor([0, 28], dtype=torch.int32), max_seq_len=128,
+                                seq_lens=torch.tensor([128], dtype=torch.int32), block_table=table,
+                                slot_mapping=torch.zeros(28, dtype=torch.long))
+    q = torch.randn(28, H, D, generator=gen)
+    for name in LAYERS:
+        out = torch.full((28, H, D), float("nan"))
+        impl.forward(SimpleNamespace(layer_name=name), q, None, None, writer.pages[name], md, out)
+
+        def attention_over(pages):
+            positions = torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+            key = writer.ref[name][0, torch.tensor(blocks)[positions // PAGE], positions % PAGE]
+            value = writer.ref[name][1, torch.tensor(blocks)[positions // PAGE], positions % PAGE]
+            return reference_attention(q, key, value, impl.scale)
+
+        matches = [p for p in (1, 2, 3, 4)
+                   if torch.allclose(out.double(), attention_over([0, p, 5, 6, 7]), atol=1e-5, rtol=1e-5)]
+        assert len(matches) == 1, name
+        assert not torch.allclose(out.double(), attention_over(range(8)), atol=1e-3)
+
+
 def test_gather_reads_the_blocks_pages_in_order_fp8_dequantised():
     settings = SETTINGS.replace(host_kv_dtype="fp8_e4m3")
     writer = Writer(impl_with(settings), torch.Generator().manual_seed(3))

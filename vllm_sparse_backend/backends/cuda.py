@@ -338,8 +338,8 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
     def _host_forward(self, layer, query, kv_cache, md, output):
         """kv_placement=host (FlashAttention's metadata: the builder plans no sparse rows): a pure
         decode batch is top-k attention over the placed pages; a step with prefill rows attends
-        every row dense over its K/V gathered from the pool, as FlashAttention would over vLLM's
-        cache (vLLM's page holds summaries only)."""
+        every row over K/V gathered from the pool (whole, as FlashAttention would over vLLM's
+        cache, or the pages host_kv_prefill_pages chooses; vLLM's page holds summaries only)."""
         host_kv, n = self.runtime.host_kv, md.num_actual_tokens
         if md.max_query_len == 1:  # one token per sequence
             host_kv.decode(layer.layer_name, query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n], self.scale,
@@ -347,7 +347,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         else:
             qsl = md.query_start_loc.tolist()
             host_kv.prefill(layer.layer_name, query[:n], qsl, md.seq_lens[:len(qsl) - 1].tolist(), md.block_table,
-                            self.scale, output[:n])
+                            self.scale, output[:n], kv_cache)
         return output
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -30,7 +30,7 @@ from ..decode.topk import TopkDecodeBudget
 from ..kv_placement.base import KVLayout
 from ..kv_placement.host import HostPlacement, HotPages, hot_slots_needed, pool_block_bytes, storage_dtype
 from ..startup import report_startup_error
-from ..prefill.placed import dense_prefill_placed
+from ..prefill.placed import dense_prefill_placed, selected_prefill_placed
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class HostKV:
         self.hot: HotPages | None = None  # claimed in vLLM's profiling run (claim_hot_cache)
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.budget = TopkDecodeBudget.from_settings(settings)
+        self.prefill_pages = settings.host_kv_prefill_pages
         self.summaries_in_page = summaries_in_page
         self.placement: HostPlacement | None = None  # made at the first write (vLLM's cache exists then)
         self.own_summaries: list[SummaryViews] = []  # per layer, where not in vLLM's page
@@ -168,14 +169,25 @@ class HostKV:
                            scale, out, placement=self.placement, layer=layer)
 
     def prefill(self, layer_name: str, query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                block_table: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """A step with prefill rows, into ``out``: every row dense over its whole K/V gathered from
-        the pool (:func:`..prefill.placed.dense_prefill_placed`; host lists of the step)."""
+                block_table: torch.Tensor, scale: float, out: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """A step with prefill rows, into ``out``: every row over K/V gathered from the pool (host
+        lists of the step), whole (:func:`..prefill.placed.dense_prefill_placed`) or, with
+        ``host_kv_prefill_pages``, the pages the summaries choose
+        (:func:`..prefill.placed.selected_prefill_placed`)."""
         if self.placement is None:
             raise RuntimeError("kv_placement=host: a prefill step before any K/V was written")
         layer, placement = self.layer(layer_name), self.placement
-        dense_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out,
-                             lambda blocks: placement.gather(layer, blocks))
+
+        def gather(blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            return placement.gather(layer, blocks)
+
+        if not self.prefill_pages:
+            dense_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out, gather)
+            return
+        views = self.summaries(layer, kv_cache)
+        selected_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out, gather,
+                                lambda blocks: (views.min[blocks], views.max[blocks]), self.prefill_pages,
+                                self.budget.sink_pages, self.budget.recent_pages)
 
 
 def check_pool_holds_vllm_blocks(settings: SparseSettings, layout: KVLayout) -> None:
