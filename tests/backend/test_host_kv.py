@@ -271,7 +271,7 @@ def test_the_profiling_run_claims_the_hot_cache_once_and_the_placement_fills_it(
     for t in range(3):
         writer.step([(a, 20 + t, 1), (b, 17 + t, 1)])
     placement = impl.runtime.host_kv.placement
-    assert placement.hot is hot and placement.hot_key.data_ptr() == hot.key.data_ptr()
+    assert placement.hot is hot
     assert placement.hot_nbytes == 98304
     assert len(allocations) == 1
 
