@@ -303,7 +303,7 @@ def test_the_profiling_run_claims_the_hot_cache_once_and_the_placement_fills_it(
     for t in range(3):
         writer.step([(a, 20 + t, 1), (b, 17 + t, 1)])
     placement = impl.runtime.host_kv.placement
-    assert placement.hot is hot and placement.hot_key.data_ptr() == hot.key.data_ptr()
+    assert placement.hot is hot
     assert placement.hot_nbytes == 98304
     assert len(allocations) == 1
 
@@ -336,6 +336,52 @@ def test_pinned_blocks_are_each_sequences_sink_and_recent_pages():
     budget = TopkDecodeBudget(sink_pages=1, recent_pages=2, budget_pages=4)
     assert pinned_blocks(table, torch.tensor([40, 16]), PAGE, budget) == [1, 3, 5, 7]
     assert pinned_blocks(table, torch.tensor([49, 17]), PAGE, TopkDecodeBudget(2, 1, 4)) == [2, 3, 5, 7, 11]
+
+
+def test_a_decode_step_reads_its_batch_back_and_pins_once_for_all_its_layers(monkeypatch):
+    """The block table and the pinned set are the same for every layer of a step: its first layer
+    reads them back, the others reuse them; the next step (a new metadata object, here after a
+    request left and another joined) reads its own. The attention itself is recorded, not run
+    (the kernel test below runs it)."""
+    from vllm_sparse_backend.backends import host_kv as host_kv_module
+
+    impl = impl_with(SETTINGS)
+    writer = Writer(impl, torch.Generator().manual_seed(4))
+    a, b, c = [3, 7, 1], [5, 2], [9, 4]
+    writer.step([(a, 0, 40), (b, 0, 20), (c, 0, 17)])
+    reads, attended = [], []
+    real_pinned_blocks = host_kv_module.pinned_blocks
+
+    def counted_pinned_blocks(*args):
+        reads.append(args[0])
+        return real_pinned_blocks(*args)
+
+    def recorded_attention(*args, placement, layer, host_block_table):
+        attended.append((layer, placement.pinned, host_block_table))
+
+    monkeypatch.setattr(host_kv_module, "pinned_blocks", counted_pinned_blocks)
+    monkeypatch.setattr(host_kv_module, "topk_decode_placed", recorded_attention)
+    # (rows: block ids, tokens before the step), and the sink (page 0) and last page blocks of each
+    steps = [([(a, 40), (b, 20)], {3, 1, 5, 2}),
+             ([(a, 41), (b, 21)], {3, 1, 5, 2}),
+             ([(a, 42), (c, 17)], {3, 1, 9, 4})]  # b left, c joined
+    for rows, pinned in steps:
+        writer.step([(blocks, n, 1) for blocks, n in rows])
+        table = torch.tensor([blocks + [0] * (3 - len(blocks)) for blocks, _ in rows], dtype=torch.int32)
+        lens = torch.tensor([n + 1 for _, n in rows], dtype=torch.int32)
+        md = FlashAttentionMetadata(num_actual_tokens=2, max_query_len=1,
+                                    query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+                                    max_seq_len=int(lens.max()), seq_lens=lens, block_table=table,
+                                    slot_mapping=torch.zeros(2, dtype=torch.long))
+        attended.clear()
+        for name in LAYERS:
+            impl.forward(SimpleNamespace(layer_name=name), torch.zeros(2, H, D), None, None, writer.pages[name], md,
+                         torch.zeros(2, H, D))
+        assert [layer for layer, _, _ in attended] == [0, 1]
+        for _, pinned_then, host_table in attended:
+            assert pinned_then == pinned
+            assert host_table is attended[0][2] and torch.equal(host_table, table.long())
+    assert len(reads) == len(steps)  # once per step, not once per layer
 
 
 def test_row_groups_fit_the_hot_slots_beside_the_pinned_blocks():
@@ -378,6 +424,10 @@ def test_decode_through_the_impl_forward_is_the_topk_mode_over_the_same_tokens(m
     lens = [40, 45]
     writer.step([(table[0].tolist(), 0, lens[0]), (table[1].tolist(), 0, lens[1])])
     placement = impl.runtime.host_kv.placement
+    pinned_sets = []  # what each set_pinned call pinned: one per step, whatever the layer count
+    set_pinned = HostPlacement.set_pinned
+    monkeypatch.setattr(HostPlacement, "set_pinned", lambda self, ids: pinned_sets.append(set(ids)) or
+                        set_pinned(self, ids))
     for step in range(4):
         slot_mapping = writer.step([(table[0].tolist(), lens[0], 1), (table[1].tolist(), lens[1], 1)])
         lens = [n + 1 for n in lens]
@@ -398,4 +448,7 @@ def test_decode_through_the_impl_forward_is_the_topk_mode_over_the_same_tokens(m
             assert torch.equal(out[:2], want), (step, name)
             assert torch.isnan(out[2:]).all()
     assert placement.stats.misses > 0
+    # sink page 0 and the last page of each sequence: 41-44 tokens end in page 2 (block 1); 46-48
+    # in page 2 (block 8), 49 in page 3 (block 0)
+    assert pinned_sets == [{3, 1, 5, 8}] * 3 + [{3, 1, 5, 0}]
     assert len(allocations) == 1 and placement.hot is impl.runtime.host_kv.hot  # no step allocated slots

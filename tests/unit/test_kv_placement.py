@@ -229,7 +229,7 @@ def test_a_hot_cache_allocated_beforehand_is_the_one_the_placement_fills():
     written = pages(2, gen)
     placement.write(1, [3, 9], written, written)
     slots = placement.fetch(1, [3, 9]).slots
-    assert placement.hot_key.data_ptr() == hot.key.data_ptr()
+    assert placement.hot is hot
     assert torch.equal(hot.key[1, slots], written) and torch.equal(hot.value[1, slots], written)
     with pytest.raises(ValueError, match=r"needs \(2, 7, 4, 2, 8\) torch.bfloat16 .* host_kv_hot_pages"):
         HostPlacement(settings.replace(host_kv_hot_pages=7), LAYOUT, hot)

@@ -139,7 +139,7 @@ class SparsePrefillCPUImpl(CPUAttentionBackendImpl):
                 self.runtime.log_once("kv_placement=host: decode steps read the host pool", info=True)
                 n = attn_metadata.num_actual_tokens
                 host_kv.decode(layer.layer_name, query[:n], kv_cache, attn_metadata.block_table[:n],
-                               attn_metadata.seq_lens[:n], self.scale, output[:n])
+                               attn_metadata.seq_lens[:n], self.scale, output[:n], attn_metadata)
                 return output
         if not isinstance(attn_metadata, SparseStepMetadata):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,

@@ -343,7 +343,7 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
         host_kv, n = self.runtime.host_kv, md.num_actual_tokens
         if md.max_query_len == 1:  # one token per sequence
             host_kv.decode(layer.layer_name, query[:n], kv_cache, md.block_table[:n], md.seq_lens[:n], self.scale,
-                           output[:n])
+                           output[:n], md)
         else:
             qsl = md.query_start_loc.tolist()
             host_kv.prefill(layer.layer_name, query[:n], qsl, md.seq_lens[:len(qsl) - 1].tolist(), md.block_table,

@@ -64,6 +64,19 @@ def pinned_blocks(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: 
     return sorted(blocks)
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of one decode step shares: the block table read back to the host (each
+    layer maps its own selection through it) by the step's first layer, which also pins the
+    batch's sink and recent pages (one pinned set for all layers; each layer's fetch brings its
+    own pages of those blocks). ``metadata``: the step's attention metadata, the object vLLM
+    builds once per step and hands to every layer. It is held, not only its ``id``, so that no
+    later step's metadata can take its address while a layer compares the two."""
+
+    metadata: object
+    host_block_table: torch.Tensor
+
+
 class HostKV:
     """One worker's host placement and the map from vLLM's layer names to its layers.
 
@@ -86,6 +99,7 @@ class HostKV:
         self.summaries_in_page = summaries_in_page
         self.placement: HostPlacement | None = None  # made at the first write (vLLM's cache exists then)
         self.own_summaries: list[SummaryViews] = []  # per layer, where not in vLLM's page
+        self.step: DecodeStep | None = None  # the decode step the layers are in (decode_step)
 
     @classmethod
     def for_vllm(cls, settings: SparseSettings, vllm_config, summaries_in_page: bool = True) -> "HostKV":
@@ -156,17 +170,31 @@ class HostKV:
         summaries = self.summaries(layer, kv_cache)
         fold_page_summaries(summaries.min, summaries.max, key, slot_mapping, self.page_size)
 
+    def decode_step(self, metadata: object, block_table: torch.Tensor, seq_lens: torch.Tensor) -> DecodeStep:
+        """The shared part of the step whose attention metadata is ``metadata``: made, and the
+        batch's sink and recent pages pinned, by the first of its layers to ask; the same object
+        for the others. A step is told apart by its metadata object, not by the tensors: vLLM's
+        block table and sequence lengths are persistent buffers rewritten in place (same address,
+        new content), while the metadata is a new object every step, built after requests joined
+        or left."""
+        step = self.step
+        if step is None or step.metadata is not metadata:
+            step = self.step = DecodeStep(metadata, block_table.cpu().long())
+            self.placement.set_pinned(pinned_blocks(step.host_block_table, seq_lens, self.page_size, self.budget))
+        return step
+
     def decode(self, layer_name: str, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+               seq_lens: torch.Tensor, scale: float, out: torch.Tensor, metadata: object) -> None:
         """Top-k decode attention of one query token per sequence over the placed pages, into
-        ``out``; the batch's sink and recent pages are pinned in the hot cache first."""
+        ``out``. ``metadata``: the step's attention metadata as vLLM hands it to the layer (what
+        :meth:`decode_step` tells steps apart by)."""
         if self.placement is None:
             raise RuntimeError("kv_placement=host: a decode step before any K/V was written")
-        self.placement.set_pinned(pinned_blocks(block_table, seq_lens, self.page_size, self.budget))
+        step = self.decode_step(metadata, block_table, seq_lens)
         layer = self.layer(layer_name)
         # the host placement reads its resident pages, not vLLM's page
         topk_decode_placed(query, None, None, self.summaries(layer, kv_cache), block_table, seq_lens, self.budget,
-                           scale, out, placement=self.placement, layer=layer)
+                           scale, out, placement=self.placement, layer=layer, host_block_table=step.host_block_table)
 
     def prefill(self, layer_name: str, query: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                 block_table: torch.Tensor, scale: float, out: torch.Tensor, kv_cache: torch.Tensor) -> None:

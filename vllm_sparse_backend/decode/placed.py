@@ -101,20 +101,21 @@ def slot_table(block_table: torch.Tensor, blocks: list[int], residency: Residenc
 def topk_decode_placed(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                        summaries: PageSummaries, block_table: torch.Tensor, seq_lens: torch.Tensor,
                        budget: TopkDecodeBudget, scale: float, out: torch.Tensor, *,
-                       placement: KVPlacement, layer: int) -> Residency:
+                       placement: KVPlacement, layer: int, host_block_table: torch.Tensor | None = None) -> Residency:
     """:func:`.topk.topk_decode` over the pages ``placement`` keeps for ``layer``, into ``out``.
 
     Shapes as there; ``key_cache`` / ``value_cache`` are vLLM's views of the layer (what a ``gpu``
     placement reads; a ``host`` one ignores them). The summaries must cover every block of the
     batch. A batch whose selected pages do not fit the hot cache at once (``hot_slots``) runs in
     groups of consecutive rows, each fetched and attended in turn. Returns what the last fetch
-    did (hits and copies; the placement counts them all)."""
+    did (hits and copies; the placement counts them all). ``host_block_table``: ``block_table``
+    already read back to the host, where the caller shares one read among a step's layers."""
     key, value = placement.resident_pages(layer, key_cache, value_cache)  # the fetch fills these in place
     page = key.shape[1]
     selected, counts = kernels.select_pages(query, summaries.min, summaries.max, block_table, seq_lens, page,
                                             sink_pages=budget.sink_pages, recent_pages=budget.recent_pages,
                                             num_pages_budget=budget.budget_pages)
-    blocks_of_row = row_blocks(block_table, selected)
+    blocks_of_row = row_blocks(block_table if host_block_table is None else host_block_table, selected)
     # a batch whose pages outnumber the hot slots runs in groups of rows, one fetch each
     slots = getattr(placement, "hot_slots", None)
     for rows in row_groups(blocks_of_row, slots, getattr(placement, "pinned", frozenset())):

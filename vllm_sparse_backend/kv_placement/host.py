@@ -268,8 +268,6 @@ class HostPlacement:
                              f"cache needs {shape} {self.pool.dtype} (layers, host_kv_hot_pages, page, KV heads, "
                              f"head size)")
         self.hot = hot
-        self.hot_key, self.hot_value = hot.key, hot.value
-        self.hot_key_scale, self.hot_value_scale = hot.key_scale, hot.value_scale
         self.pinned: frozenset[int] = frozenset()
         self.stats = HotCacheStats()
         # copies from pinned memory run after the host moves on: a write must not change a pool
@@ -357,18 +355,18 @@ class HostPlacement:
 
     def resident_pages(self, layer: int, key_cache: torch.Tensor | None = None,
                        value_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.hot_key[layer], self.hot_value[layer]
+        return self.hot.key[layer], self.hot.value[layer]
 
     def resident_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp8 storage: the ``[slots, Hkv]`` K and V scales of the resident pages."""
-        if self.hot_key_scale is None:
+        if self.hot.key_scale is None:
             return None
-        return self.hot_key_scale[layer], self.hot_value_scale[layer]
+        return self.hot.key_scale[layer], self.hot.value_scale[layer]
 
     def dequantized(self, layer: int, slots: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident K and V of ``slots`` as float32 ``[n, page, Hkv, D]``."""
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.hot_key.device)
-        key, value = self.hot_key[layer][index], self.hot_value[layer][index]
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.hot.key.device)
+        key, value = self.hot.key[layer][index], self.hot.value[layer][index]
         scales = self.resident_scales(layer)
         if scales is None:
             return key.float(), value.float()
@@ -390,8 +388,8 @@ class HostPlacement:
     def _copy_in(self, layer: int, entry: int, slot: int) -> None:
         # one copy per page into a slot that exists: no allocation, asynchronous from pinned memory
         pool = self.pool
-        self.hot_key[layer, slot].copy_(pool.key[layer, entry], non_blocking=True)
-        self.hot_value[layer, slot].copy_(pool.value[layer, entry], non_blocking=True)
+        self.hot.key[layer, slot].copy_(pool.key[layer, entry], non_blocking=True)
+        self.hot.value[layer, slot].copy_(pool.value[layer, entry], non_blocking=True)
         if pool.quantized:
-            self.hot_key_scale[layer, slot].copy_(pool.key_scale[layer, entry], non_blocking=True)
-            self.hot_value_scale[layer, slot].copy_(pool.value_scale[layer, entry], non_blocking=True)
+            self.hot.key_scale[layer, slot].copy_(pool.key_scale[layer, entry], non_blocking=True)
+            self.hot.value_scale[layer, slot].copy_(pool.value_scale[layer, entry], non_blocking=True)
