@@ -80,6 +80,9 @@ class GatingSettings(BaseModel):
     enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
+    max_sparse_seq_len: int | None = Field(None, ge=1, description=(
+        "Sequences (context + chunk) longer than this run dense: sparse only up to a length whose answers "
+        "were checked (a long prompt's last chunks then run dense); none = no bound."))
     max_density: float = Field(0.4, gt=0.0, le=1.0, description=(
         "A row whose budgets alone allow more than this share of its causal (query, key) pairs runs on the "
         "dense kernel (FlashAttention, vLLM's CPU attention) without estimation; on CUDA one whose estimated "

@@ -34,6 +34,10 @@ def test_kill_switch_and_sequence_gate():
     assert not plan.has_sparse and plan.dense_runs == [(0, 1)]
     plan = plan_step(_qsl([5000, 5000]), [5000, 9000], SparseSettings(min_sparse_seq_len=8000))
     assert [r.row for r in plan.sparse_rows] == [1] and plan.dense_runs == [(0, 1)]
+    # a prompt's chunks past max_sparse_seq_len run dense, counted under their reason
+    plan = plan_step(_qsl([5000, 5000, 5000]), [9000, 12000, 12001], SparseSettings(max_sparse_seq_len=12000))
+    assert [r.row for r in plan.sparse_rows] == [0, 1] and plan.dense_runs == [(2, 3)]
+    assert plan.dense_reasons == {"sequence longer than max_sparse_seq_len": 1}
 
 
 def test_rows_no_layer_could_run_sparse_enough_stay_in_dense_runs():

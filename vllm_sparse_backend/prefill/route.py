@@ -45,6 +45,7 @@ class DenseReason(StrEnum):
     BUDGETS = "budgets denser than max_density"
     # even an empty selection would cost more than dense (estimation and the fixed per-row cost)
     CANNOT_PAY = "cost model: sparse cannot pay at this length"
+    LONGER_THAN_MAX = "sequence longer than max_sparse_seq_len"
     # per layer
     COST_MODEL = "cost model: dense predicted faster"  # before estimation (:mod:`.cost`)
     # flagged on the GPU after estimation: read on the host, or run in the kernel's dense mode
@@ -90,7 +91,7 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
 
     A row goes sparse when its chunk has at least ``min_sparse_query_len`` queries and its
-    sequence at least ``min_sparse_seq_len`` tokens. ``allow_context=False`` (the CPU twin, which
+    sequence at least ``min_sparse_seq_len`` tokens and at most ``max_sparse_seq_len``. ``allow_context=False`` (the CPU twin, which
     cannot read vLLM's ISA-packed CPU cache) keeps rows that have cached context dense.
     ``head_sets`` (optional: the distinct head-pattern multisets of the layers the step serves)
     keeps long rows dense whose budgets no layer could make sparser than ``max_density``
@@ -131,6 +132,8 @@ def _row_dense_reason(q_len: int, seq_len: int, settings: SparseSettings, allow_
                       row_heads, row_cost: RowCost):
     if not (settings.gating.enabled and q_len >= settings.gating.min_sparse_query_len and seq_len >= settings.gating.min_sparse_seq_len):
         return _SHORT
+    if settings.gating.max_sparse_seq_len is not None and seq_len > settings.gating.max_sparse_seq_len:
+        return DenseReason.LONGER_THAN_MAX
     ctx = seq_len - q_len
     if ctx > 0 and not allow_context:
         return DenseReason.CACHED_CONTEXT_ON_CPU
