@@ -5,7 +5,9 @@ A pattern is one class in its own file of this folder, registered by one line in
 backend needs to know about it:
 
 * its per-head parameters (:attr:`Pattern.head_params`, a pydantic model): what a head-config
-  entry of the pattern may set, with their bounds; a resolved head carries exactly these;
+  entry of the pattern may set, with their bounds; a resolved head carries exactly these. A
+  parameter that a setting of the pattern also sets is made from that setting by
+  :func:`per_head_params`, so that its bounds are written once;
 * its settings (:attr:`Pattern.settings_model`, a :class:`~vllm_sparse_backend.config.PatternGroup`
   declared in the pattern's file, or None): the group ``settings.patterns.<name>``, which
   :mod:`vllm_sparse_backend.settings` builds from the registry;
@@ -24,10 +26,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ...config import PatternGroup
@@ -40,12 +42,32 @@ if TYPE_CHECKING:
 
 class HeadParams(BaseModel):
     """A pattern's per-head parameters, as a head-config entry of the pattern sets them. A
-    subclass declares one field per parameter, with its bounds and ``None`` as the default: a head
-    that leaves a parameter out takes its pattern's setting of the same name
-    (``settings.patterns.<pattern name>.<parameter>``); a parameter its pattern's settings lack
-    gives its own default instead. Fields nobody declares are refused."""
+    subclass (usually made by :func:`per_head_params`) has one field per parameter, with its
+    bounds and ``None`` as the default: a head that leaves a parameter out takes its pattern's
+    setting of the same name (``settings.patterns.<pattern name>.<parameter>``); a parameter its
+    pattern's settings lack is declared by hand and gives its own default instead. Fields nobody
+    declares are refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def per_head_params(settings_model: type[PatternGroup], *names: str) -> type[HeadParams]:
+    """The :class:`HeadParams` model whose fields are the settings ``names`` of ``settings_model``,
+    each optional (None: the head takes the setting) with the setting's type, bounds and
+    description. The bounds live on the setting alone: a head-config entry is then held to the
+    same limits as the value it overrides, and changing one changes both."""
+    fields = {}
+    for name in names:
+        setting = settings_model.model_fields.get(name)
+        if setting is None:
+            raise TypeError(f"per_head_params: {settings_model.__name__} has no setting {name!r} "
+                            f"(its settings: {', '.join(settings_model.model_fields)})")
+        # the bounds are the field's metadata (Ge, Le, ...); its other extras (the flat
+        # environment name) belong to the setting, not to a head-config entry
+        fields[name] = (Annotated[(setting.annotation | None, *setting.metadata)],
+                        Field(None, description=setting.description))
+    return create_model(settings_model.__name__.removesuffix("Settings") + "Params", __base__=HeadParams,
+                        __module__=settings_model.__module__, **fields)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pydantic import Field
 from ...config import PatternGroup
 from ...kernels import estimate, vs_index
 from ..index import SparseIndex, compact, num_blocks, query_block_bounds
-from .base import (HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
+from .base import (HeadGroup, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs, per_head_params,
                    sum_head_groups, vertical_and_slash_sums)
 
 
@@ -266,14 +266,9 @@ class VerticalSlashSettings(PatternGroup):
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
 
 
-class VerticalSlashParams(HeadParams):
-    vertical_size: int | None = Field(None, ge=1, description="columns (keys) kept")
-    slash_size: int | None = Field(None, ge=1, description="diagonals kept")
-
-
 class VerticalSlash(Pattern):
     name = "vertical_slash"
-    head_params = VerticalSlashParams
+    head_params = per_head_params(VerticalSlashSettings, "vertical_size", "slash_size")
     settings_model = VerticalSlashSettings
 
     def keys_per_query(self, head, kv_len, visible, settings):
