@@ -12,7 +12,7 @@ from pydantic import Field
 from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import num_blocks, query_block_bounds
-from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, per_head_params
+from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, SearchKnob, per_head_params
 
 
 def a_shape_selection(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_len: int, ctx_len: int,
@@ -38,6 +38,8 @@ class AShape(Pattern):
     name = "a_shape"
     head_params = per_head_params(AShapeSettings, "sink_tokens", "local_window")
     settings_model = AShapeSettings
+    # the window grows; one block of sinks (no estimation to serve)
+    search = SearchKnob("ashape", "local_window", serving_cost=0, fixed=(("sink_tokens", 64),))
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return head.param("sink_tokens") + head.param("local_window")

@@ -16,6 +16,8 @@ backend needs to know about it:
 * whether the heads of a KV group may share one selection (:attr:`Pattern.group_shareable`);
 * its two estimators: :meth:`Pattern.select` in PyTorch on a row's gathered K (the CPU path and
   ``kernel=torch``), :meth:`Pattern.estimate_paged` on the GPU straight from the paged cache.
+* optionally, how the offline search scales it (:attr:`Pattern.search`, a :class:`SearchKnob`):
+  a pattern that declares one is a candidate of ``vllm_sparse_tools.search``.
 
 Nothing outside this folder dispatches on a pattern's name. The score arithmetic the estimators
 share with the GPU kernels (``block_means``, ``sum_head_groups``, ``cumulative_budget``) lives in
@@ -70,6 +72,33 @@ def per_head_params(settings_model: type[PatternGroup], *names: str) -> type[Hea
                         __module__=settings_model.__module__, **fields)
 
 
+@dataclass(frozen=True)
+class SearchKnob:
+    """How the offline pattern search (``vllm_sparse_tools.search``) tunes a pattern: one scalar
+    knob, raised until the selection reaches the search's kernel-cost budget, sets the head
+    parameter ``param``; with ``ratios``, one candidate per ratio whose ``ratio_param`` is
+    ``round(ratio * knob)``; ``fixed`` head parameters keep the values given. Ties in the search's
+    error go to the pattern with the lowest ``serving_cost`` (its estimation's cost when served)."""
+
+    label: str  # the short name of its candidates in the search's log ("vs" -> vs8, vs1, ...)
+    param: str
+    serving_cost: int
+    ratio_param: str | None = None
+    ratios: tuple[float, ...] = ()
+    fixed: tuple[tuple[str, int | float], ...] = ()
+
+    def families(self, pattern: str) -> tuple[tuple[str, float | None], ...]:
+        """The search's candidate families of ``pattern``: (name, ratio), ratio None without ratios."""
+        return tuple((pattern, r) for r in self.ratios) if self.ratio_param else ((pattern, None),)
+
+    def head_params(self, knob: int, ratio: float | None = None) -> dict[str, int | float]:
+        """The head parameters at ``knob`` (each budget at least 1)."""
+        params = {**dict(self.fixed), self.param: max(1, knob)}
+        if self.ratio_param:
+            params[self.ratio_param] = max(1, round(ratio * knob))
+        return params
+
+
 @dataclass
 class HeadGroup:
     """The heads (or, with a shared selection, the KV groups) of one layer that have one pattern,
@@ -118,6 +147,8 @@ class Pattern(ABC):
     # Whether the query heads of a KV group may share one key selection (kv_group_shared). A
     # pattern whose per-head decision has no group form says False.
     group_shareable: ClassVar[bool] = True
+    # How the offline search tunes it; None: the search does not offer it.
+    search: ClassVar[SearchKnob | None] = None
 
     @property
     def head_fields(self) -> tuple[str, ...]:
