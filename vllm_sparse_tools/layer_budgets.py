@@ -32,10 +32,13 @@ from vllm_sparse_backend.config import ConfigError
 from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.head_configs import (FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, check_fits_model, read_model_shape,
                             save_head_config)
+from vllm_sparse_backend.prefill.patterns import get_pattern
 
-# Override keys a ladder rung may carry; anything else (bands, shares, other patterns) changes
-# more than the budget and cannot be written as a per-head budget.
-_RUNG_KEYS = {"vertical_size", "slash_size", "default_pattern"}
+# The rungs' budgets: vertical-slash's head parameters, as its pattern declares them. A rung may
+# carry these and default_pattern; anything else (bands, shares, other patterns) changes more
+# than the budget and cannot be written as a per-head budget.
+_BUDGETS = get_pattern("vertical_slash").head_fields
+_RUNG_KEYS = {*_BUDGETS, "default_pattern"}
 
 
 @dataclass(frozen=True)
@@ -65,16 +68,14 @@ def ladder_from_variants(variants: dict[str, dict[str, Any]], labels: Sequence[s
         if set(over) - _RUNG_KEYS:
             if labels is not None:
                 raise ConfigError(f"variant {label!r} sets {sorted(set(over) - _RUNG_KEYS)}: a ladder rung "
-                                  f"may set only vertical_size, slash_size or default_pattern")
+                                  f"may set only {', '.join(_BUDGETS)} or default_pattern")
             continue
         pattern = over.get("default_pattern", "vertical_slash")
         if pattern == "dense":
             rungs.append(Rung(label, HeadPattern(pattern="dense")))
         elif pattern == "vertical_slash":
-            rungs.append(Rung(label, HeadPattern(
-                pattern="vertical_slash",
-                vertical_size=int(over.get("vertical_size", defaults.vertical_size)),
-                slash_size=int(over.get("slash_size", defaults.slash_size)))))
+            rungs.append(Rung(label, HeadPattern(pattern="vertical_slash", **{
+                name: int(over.get(name, getattr(defaults, name))) for name in _BUDGETS})))
         elif labels is not None:
             raise ConfigError(f"variant {label!r}: pattern {pattern!r} is not a ladder rung")
     if labels is not None:

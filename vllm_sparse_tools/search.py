@@ -11,7 +11,10 @@ Batched: one layer's statistics (the last queries' column and diagonal sums) are
 for all heads; the vertical-slash knob is found by a bisection run for all heads and ratios at
 once on tile counts computed from ranks (no re-estimation per step, no host sync per step);
 A-shape and block-sparse costs do not depend on the data and come from tables built once per
-prompt length. Each family's tuned selection is then built by the backend's own estimator
+prompt length. The candidates are the registered patterns that declare a search knob
+(``Pattern.search``); one without an exact count here is tuned by a bisection on its estimator's
+own index (:func:`tune_by_estimator`), so a new pattern needs no edit here. Each family's tuned
+selection is then built by the backend's own estimator
 (:func:`vllm_sparse_backend.prefill.patterns.estimate_index`, group-shared exactly as the backend decides
 it) and scored against dense attention on sampled query rows (the prompt's last rows included), a
 tile of queries at a time against all keys (:func:`.evaluation.attention_check.selection_stats`):
@@ -33,7 +36,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -41,8 +44,10 @@ from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.head_configs import FORMAT_NAME, HeadConfigFile, HeadPattern, LayerHeads, resolve_head, save_head_config
 from vllm_sparse_backend.prefill.index import causal_block_mask, num_blocks, range_cover
 from vllm_sparse_backend.prefill.estimate import estimate_index
+from vllm_sparse_backend.prefill.patterns import PATTERNS
 from vllm_sparse_backend.prefill.patterns.a_shape import a_shape_selection
-from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
+from vllm_sparse_backend.prefill.patterns.base import (Pattern, SearchKnob, last_queries_probs, sum_head_groups,
+                                                       vertical_and_slash_sums)
 from vllm_sparse_backend.prefill.patterns.vertical_slash import slash_block_mask, slash_ranges
 from vllm_sparse_backend.prefill.budgets import budget_density, kv_group_share
 from vllm_sparse_backend.prefill.patterns.vertical_slash import vs_budgets
@@ -61,42 +66,53 @@ class CandidateResult:
     error: float  # ||y - y_dense|| / ||y_dense||
 
 
-# Candidate families: one scalar knob each, scaled to reach a tile budget. Vertical-slash comes in
-# three diagonal:column ratios (MInference's shipped budgets range from 8:1 to 1:35), A-shape keeps
-# one block of sink tokens, block-sparse scales its top-k.
-VS_RATIOS = (8.0, 1.0, 0.125)
-FAMILIES = (("a_shape", None),) + tuple(("vertical_slash", r) for r in VS_RATIOS) + \
-    (("block_sparse", None),)
-SINK_TOKENS = 64
+def search_families(patterns: Mapping[str, Pattern] = PATTERNS) -> tuple[tuple[str, float | None], ...]:
+    """Candidate families, in the registry's order: one per registered pattern that declares a
+    search knob (``Pattern.search``), one per ratio where it has ratios (vertical-slash: its
+    diagonal:column ratios)."""
+    return tuple(f for name, p in patterns.items() if p.search is not None for f in p.search.families(name))
+
+
+def _knob(pattern: str) -> SearchKnob:
+    p = PATTERNS.get(pattern)
+    if p is None or p.search is None:
+        raise ValueError(f"no search knob for {pattern}")
+    return p.search
+
+
+FAMILIES = search_families()
+# The built-in patterns' knobs, for the exact tile counts below (TileTables, tune_vertical_slash).
+VS_RATIOS = _knob("vertical_slash").ratios
+SINK_TOKENS = dict(_knob("a_shape").fixed)["sink_tokens"]
 
 
 def family_name(family: tuple) -> str:
     pattern, ratio = family
-    short = {"a_shape": "ashape", "vertical_slash": "vs",
-             "block_sparse": "block"}.get(pattern, pattern)
+    knob = getattr(PATTERNS.get(pattern), "search", None)
+    short = knob.label if knob is not None else pattern
     return short if ratio is None else f"{short}{ratio:g}"
 
 
 def candidate_pattern(pattern: str, knob: int, ratio: float | None = None) -> HeadPattern:
-    """The head pattern of a family at a knob value: vertical-slash ``knob`` columns and
-    ``round(ratio * knob)`` diagonals; A-shape a ``knob``-token window after 64 sink tokens;
-    block-sparse ``knob`` key blocks per query block."""
-    if pattern == "vertical_slash":
-        return HeadPattern(pattern=pattern, vertical_size=max(1, knob), slash_size=max(1, round(ratio * knob)))
-    if pattern == "a_shape":
-        return HeadPattern(pattern=pattern, sink_tokens=SINK_TOKENS, local_window=max(1, knob))
-    if pattern == "block_sparse":
-        return HeadPattern(pattern=pattern, topk_blocks=max(1, knob))
-    raise ValueError(f"no search knob for {pattern}")
+    """The head pattern of a family at a knob value (``Pattern.search``): vertical-slash ``knob``
+    columns and ``round(ratio * knob)`` diagonals; A-shape a ``knob``-token window after 64 sink
+    tokens; block-sparse ``knob`` key blocks per query block."""
+    return HeadPattern(pattern=pattern, **_knob(pattern).head_params(knob, ratio))
 
 
 _candidate = candidate_pattern  # earlier name
 
 
-# When errors tie (within TIE_TOLERANCE, relative), prefer the pattern that is cheaper to serve:
-# A-shape needs no estimation, vertical-slash a last-64-query pass, block-sparse pooled scores
-# for every query block.
-SERVING_PREFERENCE = ("a_shape", "vertical_slash", "block_sparse")
+def serving_preference(patterns: Mapping[str, Pattern] = PATTERNS) -> tuple[str, ...]:
+    """The searchable patterns, cheapest to serve first (``SearchKnob.serving_cost``; A-shape
+    needs no estimation, vertical-slash a last-64-query pass, block-sparse pooled scores for
+    every query block)."""
+    names = [name for name, p in patterns.items() if p.search is not None]
+    return tuple(sorted(names, key=lambda name: patterns[name].search.serving_cost))
+
+
+# When errors tie (within TIE_TOLERANCE, relative), prefer the pattern that is cheaper to serve.
+SERVING_PREFERENCE = serving_preference()
 TIE_TOLERANCE = 0.05
 
 
@@ -230,6 +246,35 @@ def tune_vertical_slash(vertical: torch.Tensor, slash: torch.Tensor, ratios: Seq
     return best.clamp(min=1).view(r, u)
 
 
+def tune_by_estimator(q: torch.Tensor, k: torch.Tensor, family: tuple, target: int, share: int,
+                      settings: SparseSettings, scale: float, max_keys: float | None = None) -> torch.Tensor:
+    """Largest knob per selection unit whose selection, built by the backend's estimator, stays
+    within ``target`` kernel tiles per head (and whose budgets within ``max_keys`` keys per query):
+    a bisection over [1, n] for all units at once, on the estimator's own index, for a searchable
+    pattern without an exact count above (the tiles must grow with the knob). int64 [U], on the
+    CPU; ``settings``: with ``kv_group_shared`` as ``share`` says."""
+    pattern, ratio = family
+    _knob(pattern)  # a pattern the search cannot scale fails here, naming it
+    n, h, _ = q.shape
+    units = h // share
+    lo = torch.ones(units, dtype=torch.int64)
+    hi = torch.full_like(lo, n)
+    best = torch.ones_like(lo)
+    while bool((lo <= hi).any()):
+        active = lo <= hi
+        mid = torch.where(active, (lo + hi) // 2, best)
+        heads = [resolve_head(candidate_pattern(pattern, int(mid[hh // share]), ratio), settings) for hh in range(h)]
+        tiles = kernel_tiles_per_head(estimate_index(q, k, 0, heads, settings, scale).index).cpu()
+        ok = active & (tiles.view(units, share).amax(1) <= target)
+        if max_keys is not None:
+            keys = [PATTERNS[pattern].keys_per_query(heads[u * share], n, (n + 1) / 2, settings) for u in range(units)]
+            ok &= torch.tensor(keys) <= max_keys
+        best = torch.where(ok, mid, best)
+        lo = torch.where(ok, mid + 1, lo)
+        hi = torch.where(active & ~ok, mid - 1, hi)
+    return best
+
+
 # ---------------------------------------------------------------------------------------------
 # One layer
 # ---------------------------------------------------------------------------------------------
@@ -326,8 +371,8 @@ def search_layer_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
             if max_keys is not None:
                 tiles = torch.where(tables.block_knobs * settings.block_size <= max_keys, tiles, big)
             knobs[f] = torch.full((units,), tables.largest_within(tables.block_knobs, tiles, target))
-        elif f[0] != "vertical_slash":
-            raise ValueError(f"no search knob for {f[0]}")
+        elif f[0] != "vertical_slash":  # a pattern with no exact count here: its estimator counts
+            knobs[f] = tune_by_estimator(q, k, f, target, share, est_settings, scale, max_keys)
     knob_lists = {f: [int(x) for x in knobs[f].tolist()] for f in families}
     indices = []
     for f in families:

@@ -25,6 +25,9 @@ from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.estimate import estimate_index
 from vllm_sparse_backend.prefill.patterns.base import last_queries_probs, sum_head_groups, vertical_and_slash_sums
 from vllm_sparse_backend.prefill.budgets import kv_group_share
+from vllm_sparse_backend.prefill.patterns import PATTERNS
+from vllm_sparse_backend.prefill.patterns.a_shape import AShape
+from vllm_sparse_backend.prefill.patterns.base import SearchKnob
 from vllm_sparse_kernels.kv_layout import kv_head_map
 from vllm_sparse_tools.evaluation.attention_check import causal_tiles, kernel_tiles
 from vllm_sparse_tools.search import search_head, search_layer
@@ -324,6 +327,62 @@ def test_aggregate_picks_per_unit_and_averages_knobs():
     assert [hp.pattern for hp in layer] == ["vertical_slash"] * 2 + ["a_shape"] * 2
     assert layer[0].vertical_size == layer[1].vertical_size == 105 and layer[0].slash_size == 105
     assert layer[2].local_window == 128 and layer[2].score == pytest.approx(0.1)
+
+
+def test_the_candidate_families_are_the_registered_patterns_search_knobs():
+    """The candidates, their names in the log, their head patterns and the tie order, as the
+    search had them when they were listed here by hand."""
+    assert S.FAMILIES == (("a_shape", None), ("vertical_slash", 8.0), ("vertical_slash", 1.0),
+                          ("vertical_slash", 0.125), ("block_sparse", None))
+    assert [S.family_name(f) for f in S.FAMILIES] == ["ashape", "vs8", "vs1", "vs0.125", "block"]
+    assert S.SERVING_PREFERENCE == ("a_shape", "vertical_slash", "block_sparse")
+    got = [S.candidate_pattern(p, knob, r).model_dump(exclude={"score"}) for p, r in S.FAMILIES for knob in (0, 5)]
+    assert got == [{"pattern": "a_shape", "sink_tokens": 64, "local_window": 1},
+                   {"pattern": "a_shape", "sink_tokens": 64, "local_window": 5},
+                   {"pattern": "vertical_slash", "vertical_size": 1, "slash_size": 1},
+                   {"pattern": "vertical_slash", "vertical_size": 5, "slash_size": 40},
+                   {"pattern": "vertical_slash", "vertical_size": 1, "slash_size": 1},
+                   {"pattern": "vertical_slash", "vertical_size": 5, "slash_size": 5},
+                   {"pattern": "vertical_slash", "vertical_size": 1, "slash_size": 1},
+                   {"pattern": "vertical_slash", "vertical_size": 5, "slash_size": 1},
+                   {"pattern": "block_sparse", "topk_blocks": 1},
+                   {"pattern": "block_sparse", "topk_blocks": 5}]
+    for name in ("dense", "flex_prefill", "nope"):
+        with pytest.raises(ValueError, match=f"no search knob for {name}"):
+            S.candidate_pattern(name, 3)
+
+
+class WideSinks(AShape):
+    """A new searchable pattern (A-shape with four blocks of sinks) that the search has no exact
+    tile count for: its declaration and the registry line are all it adds."""
+
+    name = "wide_sinks"
+    search = SearchKnob("wide", "local_window", serving_cost=3, fixed=(("sink_tokens", 256),))
+
+
+@pytest.mark.parametrize("share, cap", [(1, None), (4, None), (4, 0.8)])
+def test_a_new_searchable_pattern_is_tuned_by_its_estimator(monkeypatch, share, cap):
+    """Registered, it becomes a candidate with no edit of the search, and every unit gets the
+    largest window within the tile budget (and the budget cap), counted from the A-shape tile
+    table with its 256 sinks (a window selects the key blocks its next multiple of the block
+    size does)."""
+    monkeypatch.setitem(PATTERNS, WideSinks.name, WideSinks())
+    assert S.search_families()[-1] == ("wide_sinks", None) and S.serving_preference()[-1] == "wide_sinks"
+    assert S.family_name(("wide_sinks", None)) == "wide"
+    n, h, hkv, b = 1024, 8, 2, 64
+    q, k, v = _gqa(n, h, hkv, seed=5)
+    s = SparseSettings(block_size=b)
+    res = S.search_layer_batched(q, k, v, 0.18, 0.8, s, torch.arange(0, n, 11), share=share,
+                                 families=[("a_shape", None), ("wide_sinks", None)], max_budget_density=cap)
+    tables = S.TileTables(n, b, sink_tokens=256)
+    windows = torch.arange(1, n + 1)
+    fits = tables.ashape_tiles[(windows + b - 1) // b - 1] <= res.target
+    if cap is not None:  # keys per query: sinks + window, within the cap's share of the keys seen
+        fits &= windows + 256 <= cap * (n + 1) / 2
+    want = int(windows[fits].max())
+    assert 64 < want < n and (cap is None or want % b)  # the budget (or the cap) binds inside the range
+    assert res.knobs[1] == [want] * (h // share)
+    assert res.knobs[0] != res.knobs[1]  # the 64-sink A-shape reaches further for the same tiles
 
 
 def test_calibration_prompts():

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from pydantic import Field, create_model
+from pydantic import Field, ValidationError, create_model
 
 from vllm_sparse_backend.config import ConfigError, PatternGroup, SparseSettingsBase, read_settings
 from vllm_sparse_backend.settings import PatternSettings, SparseSettings, pattern_settings_model
@@ -27,7 +27,8 @@ from vllm_sparse_backend.prefill.estimate import HeadGroups, estimate_index, est
 from vllm_sparse_backend.prefill.index import num_blocks, query_block_bounds
 from vllm_sparse_kernels.reference.index import index_to_dense_mask
 from vllm_sparse_backend.prefill.patterns import PATTERNS, get_pattern
-from vllm_sparse_backend.prefill.patterns.base import HeadParams, PagedSelection, Pattern, PatternSelection
+from vllm_sparse_backend.prefill.patterns.base import (HeadParams, PagedSelection, Pattern, PatternSelection,
+                                                        per_head_params)
 from vllm_sparse_backend.startup import load_checked_settings
 from vllm_sparse_kernels.torch_attention import sparse_attention
 
@@ -174,6 +175,72 @@ def test_a_pattern_declaring_settings_gets_its_group_its_variable_and_its_checks
         read_settings(settings_class, {"VLLM_SPARSE_LOCAL_BLOCKS_REACH": "0"})
     with pytest.raises(ConfigError, match="local_blocks_reach=100: must be a multiple of block_size=64"):
         read_settings(settings_class, {"VLLM_SPARSE_LOCAL_BLOCKS_REACH": "100"})
+
+
+def _accepts(model, name, value) -> bool:
+    try:
+        model(**{name: value})
+    except ValidationError:
+        return False
+    return True
+
+
+def _edges(setting) -> list:
+    """Values on and just past each bound of a setting (its own constraints, read as data)."""
+    step = 1 if setting.annotation is int else 1e-6
+    values = []
+    for bound in setting.metadata:
+        for attr in ("ge", "gt", "le", "lt"):
+            x = getattr(bound, attr, None)
+            if x is not None:
+                values += [x - step, x, x + step]
+    return values
+
+
+def test_every_head_parameter_named_as_a_setting_has_that_settings_bounds():
+    """A head-config entry may not set a value its pattern's setting of the same name refuses,
+    nor be refused one the setting takes (the bounds are declared once, on the setting)."""
+    checked = []
+    for name, pattern in PATTERNS.items():
+        for field in pattern.head_fields:
+            setting = pattern.settings_model.model_fields.get(field) if pattern.settings_model else None
+            if setting is None:
+                continue
+            edges = _edges(setting)
+            assert edges, f"{name}.{field}: a setting without bounds to compare"
+            for v in edges:
+                assert _accepts(pattern.head_params, field, v) == _accepts(pattern.settings_model, field, v), (
+                    name, field, v)
+            checked.append(f"{name}.{field}")
+    assert checked == ["a_shape.sink_tokens", "a_shape.local_window", "vertical_slash.vertical_size",
+                       "vertical_slash.slash_size", "block_sparse.topk_blocks", "flex_prefill.gamma"]
+
+
+@pytest.mark.parametrize("least", [8, 40])
+def test_a_new_patterns_head_parameter_follows_its_setting_bound(monkeypatch, least):
+    """A pattern whose head parameter is made from its setting (per_head_params): move the
+    setting's bound and a head-config file is held to the new one, named by file and field."""
+    settings_model = create_model("ReachSettings", __base__=PatternGroup, reach=(int, Field(
+        256, ge=least, json_schema_extra={"flat": "local_blocks_reach"}, description="keys reached back")))
+
+    class Reach(LocalBlocks):
+        head_params = per_head_params(settings_model, "reach")
+
+    monkeypatch.setitem(PATTERNS, LocalBlocks.name, Reach())
+
+    def entry(reach):
+        return parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
+                                  "num_heads": 1, "layers": [{"heads": [{"pattern": "local_blocks", "reach": reach}]}]},
+                                 "file.json").layers[0].heads[0]
+
+    assert entry(least).params == {"reach": least}
+    with pytest.raises(ConfigError, match=f"file.json: layer 0, head 0, field 'reach': Input should be greater than "
+                                          f"or equal to {least}"):
+        entry(least - 1)
+    assert Reach.head_params.model_fields["reach"].description == "keys reached back"
+    assert Reach.head_params().reach is None  # left out: the head takes the setting
+    with pytest.raises(TypeError, match="ReachSettings has no setting 'window' \\(its settings: reach\\)"):
+        per_head_params(settings_model, "window")
 
 
 def test_an_unregistered_pattern_fails_naming_the_known_ones():

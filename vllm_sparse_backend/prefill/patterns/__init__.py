@@ -1,11 +1,12 @@
 """The prefill patterns, by name: the one place that lists them.
 
 A new pattern is a new file of this folder holding a :class:`~.base.Pattern` subclass, plus one
-line below. Head-config files, the ``default_pattern`` setting, the planner's budget checks and
-both estimators find it here, and so do the settings: a pattern with settings of its own
-(budgets the user sets for every head) declares their model in its file
-(``Pattern.settings_model``), and :mod:`vllm_sparse_backend.settings` makes it the group
-``settings.patterns.<name>``, named as the pattern is registered (its heads read that group).
+line below. Head-config files, the ``default_pattern`` setting, the planner's budget checks,
+both estimators and the offline search (a pattern with a ``search`` knob) find it here, and so
+do the settings: a pattern with settings of its own (budgets the user sets for every head)
+declares their model in its file (``Pattern.settings_model``), and
+:mod:`vllm_sparse_backend.settings` makes it the group ``settings.patterns.<name>``, named as the
+pattern is registered (its heads read that group).
 """
 
 from __future__ import annotations

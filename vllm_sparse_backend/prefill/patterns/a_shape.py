@@ -12,7 +12,7 @@ from pydantic import Field
 from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import num_blocks, query_block_bounds
-from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection
+from .base import HeadGroup, PagedSelection, Pattern, PatternSelection, SearchKnob, per_head_params
 
 
 def a_shape_selection(sink_tokens: torch.Tensor, local_window: torch.Tensor, q_len: int, ctx_len: int,
@@ -34,15 +34,12 @@ class AShapeSettings(PatternGroup):
     local_window: int = Field(2048, ge=1, description="A-shape: trailing window every query sees.")
 
 
-class AShapeParams(HeadParams):
-    sink_tokens: int | None = Field(None, ge=0, description="first keys kept (sinks)")
-    local_window: int | None = Field(None, ge=1, description="keys kept before each query block")
-
-
 class AShape(Pattern):
     name = "a_shape"
-    head_params = AShapeParams
+    head_params = per_head_params(AShapeSettings, "sink_tokens", "local_window")
     settings_model = AShapeSettings
+    # the window grows; one block of sinks (no estimation to serve)
+    search = SearchKnob("ashape", "local_window", serving_cost=0, fixed=(("sink_tokens", 64),))
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return head.param("sink_tokens") + head.param("local_window")

@@ -5,7 +5,9 @@ A pattern is one class in its own file of this folder, registered by one line in
 backend needs to know about it:
 
 * its per-head parameters (:attr:`Pattern.head_params`, a pydantic model): what a head-config
-  entry of the pattern may set, with their bounds; a resolved head carries exactly these;
+  entry of the pattern may set, with their bounds; a resolved head carries exactly these. A
+  parameter that a setting of the pattern also sets is made from that setting by
+  :func:`per_head_params`, so that its bounds are written once;
 * its settings (:attr:`Pattern.settings_model`, a :class:`~vllm_sparse_backend.config.PatternGroup`
   declared in the pattern's file, or None): the group ``settings.patterns.<name>``, which
   :mod:`vllm_sparse_backend.settings` builds from the registry;
@@ -14,6 +16,8 @@ backend needs to know about it:
 * whether the heads of a KV group may share one selection (:attr:`Pattern.group_shareable`);
 * its two estimators: :meth:`Pattern.select` in PyTorch on a row's gathered K (the CPU path and
   ``kernel=torch``), :meth:`Pattern.estimate_paged` on the GPU straight from the paged cache.
+* optionally, how the offline search scales it (:attr:`Pattern.search`, a :class:`SearchKnob`):
+  a pattern that declares one is a candidate of ``vllm_sparse_tools.search``.
 
 Nothing outside this folder dispatches on a pattern's name. The score arithmetic the estimators
 share with the GPU kernels (``block_means``, ``sum_head_groups``, ``cumulative_budget``) lives in
@@ -24,10 +28,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
 
 from ...config import PatternGroup
@@ -40,12 +44,59 @@ if TYPE_CHECKING:
 
 class HeadParams(BaseModel):
     """A pattern's per-head parameters, as a head-config entry of the pattern sets them. A
-    subclass declares one field per parameter, with its bounds and ``None`` as the default: a head
-    that leaves a parameter out takes its pattern's setting of the same name
-    (``settings.patterns.<pattern name>.<parameter>``); a parameter its pattern's settings lack
-    gives its own default instead. Fields nobody declares are refused."""
+    subclass (usually made by :func:`per_head_params`) has one field per parameter, with its
+    bounds and ``None`` as the default: a head that leaves a parameter out takes its pattern's
+    setting of the same name (``settings.patterns.<pattern name>.<parameter>``); a parameter its
+    pattern's settings lack is declared by hand and gives its own default instead. Fields nobody
+    declares are refused."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def per_head_params(settings_model: type[PatternGroup], *names: str) -> type[HeadParams]:
+    """The :class:`HeadParams` model whose fields are the settings ``names`` of ``settings_model``,
+    each optional (None: the head takes the setting) with the setting's type, bounds and
+    description. The bounds live on the setting alone: a head-config entry is then held to the
+    same limits as the value it overrides, and changing one changes both."""
+    fields = {}
+    for name in names:
+        setting = settings_model.model_fields.get(name)
+        if setting is None:
+            raise TypeError(f"per_head_params: {settings_model.__name__} has no setting {name!r} "
+                            f"(its settings: {', '.join(settings_model.model_fields)})")
+        # the bounds are the field's metadata (Ge, Le, ...); its other extras (the flat
+        # environment name) belong to the setting, not to a head-config entry
+        fields[name] = (Annotated[(setting.annotation | None, *setting.metadata)],
+                        Field(None, description=setting.description))
+    return create_model(settings_model.__name__.removesuffix("Settings") + "Params", __base__=HeadParams,
+                        __module__=settings_model.__module__, **fields)
+
+
+@dataclass(frozen=True)
+class SearchKnob:
+    """How the offline pattern search (``vllm_sparse_tools.search``) tunes a pattern: one scalar
+    knob, raised until the selection reaches the search's kernel-cost budget, sets the head
+    parameter ``param``; with ``ratios``, one candidate per ratio whose ``ratio_param`` is
+    ``round(ratio * knob)``; ``fixed`` head parameters keep the values given. Ties in the search's
+    error go to the pattern with the lowest ``serving_cost`` (its estimation's cost when served)."""
+
+    label: str  # the short name of its candidates in the search's log ("vs" -> vs8, vs1, ...)
+    param: str
+    serving_cost: int
+    ratio_param: str | None = None
+    ratios: tuple[float, ...] = ()
+    fixed: tuple[tuple[str, int | float], ...] = ()
+
+    def families(self, pattern: str) -> tuple[tuple[str, float | None], ...]:
+        """The search's candidate families of ``pattern``: (name, ratio), ratio None without ratios."""
+        return tuple((pattern, r) for r in self.ratios) if self.ratio_param else ((pattern, None),)
+
+    def head_params(self, knob: int, ratio: float | None = None) -> dict[str, int | float]:
+        """The head parameters at ``knob`` (each budget at least 1)."""
+        params = {**dict(self.fixed), self.param: max(1, knob)}
+        if self.ratio_param:
+            params[self.ratio_param] = max(1, round(ratio * knob))
+        return params
 
 
 @dataclass
@@ -96,6 +147,8 @@ class Pattern(ABC):
     # Whether the query heads of a KV group may share one key selection (kv_group_shared). A
     # pattern whose per-head decision has no group form says False.
     group_shareable: ClassVar[bool] = True
+    # How the offline search tunes it; None: the search does not offer it.
+    search: ClassVar[SearchKnob | None] = None
 
     @property
     def head_fields(self) -> tuple[str, ...]:

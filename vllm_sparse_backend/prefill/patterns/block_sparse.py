@@ -23,7 +23,8 @@ from vllm_sparse_kernels.kv_layout import gather_pages
 from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask
-from .base import HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, block_means, keep_top, sum_head_groups
+from .base import (HeadGroup, PagedSelection, Pattern, PatternSelection, SearchKnob, block_means, keep_top,
+                   per_head_params, sum_head_groups)
 
 
 def block_sparse_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int,
@@ -96,14 +97,12 @@ class BlockSparseSettings(PatternGroup):
                              f"block_size={settings.block_size}")
 
 
-class BlockSparseParams(HeadParams):
-    topk_blocks: int | None = Field(None, ge=1, description="key blocks kept per query block")
-
-
 class BlockSparse(Pattern):
     name = "block_sparse"
-    head_params = BlockSparseParams
+    head_params = per_head_params(BlockSparseSettings, "topk_blocks")
     settings_model = BlockSparseSettings
+    # the top-k grows; served after pooled scores for every query block
+    search = SearchKnob("block", "topk_blocks", serving_cost=2)
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return head.param("topk_blocks") * settings.block_size

@@ -22,8 +22,8 @@ from vllm_sparse_kernels.prefill.estimate_math import rescale_block_mask, sqrt_j
 from ...config import PatternGroup
 from ...kernels import estimate
 from ..index import causal_block_mask, diagonal_block_mask, num_blocks
-from .base import (HeadGroup, HeadParams, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget, keep_top,
-                   last_queries_probs, vertical_and_slash_sums)
+from .base import (HeadGroup, HeadSplit, PagedSelection, Pattern, PatternSelection, block_means, cumulative_budget,
+                   keep_top, last_queries_probs, per_head_params, vertical_and_slash_sums)
 from .vertical_slash import vertical_slash_to_selection
 
 
@@ -122,15 +122,11 @@ class FlexPrefillSettings(PatternGroup):
             raise ValueError("flex_block_size and block_size must divide one another")
 
 
-class FlexPrefillParams(HeadParams):
-    gamma: float | None = Field(None, gt=0.0, le=1.0, description="share of the attention mass kept")
-
-
 class FlexPrefill(Pattern):
     """Per input, each head is query-aware or vertical-slash (the stats count both labels)."""
 
     name = "flex_prefill"
-    head_params = FlexPrefillParams
+    head_params = per_head_params(FlexPrefillSettings, "gamma")
     settings_model = FlexPrefillSettings
     group_shareable = False  # the per-head query-aware decision has no group form
 

@@ -23,8 +23,8 @@ from pydantic import Field
 from ...config import PatternGroup
 from ...kernels import estimate, vs_index
 from ..index import SparseIndex, compact, num_blocks, query_block_bounds
-from .base import (HeadGroup, HeadParams, PagedSelection, Pattern, PatternSelection, keep_top, last_queries_probs,
-                   sum_head_groups, vertical_and_slash_sums)
+from .base import (HeadGroup, PagedSelection, Pattern, PatternSelection, SearchKnob, keep_top, last_queries_probs,
+                   per_head_params, sum_head_groups, vertical_and_slash_sums)
 
 
 def vs_budget(size: int, share: float | None, kv_len: int) -> int:
@@ -266,15 +266,13 @@ class VerticalSlashSettings(PatternGroup):
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
 
 
-class VerticalSlashParams(HeadParams):
-    vertical_size: int | None = Field(None, ge=1, description="columns (keys) kept")
-    slash_size: int | None = Field(None, ge=1, description="diagonals kept")
-
-
 class VerticalSlash(Pattern):
     name = "vertical_slash"
-    head_params = VerticalSlashParams
+    head_params = per_head_params(VerticalSlashSettings, "vertical_size", "slash_size")
     settings_model = VerticalSlashSettings
+    # columns grow, diagonals in three ratios to them (MInference's shipped budgets range from 8:1
+    # to 1:35); served after a last-queries pass
+    search = SearchKnob("vs", "vertical_size", serving_cost=1, ratio_param="slash_size", ratios=(8.0, 1.0, 0.125))
 
     def keys_per_query(self, head, kv_len, visible, settings):
         return sum(vs_budgets(head.param("vertical_size"), head.param("slash_size"), kv_len, settings))
