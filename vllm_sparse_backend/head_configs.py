@@ -63,7 +63,7 @@ class HeadPattern(BaseModel):
     def _parameters_of_its_pattern(self) -> "HeadPattern":
         params = get_pattern(self.pattern).head_params
         try:
-            params.model_validate(self.params)
+            params.model_validate(self.params, strict=True)  # a head config is JSON: "7" or true is no budget
         except ValidationError as e:
             known = ", ".join(params.model_fields) or "none"
             problems = []

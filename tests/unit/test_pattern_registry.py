@@ -243,6 +243,17 @@ def test_a_new_patterns_head_parameter_follows_its_setting_bound(monkeypatch, le
         per_head_params(settings_model, "window")
 
 
+@pytest.mark.parametrize("value", ["1000", True, 1000.0])
+def test_a_head_config_budget_must_be_a_json_integer(value):
+    """A string, a boolean or a float where a budget goes is refused naming the field, not
+    carried into the resolved head as it was written."""
+    with pytest.raises(ConfigError, match="file.json: layer 0, head 0, field 'vertical_size': Input should be a "
+                                          "valid integer"):
+        parse_head_config({"format": "vllm-sparse-head-config", "version": 1, "model": "m", "num_layers": 1,
+                           "num_heads": 1, "layers": [{"heads": [{"pattern": "vertical_slash",
+                                                                  "vertical_size": value}]}]}, "file.json")
+
+
 def test_an_unregistered_pattern_fails_naming_the_known_ones():
     with pytest.raises(ConfigError, match="local_blocks.*known: dense, a_shape"):
         load_checked_settings({"VLLM_SPARSE_DEFAULT_PATTERN": "local_blocks"})
