@@ -196,6 +196,35 @@ def test_interp_last_q_scores_many_key_ranges(diagonals):
                  group_sum=True, split=64)
 
 
+@cpu_only
+@pytest.mark.parametrize("diagonals", DIAG_MODES)
+@pytest.mark.parametrize("split,sample", [(128, 2), (256, 4), (64, 4)])
+def test_interp_last_q_scores_sampled_normalizer(diagonals, split, sample):
+    """normalizer_sample: pass 1 reads the first 128 keys and the 256 before the queries whole and
+    one 64-key tile in ``sample`` between; the sums equal the torch twin's (sampled_softmax) with
+    key ranges cut anywhere by ``split``, and differ from the exact ones (the sample is taken)."""
+    from vllm_sparse_backend.prefill.patterns.base import vertical_and_slash_sums
+    from vllm_sparse_kernels.kv_layout import kv_head_map
+    from vllm_sparse_kernels.prefill.estimate_math import sampled_softmax
+
+    gen = torch.Generator().manual_seed(sample + split)
+    h, hkv, d, n, kv_len = 4, 2, 32, 64, 1564
+    key_cache, _, table, ks, _ = make_cache([kv_len], hkv, d, 16, torch.float32, "NHD", gen, "cpu")
+    q = torch.randn(n, h, d, generator=gen)
+    scale = 1.0 / math.sqrt(d)
+    qpos = torch.arange(kv_len - n, kv_len)
+    s = torch.einsum("nhd,khd->hnk", q, ks[0][:, kv_head_map(h, hkv)]) * scale
+    s = s.masked_fill(torch.arange(kv_len)[None, None, :] > qpos[None, :, None], float("-inf"))
+    probs = sampled_softmax(s, torch.arange(kv_len), kv_len - n, sample, first_keys=128, window=256)
+    ref_v, ref_s = vertical_and_slash_sums(probs, qpos)
+    got_v, got_s = vsi.last_q_scores(q, key_cache, table[0], kv_len, scale, split=split, diagonals=diagonals,
+                                     normalizer_sample=sample, first_keys=128, window=256)
+    exact_v, _ = vsi.last_q_scores(q, key_cache, table[0], kv_len, scale, split=split, diagonals=diagonals)
+    for got, ref in ((got_v, ref_v), (got_s, ref_s)):
+        assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() < 1e-4
+    assert ((got_v - exact_v).norm() / exact_v.norm()).item() > 1e-3
+
+
 def check_last_q_fp8(h, hkv, d, q_len, ctx_len, dtype, seed, device, tol, diagonals, group_sum, k_scale):
     """last_q_scores on an fp8 cache with its k scale: the float64 sums over the dequantised keys
     within ``tol``, and the scores the same kernels give on a cache holding the dequantised keys

@@ -298,7 +298,7 @@ def _query_aware_mask(q_row, kp, ctx_len, gamma, fb, min_blocks, max_blocks, blo
 
 def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
                           n: int, scale: float, group_sum: bool = False,
-                          k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_scale=None, normalizer_sample: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash sums [H, kv_len] fp32 of the last ``n`` queries of the row (any n);
     [Hkv, kv_len] summed over each KV group's heads with ``group_sum``.
 
@@ -306,14 +306,14 @@ def representative_scores(q_row: torch.Tensor, key_cache: torch.Tensor, block_ta
     rows of the softmax, so the last n are split into chunks of LAST_Q ending at kv_len,
     kv_len - LAST_Q, ... and
     each chunk only sees keys below its own end (causality), its sums padded with zeros.
-    ``k_scale``: as :func:`vs_index.last_q_scores` (an fp8 cache's per-layer scale)."""
+    ``k_scale``, ``normalizer_sample``: as :func:`vs_index.last_q_scores`."""
     q_len = q_row.shape[0]
     vert = slash = None
     for end in range(q_len, q_len - n, -LAST_Q):  # host ints only
         start = max(end - LAST_Q, q_len - n)
         kv_end = kv_len - (q_len - end)
         v, s = last_q_scores(q_row[start:end], key_cache, block_table_row, kv_end, scale, group_sum=group_sum,
-                             k_scale=k_scale)
+                             k_scale=k_scale, normalizer_sample=normalizer_sample)
         if vert is None:
             vert, slash = v, s
         else:

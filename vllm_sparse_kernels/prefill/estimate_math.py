@@ -8,6 +8,16 @@ import torch
 
 from ..index_format import num_blocks
 
+# ``normalizer_sample``: the keys the last-q estimate's row sums always read whole, from the start
+# (the sinks) and before the first query (the window), around the sampled middle; and the tile
+# that is read or skipped as one (the last-q kernels' key tile).
+NORMALIZER_FIRST_KEYS = 1024
+NORMALIZER_WINDOW = 4096
+NORMALIZER_TILE = 64
+# Queries per call of the GPU last-q estimator (``vs_index.LAST_Q``): a longer last-q window is
+# taken 64 queries at a time from the chunk's end, each call normalising its own rows.
+LAST_QUERIES_PER_CALL = 64
+
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """[n, h, D] -> [h, ceil(n / block_size), D]: mean of each block of ``block_size`` rows (the
@@ -167,3 +177,38 @@ def scored_block_mass(scoring: str, q: torch.Tensor, k: torch.Tensor, ctx_len: i
     if scoring == "sampled":
         return sampled_block_mass(q, k, ctx_len, block_size, scale, samples, share)
     raise ValueError(f"block scoring {scoring!r} has no block mass")
+
+
+def sampled_normalizer_region(q0_pos: int, sample: int, first_keys: int = NORMALIZER_FIRST_KEYS,
+                              window: int = NORMALIZER_WINDOW) -> tuple[int, int]:
+    """The keys [far_lo, far_hi) whose row sums a sampled pass 1 (``normalizer_sample`` =
+    ``sample`` > 1) estimates from one key tile (64 keys) in ``sample``, tiles from far_lo on; both
+    ends on that grid: far_lo the first at or after ``first_keys``, far_hi the last at or before
+    ``window`` keys ahead of the first query (position ``q0_pos``). (0, 0) when ``sample`` is 1."""
+    if sample < 1:
+        raise ValueError(f"normalizer_sample {sample}: at least 1")
+    if sample == 1:
+        return 0, 0
+    step = NORMALIZER_TILE * sample
+    far_lo = -(-first_keys // step) * step
+    return far_lo, max(far_lo, (q0_pos - window) // step * step)
+
+
+def sampled_softmax(s: torch.Tensor, key_pos: torch.Tensor, q0_pos: int, sample: int,
+                    first_keys: int = NORMALIZER_FIRST_KEYS, window: int = NORMALIZER_WINDOW) -> torch.Tensor:
+    """softmax over the last dim of scores ``s`` [..., keys] (-inf where masked) as a sampled
+    pass 1 normalises it: the row max and sum over the keys it reads (the keys outside
+    :func:`sampled_normalizer_region`, and one tile in ``sample`` inside it, that tile's sum
+    counted ``sample`` times), the exponent capped at 80 (a skipped key may score above that
+    max). ``key_pos``: the position of each key; ``q0_pos``: the first query's. ``sample`` 1:
+    the softmax itself."""
+    if sample == 1:
+        return torch.softmax(s, dim=-1)
+    far_lo, far_hi = sampled_normalizer_region(q0_pos, sample, first_keys, window)
+    inside = (key_pos >= far_lo) & (key_pos < far_hi)
+    read = ~inside | ((key_pos - far_lo) // NORMALIZER_TILE % sample == 0)
+    weight = torch.where(inside, float(sample), 1.0) * read
+    seen = torch.where(read, s, float("-inf"))  # a skipped key may be far above the max: no exp of it
+    m = seen.amax(-1, keepdim=True)
+    l = (torch.exp(seen - m) * weight).sum(-1, keepdim=True)
+    return torch.exp((s - m).clamp(max=80.0)) / l

@@ -30,6 +30,8 @@ from ..constants import BIG_KEY, BLOCK, MAX_START, NEG_INF
 from ..index_format import SparseIndex, num_blocks
 from ..kv_quant import check_kv_dtypes, scale_operand
 from ..topk_select import aligned_rows, topk_ascending
+from .estimate_math import (LAST_QUERIES_PER_CALL, NORMALIZER_FIRST_KEYS, NORMALIZER_TILE, NORMALIZER_WINDOW,
+                            sampled_normalizer_region)
 
 
 def _row_counts(h: int, wv: int, ws: int, dev) -> torch.Tensor:
@@ -270,6 +272,10 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 # How pass 2 turns a tile's probabilities into diagonal (slash) sums (``last_q_scores(diagonals=)``).
 DIAG_MODES = {"atomic": 0, "gather": 1, "skew": 2}
 
+# A sampled pass 1 (``normalizer_sample``) caps pass 2's exponent here: fp32 exp overflows past 88.
+EXP_CAP: tl.constexpr = tl.constexpr(80.0)
+
+
 
 @triton.jit
 def _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE: tl.constexpr, MASKED: tl.constexpr):
@@ -311,9 +317,18 @@ def _unmasked_end(start, k_end, q0_pos, n_q, BLOCK_Q: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _head_probs(q, kt, m, inv_l, allow, scale, MASKED: tl.constexpr):
+def _exp_rows(s, m, SAMPLE: tl.constexpr):
+    """exp(s - row max) of pass 2. With a sampled pass 1 (SAMPLE > 1) the max is of the keys it
+    read: a key it skipped may score above it, so the exponent is capped (no inf in the sums)."""
+    if SAMPLE > 1:
+        return tl.exp(tl.minimum(s - m[:, None], EXP_CAP))
+    return tl.exp(s - m[:, None])
+
+
+@triton.jit
+def _head_probs(q, kt, m, inv_l, allow, scale, MASKED: tl.constexpr, SAMPLE: tl.constexpr):
     """Normalised probabilities of one head's query rows over a key tile (0 where not allowed)."""
-    p = tl.exp(tl.dot(q, kt).to(tl.float32) * scale - m[:, None]) * inv_l[:, None]
+    p = _exp_rows(tl.dot(q, kt).to(tl.float32) * scale, m, SAMPLE) * inv_l[:, None]
     if MASKED:
         p = tl.where(allow, p, 0.0)
     return p
@@ -333,7 +348,8 @@ def _head_rows(q_ptr, stats_ptr, s_qt, s_qh, head, rq, q_ok, offs_d, BLOCK_Q: tl
 def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr, k_scale_ptr,
                      s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, split, skew_w,
                      GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
-                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SCALED: tl.constexpr):
+                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, K_SCALED: tl.constexpr,
+                     SAMPLE: tl.constexpr):
     # Pass 2 of the skew mode. One program per (STACK heads of a KV group, key range), the heads
     # as separate BLOCK_Q-row products over each K tile (not one stacked STACK * BLOCK_Q-row
     # product as in pass 1): their probabilities add up in registers of one layout (the diagonal
@@ -375,25 +391,25 @@ def _lastq_skew_pass(q_ptr, k_ptr, bt_ptr, stats_ptr, vert_ptr, slab_ptr, k_scal
             k_ok = kpos < k_end
             kt = _key_tile(k_ptr, bt_ptr, kpos, k_ok, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, phase == 1).to(qa.dtype)
             allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
-            p = _head_probs(qa, kt, ma, la, allow, scale, phase == 1)
+            p = _head_probs(qa, kt, ma, la, allow, scale, phase == 1, SAMPLE)
             if STACK >= 2:
-                p += _head_probs(qb, kt, mb, lb, allow, scale, phase == 1)
+                p += _head_probs(qb, kt, mb, lb, allow, scale, phase == 1, SAMPLE)
             if STACK >= 4:
-                p += _head_probs(qc, kt, mc, lc, allow, scale, phase == 1)
-                p += _head_probs(qd, kt, md, ld, allow, scale, phase == 1)
+                p += _head_probs(qc, kt, mc, lc, allow, scale, phase == 1, SAMPLE)
+                p += _head_probs(qd, kt, md, ld, allow, scale, phase == 1, SAMPLE)
             _put_column_sums(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), k_ok, STACK == GROUP or not GROUP_SUM)
             tl.store(slab + (kpos[None, :] - rq[:, None] + (BLOCK_Q - 1)), p, mask=k_ok[None, :])
 
 
 # One compile for all rows. bt_ptr is one row of vLLM's block table: its address is 16-byte aligned
 # only in some rows (a row is max_pages int32), and the profiling run compiles with an aligned one.
-@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split"],
+@triton.jit(do_not_specialize=["kv_len", "q0_pos", "n_q", "n_split", "split", "far_lo", "far_hi"],
             do_not_specialize_on_alignment=["bt_ptr"])
 def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, k_scale_ptr,
-                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split,
+                s_qt, s_qh, s_kp, s_kt, s_kh, kv_len, q0_pos, n_q, scale, n_split, split, far_lo, far_hi,
                 GROUP: tl.constexpr, STACK: tl.constexpr, GROUP_SUM: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                SECOND: tl.constexpr, DIAG: tl.constexpr, K_SCALED: tl.constexpr):
+                SECOND: tl.constexpr, DIAG: tl.constexpr, K_SCALED: tl.constexpr, SAMPLE: tl.constexpr):
     # Pass 1 of every mode (each key range's row max and sum) and pass 2 of the gather and atomic
     # modes. One program per (STACK consecutive query heads of one KV group, key range). The
     # heads' queries are stacked along M (row r: head h0 + r // BLOCK_Q, query r % BLOCK_Q), so
@@ -429,7 +445,22 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
     if not SECOND:
         # pass 1 over the tiles wholly below the first query: no mask
         j_mid = _unmasked_end(j_mid, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
-        for j in range(sp * split, j_mid, BLOCK_N):
+        if SAMPLE > 1:
+            # [far_lo, far_hi): one tile in SAMPLE (on a grid from far_lo), its sum counted SAMPLE
+            # times; the first keys and the window before the queries are read whole (below)
+            lo = tl.maximum(sp * split, far_lo)
+            start = far_lo + tl.cdiv(lo - far_lo, BLOCK_N * SAMPLE) * (BLOCK_N * SAMPLE)
+            for j in range(start, tl.minimum(j_mid, far_hi), BLOCK_N * SAMPLE):
+                kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
+                m, l = _online_row_stats(m, l, tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale)
+            l = l * SAMPLE
+            for j in range(sp * split, tl.minimum(j_mid, far_lo), BLOCK_N):
+                kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
+                m, l = _online_row_stats(m, l, tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale)
+            whole_from = tl.maximum(sp * split, far_hi)
+        else:
+            whole_from = sp * split
+        for j in range(whole_from, j_mid, BLOCK_N):
             kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
             kt = kt.to(q.dtype)  # an fp8 cache widened to the query's dtype (a no-op otherwise)
             m, l = _online_row_stats(m, l, tl.dot(q, kt).to(tl.float32) * scale)
@@ -441,7 +472,7 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
         allow = (kpos[None, :] <= qpos[:, None]) & k_ok[None, :] & q_ok[:, None]
         s = tl.where(allow, s, NEG_INF)
         if SECOND:
-            p = tl.where(allow, tl.exp(s - m[:, None]) * inv_l[:, None], 0.0)
+            p = tl.where(allow, _exp_rows(s, m, SAMPLE) * inv_l[:, None], 0.0)
             _put_column_sums(vert_ptr + out_row * kv_len + kpos, tl.sum(p, 0), k_ok, STACK == GROUP or not GROUP_SUM)
             if STACK > 1:
                 # the stacked heads' probabilities at each (query, key): diagonals are shared
@@ -532,10 +563,10 @@ def _skew_colsum(skew_ptr, slash_ptr, skew_w, kv_len, q0_pos, n_q,
 
 
 # Queries of one last_q_scores call: the rows of its query tile (the chunk's last LAST_Q queries).
-LAST_Q = 64
+LAST_Q = LAST_QUERIES_PER_CALL  # 64
 
 # Keys per tile of last_q_scores' first pass, and of its second pass but in the skew mode.
-KEY_TILE = 64
+KEY_TILE = NORMALIZER_TILE  # 64: also the tile a sampled pass 1 reads or skips
 
 # Keys per program of the skew mode's column sums.
 SKEW_COLUMNS = 512
@@ -555,7 +586,9 @@ SKEW_SLAB_BYTES = 3 << 29  # 1.5 GiB
 def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row: torch.Tensor, kv_len: int,
                   scale: float, split: int | None = None, diagonals: str = "auto", group_sum: bool = False,
                   stack: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  block_n: int = KEY_TILE, k_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_n: int = KEY_TILE, k_scale=None, normalizer_sample: int = 1,
+                  first_keys: int = NORMALIZER_FIRST_KEYS, window: int = NORMALIZER_WINDOW
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vertical and slash scores (fp32) of the row's last queries: [H, kv_len], or [Hkv, kv_len]
     summed over each KV group's query heads with ``group_sum``.
 
@@ -572,6 +605,9 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     else gather. ``num_warps``, ``num_stages`` and ``block_n`` (skew only) set pass 2's launch.
     ``k_scale`` (None, a number or a one-element fp32 device tensor, read on the device): the
     cache holds K / k_scale, e.g. vLLM's fp8 cache (tiles widened to the query's dtype on load).
+    ``normalizer_sample`` N > 1: pass 1 reads the ``first_keys`` and the ``window`` keys before
+    the first query whole and one 64-key tile in N of the keys between, counting its sum N times
+    (:func:`sampled_normalizer_region`): the row sums estimated at about 1/N of pass 1's reads.
     """
     n, h, d = q_last.shape
     page, hkv = key_cache.shape[1], key_cache.shape[2]
@@ -606,9 +642,11 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
     ks = stats if ks is None else ks  # a placeholder, not read unless K_SCALED
     geometry = (q_last.stride(0), q_last.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
                 kv_len, kv_len - n, n, float(scale))
+    far_lo, far_hi = sampled_normalizer_region(kv_len - n, normalizer_sample, first_keys, window)
+    common["SAMPLE"] = normalizer_sample
     # pass 1: 8 warps for 4 stacked heads (M = 256), else 4 (measured faster)
     _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks, *geometry,
-                                   n_split, split, SECOND=False, DIAG=0, BLOCK_N=KEY_TILE, **common,
+                                   n_split, split, far_lo, far_hi, SECOND=False, DIAG=0, BLOCK_N=KEY_TILE, **common,
                                    num_warps=max(4, 2 * st), num_stages=2)
     _merge_row_stats[(h,)](part, stats, n_split, BLOCK_Q=LAST_Q, BLOCK_S=32, num_warps=4)
     if skew:
@@ -623,7 +661,8 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
                                                                  BLOCK_C=SKEW_COLUMNS, num_warps=4)
     else:
         _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks,
-                                       *geometry, n_split, split, SECOND=True, DIAG=DIAG_MODES[diagonals], BLOCK_N=KEY_TILE,
+                                       *geometry, n_split, split, far_lo, far_hi, SECOND=True, DIAG=DIAG_MODES[diagonals],
+                                       BLOCK_N=KEY_TILE,
                                        **common,
                                        num_warps=num_warps or max(4, 2 * st), num_stages=num_stages or 3)
     return vert, slash

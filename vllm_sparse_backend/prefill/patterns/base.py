@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, create_model
-from vllm_sparse_kernels.prefill.estimate_math import block_means, cumulative_budget, sum_head_groups  # noqa: F401
+from vllm_sparse_kernels.prefill.estimate_math import (LAST_QUERIES_PER_CALL, block_means, cumulative_budget,  # noqa: F401
+                                                        sampled_softmax, sum_head_groups)
 
 from ...config import PatternGroup
 from ..index import SparseIndex, build_index
@@ -220,8 +221,11 @@ class PatternSelection:
 
 
 def last_queries_probs(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_len: int, n: int,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal softmax of the last ``n`` queries of the chunk against all keys (fp32).
+                       scale: float, normalizer_sample: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax of the last ``n`` queries of the chunk against all keys (fp32); with
+    ``normalizer_sample`` > 1 normalised as the GPU estimator's sampled pass 1 does
+    (:func:`~vllm_sparse_kernels.prefill.estimate_math.sampled_softmax`, for each 64 queries
+    as it takes them: ending at the chunk's end, then 64 earlier, ...).
 
     Returns (probs [h, n', kv_len], absolute positions of those queries [n']).
     """
@@ -232,8 +236,15 @@ def last_queries_probs(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor, ctx_
     ks = k.transpose(0, 1).float()[kvh]  # [h, kv_len, D]; estimation-sized gather only
     s = torch.matmul(qs, ks.transpose(-1, -2)) * scale
     qpos = torch.arange(q_len - n, q_len, device=q.device) + ctx_len
-    s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > qpos[:, None], float("-inf"))
-    return torch.softmax(s, dim=-1), qpos
+    key_pos = torch.arange(kv_len, device=q.device)
+    s = s.masked_fill(key_pos[None, :] > qpos[:, None], float("-inf"))
+    if normalizer_sample == 1:
+        return torch.softmax(s, dim=-1), qpos
+    probs = torch.empty_like(s)
+    for end in range(n, 0, -LAST_QUERIES_PER_CALL):  # the estimator's calls: 64 queries each, from the end
+        rows = slice(max(end - LAST_QUERIES_PER_CALL, 0), end)
+        probs[:, rows] = sampled_softmax(s[:, rows], key_pos, int(qpos[rows.start]), normalizer_sample)
+    return probs, qpos
 
 
 def vertical_and_slash_sums(probs: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,7 +174,7 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
                              vertical_size: torch.Tensor, slash_size: torch.Tensor, *, last_q: int,
                              keep_first_columns: int, keep_last_diagonals: int, block_size: int,
                              scale: float, share: int = 1, slash_band: int = 1,
-                             slash_tiles: str = "blocks") -> PatternSelection:
+                             slash_tiles: str = "blocks", normalizer_sample: int = 1) -> PatternSelection:
     """q: [q_len, h, D] (this pattern's heads), k: [kv_len, Hkv, D], kvh: [h] kv head of each head.
     ``share`` > 1: every ``share`` consecutive heads (one KV group) get one selection, from their
     column and diagonal sums added up (budgets: the group's first head's). ``slash_band`` > 1:
@@ -182,7 +182,7 @@ def vertical_slash_selection(q: torch.Tensor, k: torch.Tensor, kvh: torch.Tensor
     bands per head by their summed scores: with bands of ``block_size`` the budget buys key
     blocks the kernel computes anyway, where scattered single diagonals each cost two blocks."""
     q_len = q.shape[0]
-    probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale)
+    probs, qpos = last_queries_probs(q, k, kvh, ctx_len, last_q, scale, normalizer_sample)
     vertical, slash = vertical_and_slash_sums(probs, qpos)
     vertical, slash = sum_head_groups(vertical, share), sum_head_groups(slash, share)
     v_keep = keep_columns(vertical, vertical_size[::share], keep_first_columns)
@@ -211,7 +211,8 @@ def paged_vertical_slash_index(q_row, key_cache, bt_row, ctx_len, group: HeadGro
     vs = settings.patterns.vertical_slash
     # shared: a KV group's mass, summed inside the kernel (the group's heads share each K tile)
     vertical, slash = estimate.representative_scores(q_row, key_cache, bt_row, kv_len, min(vs.last_q, q_len),
-                                                     scale, group_sum=share > 1, k_scale=k_scale)
+                                                     scale, group_sum=share > 1, k_scale=k_scale,
+                                                     normalizer_sample=vs.normalizer_sample)
     if not group.all_heads:
         vertical, slash = vertical[group.ids], slash[group.ids]
     vertical[:, : vs.keep_first_columns] = float("inf")
@@ -262,6 +263,10 @@ class VerticalSlashSettings(PatternGroup):
         "How the kernel computes a kept diagonal: blocks = the (at most two) aligned key blocks it crosses in "
         "each query block; ranges = its 64 keys as one unaligned key range (touching diagonals merged)."))
     last_q: int = Field(64, ge=1, description="Queries at the end of the chunk used to estimate vertical/slash.")
+    normalizer_sample: int = Field(1, ge=1, le=16, description=(
+        "Estimation's row sums from one key tile in N between the first 1024 keys and the 4096 before the "
+        "last queries (those read whole), the sum counted N times: about 1/N of its first pass over the keys; "
+        "1 = every key (exact)."))
     keep_first_columns: int = Field(30, ge=0, description="Columns always kept (attention sinks).")
     keep_last_diagonals: int = Field(30, ge=0, description="Diagonals nearest the main one always kept.")
 
@@ -288,7 +293,7 @@ class VerticalSlash(Pattern):
             q, k, kvh, ctx_len, params["vertical_size"].clamp(min=v_floor), params["slash_size"].clamp(min=s_floor),
             last_q=vs.last_q, keep_first_columns=vs.keep_first_columns, keep_last_diagonals=vs.keep_last_diagonals,
             block_size=settings.block_size, scale=scale, share=share, slash_band=vs.slash_band,
-            slash_tiles=vs.slash_tiles)
+            slash_tiles=vs.slash_tiles, normalizer_sample=vs.normalizer_sample)
         return sel, {self.name: q.shape[1]}
 
     def estimate_paged(self, q_row, key_cache, block_table_row, ctx_len, group: HeadGroup, num_lists, settings,
