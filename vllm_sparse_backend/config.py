@@ -80,6 +80,9 @@ class GatingSettings(BaseModel):
     enabled: bool = Field(True, description="Kill switch: false routes every row to dense attention.")
     min_sparse_query_len: int = Field(4096, ge=1, description="Query chunks shorter than this run dense.")
     min_sparse_seq_len: int = Field(0, ge=0, description="Sequences (context + chunk) shorter than this run dense.")
+    exact_last_rows: int = Field(0, ge=0, le=1024, description=(
+        "The last N queries of each sparse chunk attend every key (CUDA: FlashAttention after the sparse kernel; "
+        "PyTorch path: exactly, not with a logits soft cap): the rows a prompt's answer starts from. 0 = off."))
     max_sparse_seq_len: int | None = Field(None, ge=1, description=(
         "Sequences (context + chunk) longer than this run dense: sparse only up to a length whose answers "
         "were checked (a long prompt's last chunks then run dense); none = no bound."))

@@ -66,6 +66,9 @@ class SparseStepMetadata(Generic[WrappedMetadata]):
     # every layer that runs all of the step's sparse rows
     row_table: RowTable | None = None
     decode_plan: StepDecodePlan | None = None  # decode_mode spans: the step's plan; the prefill path ignores it
+    # row index -> the wrapped backend's metadata for that row's last gating.exact_last_rows
+    # queries alone (over all its keys): run after the sparse path, they replace its output there
+    exact_tails: dict[int, tuple[int, WrappedMetadata]] = field(default_factory=dict)
 
 
 def layer_heads(runtime: WorkerRuntime, vllm_config, layer_name: str, local_heads: int,

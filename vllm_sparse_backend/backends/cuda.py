@@ -50,7 +50,8 @@ from vllm_sparse_kernels.kv_layout import gather_paged_kv
 
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,
-                       current_vllm_config, kv_cache_request, layer_kv_scales, slice_rows, sparse_backend_selected)
+                       current_vllm_config, kv_cache_request, layer_kv_scales, last_tokens_of_row, slice_rows,
+                       sparse_backend_selected)
 from ..decode import decode_mode
 from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
@@ -173,6 +174,10 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                 fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
                 for r in plan.sparse_rows:
                     fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
+                exact_tails = {}  # each sparse row's last queries over every key (gating.exact_last_rows; PyTorch path: run.py)
+                for r in plan.sparse_rows if self._uses_kernel_table and self.runtime.settings.gating.exact_last_rows else ():
+                    n = min(self.runtime.settings.gating.exact_last_rows, r.q_len)
+                    exact_tails[r.row] = (n, super().build(0, last_tokens_of_row(cm, r.row, n, seq_lens), True))
             except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
                 if not recoverable(e):
                     raise
@@ -195,7 +200,8 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                 self.runtime.log_once("the step's row table could not be built (%s: %s); each layer builds its own",
                                       type(e).__name__, e)
         return SparseStepMetadata(cm.num_actual_tokens, cm.max_query_len, runs, plan.sparse_rows,
-                                  cm.block_table_tensor, cm.slot_mapping, fallback, row_table, decode_plan)
+                                  cm.block_table_tensor, cm.slot_mapping, fallback, row_table, decode_plan,
+                                  exact_tails)
 
 
 def triton_unusable_reason(head_size: int, dtype, block_size: int) -> str | None:
@@ -397,6 +403,12 @@ class SparsePrefillImpl(FlashImplVersions, FlashAttentionImpl):
             else:  # what the layer did, recorded once
                 guard_stats(runtime, record_layer, runtime.stats, outcome, runtime.settings.observability.stats_file, timing.sampled)
                 dense = outcome.dense_rows
+                done = {r.row for r in dense}
+                for r in step.sparse_rows:  # their last queries over every key, in place of the sparse output
+                    if r.row in step.exact_tails and r.row not in done:
+                        n, tail = step.exact_tails[r.row]
+                        end = r.tok_start + r.q_len
+                        self._dense(layer, query, key, value, kv_cache, tail, slice(end - n, end), output)
                 if dense and outcome.paged:
                     runtime.log_once("rows whose budgets or estimated index cover more than max_density=%s of the "
                                      "causal pairs run on FlashAttention (counted in the stats' dense_reasons)",

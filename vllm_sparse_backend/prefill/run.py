@@ -1,7 +1,6 @@
 """One attention layer's sparse rows: route (:mod:`.route`) -> estimate -> one launch, in place
-into vLLM's output; PyTorch on each row's K/V (CPU, kernel=torch), or the Triton path through the
-block table. Returns a :class:`.plan.LayerOutcome` that the caller records once
-(:func:`..observability.record.record_layer`); only the handed-in stage timer runs inside."""
+into vLLM's output; PyTorch on each row's K/V (CPU, kernel=torch), or Triton through the block
+table. Returns a :class:`.plan.LayerOutcome` that the caller records once (only the stage timer runs inside)."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from typing import Callable
 
 import torch
 from vllm_sparse_kernels.index_format import causal_pairs
-from vllm_sparse_kernels.torch_attention import sparse_attention
+from vllm_sparse_kernels.torch_attention import causal_attention, sparse_attention
 
 from .cost import ROW_COST
 from .estimate import estimate_index, estimate_index_paged
@@ -29,6 +28,8 @@ def run_sparse_rows(query, output, rows: list[SparseRow], kv_for_row: Callable, 
         est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale, share)
         timing.lap("estimate")
         sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
+        if (n := min(settings.gating.exact_last_rows, row.q_len)) and not softcap:  # the answer's rows: every key
+            output[s][-n:] = causal_attention(query[s][-n:], k, v, scale)
         timing.lap("kernel")
         outcome.sparse.append((row, est))
     timing.done()
