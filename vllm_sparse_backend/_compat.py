@@ -10,8 +10,6 @@ import importlib.metadata as _metadata
 import math
 from dataclasses import dataclass
 
-import torch
-
 # The names `--attention-backend` accepts for us. vLLM looks up `value.upper()` in
 # AttentionBackendEnum, so "sparse-prefill" arrives as "SPARSE-PREFILL", which can never be a
 # real member name (not an identifier). We add aliases of the built-in CUSTOM member instead of a
@@ -210,29 +208,15 @@ def slice_rows(cm, a: int, b: int, seq_lens: list[int]):
     )
 
 
-def last_tokens_of_row(cm, row: int, n: int, seq_lens: list[int]):
-    """The last ``n`` tokens of row ``row`` of a CommonAttentionMetadata as a standalone batch of
-    one request with the row's whole sequence (its queries see every earlier key)."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+def last_tokens(one_row, n: int):
+    """The last ``n`` tokens of a one-request batch (:func:`slice_rows` of one row) as a request
+    of their own over the same sequence: their queries still see every earlier key."""
+    import dataclasses
 
-    end = int(cm.query_start_loc_cpu[row + 1])
-    ub = getattr(cm, "seq_lens_cpu_upper_bound", None)
-    is_prefilling = getattr(cm, "is_prefilling", None)
-    qsl_cpu = torch.tensor([0, n], dtype=cm.query_start_loc_cpu.dtype)
-    return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(cm.query_start_loc.device, non_blocking=True),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=cm.seq_lens[row:row + 1],
-        num_reqs=1,
-        num_actual_tokens=n,
-        max_query_len=n,
-        max_seq_len=seq_lens[row],
-        block_table_tensor=cm.block_table_tensor[row:row + 1],
-        slot_mapping=cm.slot_mapping[end - n:end],
-        causal=True,
-        seq_lens_cpu_upper_bound=None if ub is None else ub[row:row + 1],
-        is_prefilling=None if is_prefilling is None else is_prefilling[row:row + 1],
-    )
+    qsl = one_row.query_start_loc_cpu.new_tensor([0, n])
+    return dataclasses.replace(one_row, query_start_loc=qsl.to(one_row.query_start_loc.device, non_blocking=True),
+                               query_start_loc_cpu=qsl, num_actual_tokens=n, max_query_len=n,
+                               slot_mapping=one_row.slot_mapping[-n:])
 
 
 def vllm_version_for_cli() -> None:

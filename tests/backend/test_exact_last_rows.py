@@ -35,7 +35,7 @@ def test_the_last_tokens_of_a_row_are_one_request_over_its_whole_sequence():
         seq_lens=torch.tensor([40, 1000], dtype=torch.int32), num_reqs=2, num_actual_tokens=301,
         max_query_len=300, max_seq_len=1000, block_table_tensor=torch.arange(2 * 70, dtype=torch.int32).view(2, 70),
         slot_mapping=torch.arange(301) + 5000, causal=True)
-    tail = _compat.last_tokens_of_row(cm, 1, 8, [40, 1000])
+    tail = _compat.last_tokens(_compat.slice_rows(cm, 1, 2, [40, 1000]), 8)
     assert tail.query_start_loc_cpu.tolist() == [0, 8] and tail.query_start_loc.tolist() == [0, 8]
     assert tail.seq_lens.tolist() == [1000] and tail.max_seq_len == 1000 and tail.max_query_len == 8
     assert tail.num_reqs == 1 and tail.num_actual_tokens == 8

@@ -50,7 +50,7 @@ from vllm_sparse_kernels.kv_layout import gather_paged_kv
 
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,
-                       current_vllm_config, kv_cache_request, layer_kv_scales, last_tokens_of_row, slice_rows,
+                       current_vllm_config, kv_cache_request, layer_kv_scales, last_tokens, slice_rows,
                        sparse_backend_selected)
 from ..decode import decode_mode
 from ..decode.memory import StateCost
@@ -172,12 +172,14 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                     runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
                                                                        fast_build or k > 0)))
                 fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
-                for r in plan.sparse_rows:
-                    fallback[r.row] = super().build(0, slice_rows(cm, r.row, r.row + 1, seq_lens), True)
                 exact_tails = {}  # each sparse row's last queries over every key (gating.exact_last_rows; PyTorch path: run.py)
-                for r in plan.sparse_rows if self._uses_kernel_table and self.runtime.settings.gating.exact_last_rows else ():
-                    n = min(self.runtime.settings.gating.exact_last_rows, r.q_len)
-                    exact_tails[r.row] = (n, super().build(0, last_tokens_of_row(cm, r.row, n, seq_lens), True))
+                exact = self.runtime.settings.gating.exact_last_rows if self._uses_kernel_table else 0
+                for r in plan.sparse_rows:
+                    one_row = slice_rows(cm, r.row, r.row + 1, seq_lens)
+                    fallback[r.row] = super().build(0, one_row, True)
+                    if exact:
+                        n = min(exact, r.q_len)
+                        exact_tails[r.row] = (n, super().build(0, last_tokens(one_row, n), True))
             except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
                 if not recoverable(e):
                     raise
