@@ -172,7 +172,8 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                     runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
                                                                        fast_build or k > 0)))
                 fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
-                exact_tails = {}  # each sparse row's last queries over every key (gating.exact_last_rows; PyTorch path: run.py)
+                # each sparse row's last queries over every key (gating.exact_last_rows; PyTorch path: run.py)
+                exact_tails = {}
                 exact = self.runtime.settings.gating.exact_last_rows if self._uses_kernel_table else 0
                 for r in plan.sparse_rows:
                     one_row = slice_rows(cm, r.row, r.row + 1, seq_lens)

@@ -17,6 +17,9 @@ NORMALIZER_TILE = 64
 # Queries per call of the GPU last-q estimator (``vs_index.LAST_Q``): a longer last-q window is
 # taken 64 queries at a time from the chunk's end, each call normalising its own rows.
 LAST_QUERIES_PER_CALL = 64
+# A sampled normaliser's max is of the keys read: a skipped key may score above it, so the
+# exponent of a probability is capped here (fp32 exp overflows past 88).
+SAMPLED_EXP_CAP = 80.0
 
 
 def block_means(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -199,9 +202,8 @@ def sampled_softmax(s: torch.Tensor, key_pos: torch.Tensor, q0_pos: int, sample:
     """softmax over the last dim of scores ``s`` [..., keys] (-inf where masked) as a sampled
     pass 1 normalises it: the row max and sum over the keys it reads (the keys outside
     :func:`sampled_normalizer_region`, and one tile in ``sample`` inside it, that tile's sum
-    counted ``sample`` times), the exponent capped at 80 (a skipped key may score above that
-    max). ``key_pos``: the position of each key; ``q0_pos``: the first query's. ``sample`` 1:
-    the softmax itself."""
+    counted ``sample`` times), the exponent capped at :data:`SAMPLED_EXP_CAP`. ``key_pos``: the
+    position of each key; ``q0_pos``: the first query's. ``sample`` 1: the softmax itself."""
     if sample == 1:
         return torch.softmax(s, dim=-1)
     far_lo, far_hi = sampled_normalizer_region(q0_pos, sample, first_keys, window)
@@ -211,4 +213,4 @@ def sampled_softmax(s: torch.Tensor, key_pos: torch.Tensor, q0_pos: int, sample:
     seen = torch.where(read, s, float("-inf"))  # a skipped key may be far above the max: no exp of it
     m = seen.amax(-1, keepdim=True)
     l = (torch.exp(seen - m) * weight).sum(-1, keepdim=True)
-    return torch.exp((s - m).clamp(max=80.0)) / l
+    return torch.exp((s - m).clamp(max=SAMPLED_EXP_CAP)) / l

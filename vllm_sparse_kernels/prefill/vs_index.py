@@ -31,7 +31,7 @@ from ..index_format import SparseIndex, num_blocks
 from ..kv_quant import check_kv_dtypes, scale_operand
 from ..topk_select import aligned_rows, topk_ascending
 from .estimate_math import (LAST_QUERIES_PER_CALL, NORMALIZER_FIRST_KEYS, NORMALIZER_TILE, NORMALIZER_WINDOW,
-                            sampled_normalizer_region)
+                            SAMPLED_EXP_CAP, sampled_normalizer_region)
 
 
 def _row_counts(h: int, wv: int, ws: int, dev) -> torch.Tensor:
@@ -273,8 +273,7 @@ def vertical_slash_index(v_idx: torch.Tensor, v_cnt: torch.Tensor, s_idx: torch.
 DIAG_MODES = {"atomic": 0, "gather": 1, "skew": 2}
 
 # A sampled pass 1 (``normalizer_sample``) caps pass 2's exponent here: fp32 exp overflows past 88.
-EXP_CAP: tl.constexpr = tl.constexpr(80.0)
-
+EXP_CAP: tl.constexpr = tl.constexpr(SAMPLED_EXP_CAP)
 
 
 @triton.jit
@@ -295,6 +294,18 @@ def _online_row_stats(m, l, s):
     """Running row maxima and sums of exp(s - max) after one more tile of scores s [rows, keys]."""
     m_new = tl.maximum(m, tl.max(s, 1))
     return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+
+
+@triton.jit
+def _tiles_row_stats(m, l, q, start, end, step, k_ptr, bt_ptr, offs_n, kvh, offs_d, s_kp, s_kt, s_kh, scale,
+                     PAGE: tl.constexpr):
+    """Pass 1's running row maxima and sums over the unmasked key tiles at start, start + step, ...
+    below end."""
+    for j in range(start, end, step):
+        kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
+        kt = kt.to(q.dtype)  # an fp8 cache widened to the query's dtype (a no-op otherwise)
+        m, l = _online_row_stats(m, l, tl.dot(q, kt).to(tl.float32) * scale)
+    return m, l
 
 
 @triton.jit
@@ -445,25 +456,20 @@ def _lastq_pass(q_ptr, k_ptr, bt_ptr, part_ptr, stats_ptr, vert_ptr, slash_ptr, 
     if not SECOND:
         # pass 1 over the tiles wholly below the first query: no mask
         j_mid = _unmasked_end(j_mid, k_end, q0_pos, n_q, BLOCK_Q, BLOCK_N)
+        whole_from = sp * split
         if SAMPLE > 1:
             # [far_lo, far_hi): one tile in SAMPLE (on a grid from far_lo), its sum counted SAMPLE
-            # times; the first keys and the window before the queries are read whole (below)
-            lo = tl.maximum(sp * split, far_lo)
-            start = far_lo + tl.cdiv(lo - far_lo, BLOCK_N * SAMPLE) * (BLOCK_N * SAMPLE)
-            for j in range(start, tl.minimum(j_mid, far_hi), BLOCK_N * SAMPLE):
-                kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
-                m, l = _online_row_stats(m, l, tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale)
+            # times; the first keys and the window before the queries are read whole
+            step = BLOCK_N * SAMPLE
+            start = far_lo + tl.cdiv(tl.maximum(whole_from, far_lo) - far_lo, step) * step
+            m, l = _tiles_row_stats(m, l, q, start, tl.minimum(j_mid, far_hi), step, k_ptr, bt_ptr, offs_n, kvh,
+                                    offs_d, s_kp, s_kt, s_kh, scale, PAGE)
             l = l * SAMPLE
-            for j in range(sp * split, tl.minimum(j_mid, far_lo), BLOCK_N):
-                kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
-                m, l = _online_row_stats(m, l, tl.dot(q, kt.to(q.dtype)).to(tl.float32) * scale)
-            whole_from = tl.maximum(sp * split, far_hi)
-        else:
-            whole_from = sp * split
-        for j in range(whole_from, j_mid, BLOCK_N):
-            kt = _key_tile(k_ptr, bt_ptr, j + offs_n, offs_n >= 0, kvh, offs_d, s_kp, s_kt, s_kh, PAGE, False)
-            kt = kt.to(q.dtype)  # an fp8 cache widened to the query's dtype (a no-op otherwise)
-            m, l = _online_row_stats(m, l, tl.dot(q, kt).to(tl.float32) * scale)
+            m, l = _tiles_row_stats(m, l, q, whole_from, tl.minimum(j_mid, far_lo), BLOCK_N, k_ptr, bt_ptr, offs_n,
+                                    kvh, offs_d, s_kp, s_kt, s_kh, scale, PAGE)
+            whole_from = tl.maximum(whole_from, far_hi)
+        m, l = _tiles_row_stats(m, l, q, whole_from, j_mid, BLOCK_N, k_ptr, bt_ptr, offs_n, kvh, offs_d, s_kp, s_kt,
+                                s_kh, scale, PAGE)
     for j in range(j_mid, k_end, BLOCK_N):
         kpos = j + offs_n
         k_ok = kpos < k_end
@@ -661,8 +667,7 @@ def last_q_scores(q_last: torch.Tensor, key_cache: torch.Tensor, block_table_row
                                                                  BLOCK_C=SKEW_COLUMNS, num_warps=4)
     else:
         _lastq_pass[(n_prog, n_split)](q_last, key_cache, block_table_row, part, stats, vert, slash, ks,
-                                       *geometry, n_split, split, far_lo, far_hi, SECOND=True, DIAG=DIAG_MODES[diagonals],
-                                       BLOCK_N=KEY_TILE,
-                                       **common,
+                                       *geometry, n_split, split, far_lo, far_hi, SECOND=True,
+                                       DIAG=DIAG_MODES[diagonals], BLOCK_N=KEY_TILE, **common,
                                        num_warps=num_warps or max(4, 2 * st), num_stages=num_stages or 3)
     return vert, slash
