@@ -95,7 +95,6 @@ class HostKV:
         self.hot: HotPages | None = None  # claimed in vLLM's profiling run (claim_hot_cache)
         self.layer_of = {name: i for i, name in enumerate(layer_names)}
         self.budget = TopkDecodeBudget.from_settings(settings)
-        self.prefill_pages = settings.host_kv_prefill_pages
         self.summaries_in_page = summaries_in_page
         self.placement: HostPlacement | None = None  # made at the first write (vLLM's cache exists then)
         self.own_summaries: list[SummaryViews] = []  # per layer, where not in vLLM's page
@@ -209,12 +208,13 @@ class HostKV:
         def gather(blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
             return placement.gather(layer, blocks)
 
-        if not self.prefill_pages:
+        pages = self.settings.host_kv_prefill_pages
+        if not pages:
             dense_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out, gather)
             return
         views = self.summaries(layer, kv_cache)
         selected_prefill_placed(query, query_start_loc, seq_lens, block_table, self.page_size, scale, out, gather,
-                                lambda blocks: (views.min[blocks], views.max[blocks]), self.prefill_pages,
+                                lambda blocks: (views.min[blocks], views.max[blocks]), pages,
                                 self.budget.sink_pages, self.budget.recent_pages)
 
 
