@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-answered", nargs="+", metavar="JSON", default=[],
                    help="send each variant only the prompts these runs did not answer with it, and start no "
                         "server for a variant they answered all of (dense answers repeat exactly; join: --report)")
+    p.add_argument("--first", nargs="+", metavar="ID", default=[],
+                   help="send these prompts (ids such as distractor/130000/124: those an earlier run changed) "
+                        "before the rest, so that a run cut short has answered them")
     p.add_argument("--stage-texts", type=pathlib.Path, metavar="DIR", default=None,
                    help="write every known text xz-compressed into DIR (e.g. .gpu/texts) and print "
                         "the --text arguments; needs the network on first use")
@@ -210,7 +213,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     records = {s.key: paired.prompt_record(s) for s in samples}
     timed = paired.timed_subset([s for s in samples if all(s.key in todo[v] for v in labels)], args.ttft_prompts)
     timed_keys = {s.key for s in timed}
-    rest = [s for s in samples if s.key not in timed_keys]
+    first = set(args.first)
+    rest = sorted((s for s in samples if s.key not in timed_keys), key=lambda s: s.key not in first)
     lock = threading.Lock()
 
     def save() -> None:

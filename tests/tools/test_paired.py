@@ -437,8 +437,11 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     assert bench.main(["--model", str(tmp_path / "model"), "--text", f"austen={tmp_path / 'austen.txt'}",
                        "--lengths", "1200", "--prompts", "12", "--ttft-prompts", "0", "--build-workers", "1",
                        "--variants", "dense", "wide=vertical_size=2000", "--prompt-cache", str(tmp_path / "cache"),
-                       "--skip-answered", str(out.with_suffix(".json")), "--out", str(tmp_path / "wide")]) == 0
+                       "--skip-answered", str(out.with_suffix(".json")), "--out", str(tmp_path / "wide"),
+                       "--concurrency", "1", "--first", doc["prompts"][9]["id"], doc["prompts"][4]["id"]]) == 0
     assert [label for label, *_ in launched] == ["wide"]
+    # --first: those prompts go before the rest (one at a time here, after the warm-up)
+    assert {h for *_, h, _, _ in log[-12:-10]} == {doc["prompts"][9]["hash"], doc["prompts"][4]["hash"]}
     wide = json.loads((tmp_path / "wide.json").read_text())
     meta, records, labels = P.merge([doc, wide])
     assert labels == ["dense", "default", "wide"] and P.compare(records, "dense", "wide")["n"] == 12
