@@ -57,13 +57,11 @@ SERVER_ERRORS = (ServerError, OSError, http.client.HTTPException, json.JSONDecod
 
 
 def stats_now(server: acc.Launched) -> dict | None:
-    """The server's stats file once the counts of its last forward are in it (``server``: anything
-    with a ``stats_path``; bench_serve passes its load targets)."""
+    """The stats file once its last forward is in it (``server``: anything with a ``stats_path``)."""
     time.sleep(STATS_INTERVAL_S + 0.5)
     return acc.settled_stats(server.stats_path)
 def stage_texts(folder: pathlib.Path) -> list[str]:
-    """Write every known text (each named as its asset), xz-compressed, into ``folder``; return the
-    --text arguments."""
+    """Write every known text, xz-compressed, into ``folder``; return the --text arguments."""
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for name in families.TEXT_SPLITS:
@@ -135,9 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-answered", nargs="+", metavar="JSON", default=[],
                    help="send each variant only the prompts these runs did not answer with it, and start no "
                         "server for a variant they answered all of (dense answers repeat exactly; join: --report)")
-    p.add_argument("--first", nargs="+", metavar="ID", default=[],
-                   help="send these prompts (ids such as distractor/130000/124: those an earlier run changed) "
-                        "before the rest, so that a run cut short has answered them")
+    p.add_argument("--first", nargs="+", metavar="ID", default=[], help="send these prompts (distractor/130000/124, ...) first")
     p.add_argument("--stage-texts", type=pathlib.Path, metavar="DIR", default=None,
                    help="write every known text xz-compressed into DIR (e.g. .gpu/texts) and print "
                         "the --text arguments; needs the network on first use")
@@ -213,8 +209,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     records = {s.key: paired.prompt_record(s) for s in samples}
     timed = paired.timed_subset([s for s in samples if all(s.key in todo[v] for v in labels)], args.ttft_prompts)
     timed_keys = {s.key for s in timed}
-    first = set(args.first)
-    rest = sorted((s for s in samples if s.key not in timed_keys), key=lambda s: s.key not in first)
+    rest = sorted((s for s in samples if s.key not in timed_keys), key=lambda s: s.key not in args.first)
     lock = threading.Lock()
 
     def save() -> None:
