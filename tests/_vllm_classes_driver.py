@@ -118,6 +118,21 @@ def main() -> dict:
     out["cudagraph_support"] = builder.get_cudagraph_support(config, spec).name
     out["uniform_batch"] = AttentionCGSupport.UNIFORM_BATCH.name
 
+    # vLLM's tokens per step (gating.exact_prompt_end), as the builder read it from the config, and
+    # from that release's SchedulerConfig alone, with and without a smaller max_num_scheduled_tokens
+    from types import SimpleNamespace
+
+    from vllm.config import SchedulerConfig
+
+    from vllm_sparse_backend._compat import step_token_budget
+    sched = config.scheduler_config
+    out["step_token_budget"] = {
+        "builder": builder._step_token_budget,
+        "config": [sched.max_num_scheduled_tokens, sched.max_num_batched_tokens],
+        "given": [step_token_budget(SimpleNamespace(scheduler_config=SchedulerConfig(
+            max_model_len=8192, is_encoder_decoder=False, max_num_batched_tokens=8192, **extra)))
+            for extra in ({}, {"max_num_scheduled_tokens": 6000})]}
+
     cm = _step(torch, CommonAttentionMetadata)
     md = builder.build(0, cm)
     out["metadata_type"] = type(md).__qualname__

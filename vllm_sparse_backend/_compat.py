@@ -180,6 +180,18 @@ def seq_lens_host(cm) -> list[int]:
     return cm.seq_lens[:n].cpu().tolist()
 
 
+def step_token_budget(vllm_config) -> int | None:
+    """The most tokens vLLM's scheduler puts in one step (0.26 and 0.33 alike: its
+    ``max_num_scheduled_tokens``, else ``max_num_batched_tokens``), or None where the config has
+    neither. A step of fewer tokens cut no prefill chunk for the budget
+    (:func:`..prefill.route.plan_step`)."""
+    sched = getattr(vllm_config, "scheduler_config", None)
+    budget = getattr(sched, "max_num_scheduled_tokens", None)
+    if budget is None:
+        budget = getattr(sched, "max_num_batched_tokens", None)
+    return budget if isinstance(budget, int) else None
+
+
 def slice_rows(cm, a: int, b: int, seq_lens: list[int]):
     """Rows [a, b) of a CommonAttentionMetadata as a standalone batch (fields common to 0.26-0.33).
 

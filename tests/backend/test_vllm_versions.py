@@ -129,6 +129,13 @@ def test_builder_plans_a_mixed_chunked_prefill_step(release):
     assert {k: out.get(k) for k in EXPECTED_STEP} == EXPECTED_STEP
 
 
+def test_the_builder_reads_vllm_s_tokens_per_step(release):
+    budget = release[2]["step_token_budget"]
+    scheduled, batched = budget["config"]
+    assert budget["builder"] == (batched if scheduled is None else scheduled)
+    assert budget["given"] == [8192, 6000]
+
+
 def test_backend_hooks(release):
     out = release[2]
     assert out["query_lens_mismatch_ok"] is False

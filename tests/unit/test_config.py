@@ -51,6 +51,7 @@ def test_env_overrides_file(tmp_path):
       "VLLM_SPARSE_DECODE_BUDGET_PAGES": "0"}, "decode_budget_pages"),
     ({"VLLM_SPARSE_SKIP_TILE_BELOW": "1"}, "VLLM_SPARSE_SKIP_TILE_BELOW"),
     ({"VLLM_SPARSE_SKIP_TILE_BELOW": "-0.001"}, "VLLM_SPARSE_SKIP_TILE_BELOW"),
+    ({"VLLM_SPARSE_EXACT_PROMPT_END": "-1"}, "VLLM_SPARSE_EXACT_PROMPT_END='-1': Input should be greater than or equal"),
 ])
 def test_bad_env_is_named(env, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -115,6 +116,9 @@ def test_gating_is_reached_by_its_variables_and_a_copy_by_flat_name_changes_the_
         assert not hasattr(copy, "max_density")
     with pytest.raises(ValueError, match=r"gating\.max_density"):
         s.replace(max_density=0)  # validated
+    with pytest.raises(ValueError, match=r"gating\.exact_prompt_end\n  Input should be greater than or equal to 0"):
+        s.replace(exact_prompt_end=-8192)
+    assert s.replace(exact_prompt_end=8192).gating.exact_prompt_end == 8192
     s = SparseSettings(gating=GatingSettings(min_sparse_query_len=8), max_density=0.3)
     assert (s.gating.min_sparse_query_len, s.gating.max_density) == (8, 0.3)
 

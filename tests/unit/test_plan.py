@@ -265,3 +265,27 @@ def test_cost_model_heads_takes_the_most_heads_of_a_group():
     group = {"a": rank_heads(None, s, 0, 12, 2), "b": rank_heads(None, s, 1, 16, 2)}
     assert cost_model_heads(group, 128) == (16, 128)
     assert cost_model_heads({}, 128) is None
+
+
+def test_a_step_under_vllm_s_token_budget_ends_its_prompts_and_their_last_queries_run_exact():
+    # a decode, a 6000-query chunk after 20000 tokens of context, a 5000-query prompt: 11001 tokens
+    q, seq = [1, 6000, 5000], [90, 26000, 5000]
+    s = SparseSettings(exact_last_rows=64, exact_prompt_end=2048)
+    # under the budget: no chunk was cut, each ends its prompt; the tail is the larger setting
+    plan = plan_step(_qsl(q), seq, s, step_token_budget=11002)
+    assert plan.sparse_rows == [SparseRow(1, 1, 6000, 20000, 2048), SparseRow(2, 6001, 5000, 0, 2048)]
+    # a step that fills the budget is taken as cut: exact_last_rows alone
+    plan = plan_step(_qsl(q), seq, s, step_token_budget=11001)
+    assert [r.exact_rows for r in plan.sparse_rows] == [64, 64]
+    assert [r.exact_rows for r in plan_step(_qsl(q), seq, s).sparse_rows] == [64, 64]  # budget unknown
+    # exact_last_rows above exact_prompt_end: it wins
+    plan = plan_step(_qsl(q), seq, s.replace(exact_last_rows=1024, exact_prompt_end=512), step_token_budget=11002)
+    assert [r.exact_rows for r in plan.sparse_rows] == [1024, 1024]
+    # a prompt-ending chunk of at most exact_prompt_end queries runs dense whole, counted
+    plan = plan_step(_qsl(q), seq, s.replace(exact_prompt_end=5000), step_token_budget=11002)
+    assert plan.sparse_rows == [SparseRow(1, 1, 6000, 20000, 5000)]
+    assert plan.dense_runs == [(0, 1), (2, 3)]
+    assert plan.dense_reasons == {"chunk ending its prompt, within exact_prompt_end": 1}
+    # off by default: no tail, whatever the budget
+    assert [r.exact_rows for r in plan_step(_qsl(q), seq, SparseSettings(), step_token_budget=11002).sparse_rows] \
+        == [0, 0]

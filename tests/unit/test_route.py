@@ -12,6 +12,8 @@ from vllm_sparse_backend.observability.stats import SparseStats
 COUNTED_LABELS = {
     DenseReason.CACHED_CONTEXT_ON_CPU: "cached_context_on_cpu",
     DenseReason.CANNOT_PAY: "cost_model_sparse_cannot_pay_at_this_length",
+    DenseReason.LONGER_THAN_MAX: "sequence_longer_than_max_sparse_seq_len",
+    DenseReason.PROMPT_END: "chunk_ending_its_prompt_within_exact_prompt_end",
     DenseReason.BUDGETS: "budgets_denser_than_max_density",
     DenseReason.COST_MODEL: "cost_model_dense_predicted_faster",
     DenseReason.ESTIMATED_DENSITY: "estimated_density_above_max_density",

@@ -66,8 +66,8 @@ class SparseStepMetadata(Generic[WrappedMetadata]):
     # every layer that runs all of the step's sparse rows
     row_table: RowTable | None = None
     decode_plan: StepDecodePlan | None = None  # decode_mode spans: the step's plan; the prefill path ignores it
-    # row index -> the wrapped backend's metadata for that row's last gating.exact_last_rows
-    # queries alone (over all its keys): run after the sparse path, they replace its output there
+    # row index -> (n, the wrapped backend's metadata for that row's last n queries alone, over
+    # all its keys; n: SparseRow.exact_rows): run after the sparse path, they replace its output there
     exact_tails: dict[int, tuple[int, WrappedMetadata]] = field(default_factory=dict)
 
 
@@ -172,13 +172,15 @@ def cost_model_heads(group_heads: dict[str, RankHeads], head_size: int) -> tuple
 
 def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
                      head_sets: list[Counter] | None = None,
-                     row_heads: tuple[int, int] | None = None) -> tuple[StepPlan, list[int], list[int]] | None:
+                     row_heads: tuple[int, int] | None = None, *,
+                     step_token_budget: int | None = None) -> tuple[StepPlan, list[int], list[int]] | None:
     """Plan one step from vLLM's CommonAttentionMetadata ``cm``: None when no row can run
     sparse (the caller then builds the wrapped backend's metadata), else the plan with the
     step's host-side query start locations and sequence lengths. ``head_sets``: the group's
     (:func:`distinct_head_sets`) where rows whose budgets no layer could make sparser than
     ``max_density`` should stay dense without estimation; ``row_heads`` (:func:`cost_model_heads`):
-    where rows the cost model says sparse cannot pay on should stay dense too
+    where rows the cost model says sparse cannot pay on should stay dense too; ``step_token_budget``
+    (:func:`.._compat.step_token_budget`): which chunks end their prompt, for ``exact_prompt_end``
     (:func:`..prefill.route.plan_step`)."""
     cfg = runtime.settings
     if not step_may_be_sparse(cfg, cm.max_query_len, cm.causal is True, step_has_multimodal_prefix_ranges(cm)):
@@ -186,7 +188,8 @@ def plan_sparse_step(runtime: WorkerRuntime, cm, allow_context: bool,
     n = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: n + 1].tolist()
     seq_lens = seq_lens_host(cm)
-    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets, row_heads=row_heads)
+    plan = plan_step(qsl, seq_lens, cfg, allow_context=allow_context, head_sets=head_sets, row_heads=row_heads,
+                     step_token_budget=step_token_budget)
     for reason in plan.dense_reasons:
         runtime.log_once("long rows with %s run dense", reason, info=True)  # routing, counted in the metrics
     # after the plan is made: an error counting it is no planning error (its rows would count twice)

@@ -15,7 +15,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 
 from .. import kernels
-from .._compat import current_vllm_config, slice_rows, sparse_backend_selected
+from .._compat import current_vllm_config, slice_rows, sparse_backend_selected, step_token_budget
 from ..observability.record import record_layer
 from ..prefill.run import run_sparse_rows
 from ..runtime import worker_runtime
@@ -28,6 +28,7 @@ from .common import (DenseRun, SparseStepMetadata, check_head_config_fits_model,
 
 class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     _head_sets = None  # the group's head sets for the max_density gate (None: no gate)
+    _step_token_budget: int | None = None  # the scheduler's tokens per step (None: unknown)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -35,6 +36,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.runtime = None  # only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
         if sparse_backend_selected(vllm_config):
             self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
+            self._step_token_budget = step_token_budget(vllm_config)  # a step under it ends its chunks' prompts
             cfg = runtime.settings
             unsupported = None
             if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:
@@ -69,8 +71,8 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         cm = common_attn_metadata
         try:
-            planned = plan_sparse_step(self.runtime, cm, allow_context=False, head_sets=self._head_sets) \
-                if self.sparse_enabled else None
+            planned = plan_sparse_step(self.runtime, cm, allow_context=False, head_sets=self._head_sets,
+                                       step_token_budget=self._step_token_budget) if self.sparse_enabled else None
         except Exception as e:  # noqa: BLE001 - a planning error sends the step to the CPU kernel
             if not recoverable(e):
                 raise

@@ -51,7 +51,7 @@ from vllm_sparse_kernels.kv_layout import gather_paged_kv
 from .. import kernels
 from .._compat import (FlashBackendVersions, FlashBuilderVersions, FlashImplVersions, attention_layers,
                        current_vllm_config, kv_cache_request, layer_kv_scales, last_tokens, slice_rows,
-                       sparse_backend_selected)
+                       sparse_backend_selected, step_token_budget)
 from ..decode import decode_mode
 from ..decode.memory import StateCost
 from ..prefill.estimate import HeadGroups
@@ -89,6 +89,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
     # FA's update_block_table would shallow-copy our wrapper and leave its runs on the old table.
     supports_update_block_table = False
+    _step_token_budget: int | None = None  # the scheduler's tokens per step (None: unknown)
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -136,6 +137,8 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._plan_from = cfg.gating.min_sparse_query_len if self.sparse_enabled else float("inf")
         # the stats file catches up once per step, not once per layer (stats.refresh)
         self._stats_file = cfg.observability.stats_file or None
+        # a step under it ends its chunks' prompts (gating.exact_prompt_end)
+        self._step_token_budget = step_token_budget(vllm_config)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -155,7 +158,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         if cm.max_query_len >= self._plan_from:
             try:
                 planned = plan_sparse_step(self.runtime, cm, allow_context=True, head_sets=self._head_sets,
-                                           row_heads=self._row_heads)
+                                           row_heads=self._row_heads, step_token_budget=self._step_token_budget)
             except Exception as e:  # noqa: BLE001 - a planning error sends the step to FlashAttention
                 if not recoverable(e):
                     raise
@@ -172,15 +175,13 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
                     runs.append(DenseRun(qsl[a], qsl[b], super().build(0, slice_rows(cm, a, b, seq_lens),
                                                                        fast_build or k > 0)))
                 fallback = {}  # each sparse row alone: the density fallback, or a failed sparse path
-                # each sparse row's last queries over every key (gating.exact_last_rows; PyTorch path: run.py)
+                # each sparse row's last queries over every key (SparseRow.exact_rows; PyTorch path: run.py)
                 exact_tails = {}
-                exact = self.runtime.settings.gating.exact_last_rows if self._uses_kernel_table else 0
                 for r in plan.sparse_rows:
                     one_row = slice_rows(cm, r.row, r.row + 1, seq_lens)
                     fallback[r.row] = super().build(0, one_row, True)
-                    if exact:
-                        n = min(exact, r.q_len)
-                        exact_tails[r.row] = (n, super().build(0, last_tokens(one_row, n), True))
+                    if r.exact_rows and self._uses_kernel_table:
+                        exact_tails[r.row] = (r.exact_rows, super().build(0, last_tokens(one_row, r.exact_rows), True))
             except Exception as e:  # noqa: BLE001 - the step then runs on FlashAttention whole
                 if not recoverable(e):
                     raise

@@ -25,6 +25,9 @@ class SparseRow:
     tok_start: int  # first token of the chunk in the step's flattened query/output tensors
     q_len: int
     ctx_len: int
+    # the chunk's last queries computed over every key after the sparse path (the router's
+    # gating.exact_last_rows / exact_prompt_end): the rows an answer starts from
+    exact_rows: int = 0
 
 
 @dataclass

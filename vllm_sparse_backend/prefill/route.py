@@ -46,6 +46,7 @@ class DenseReason(StrEnum):
     # even an empty selection would cost more than dense (estimation and the fixed per-row cost)
     CANNOT_PAY = "cost model: sparse cannot pay at this length"
     LONGER_THAN_MAX = "sequence longer than max_sparse_seq_len"
+    PROMPT_END = "chunk ending its prompt, within exact_prompt_end"  # the whole chunk is its exact tail
     # per layer
     COST_MODEL = "cost model: dense predicted faster"  # before estimation (:mod:`.cost`)
     # flagged on the GPU after estimation: read on the host, or run in the kernel's dense mode
@@ -87,7 +88,8 @@ def step_may_be_sparse(settings: SparseSettings, max_query_len: int, causal: boo
 
 def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseSettings,
               allow_context: bool = True, head_sets: list[Counter] | None = None,
-              row_heads: tuple[int, int] | None = None, row_cost: RowCost = ROW_COST) -> StepPlan:
+              row_heads: tuple[int, int] | None = None, row_cost: RowCost = ROW_COST, *,
+              step_token_budget: int | None = None) -> StepPlan:
     """Route each row. ``query_start_loc`` has num_reqs + 1 entries; ``seq_lens`` = context + chunk.
 
     A row goes sparse when its chunk has at least ``min_sparse_query_len`` queries and its
@@ -102,17 +104,32 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
     the fixed per-row cost alone take, in every layer) stay in the dense runs, so that the layers
     neither estimate nor probe them and FlashAttention runs them with the step's other dense rows
     (short prompts, mostly). Rows with no queries (cudagraph padding) belong to no run.
+
+    Each sparse row gets its exact tail (:attr:`.plan.SparseRow.exact_rows`): ``exact_last_rows``,
+    and for a chunk that ends its prompt at least ``exact_prompt_end`` (such a chunk of at most that
+    many queries runs dense, :attr:`DenseReason.PROMPT_END`). ``step_token_budget`` (vLLM's
+    scheduler budget, :func:`.._compat.step_token_budget`; None: unknown) tells which chunks end
+    their prompt: the scheduler cuts a prefill chunk short only where the step's budget runs out,
+    so in a step of fewer tokens than the budget every row ends its prompt. Other caps
+    (``long_prefill_token_threshold``, speculative decoding's draft slots, ``max_model_len``) can
+    also leave a step under budget: its cut chunks are then computed more exactly than needed,
+    slower but never less accurate. A last chunk that fills the budget exactly is taken as cut.
     """
     n = len(seq_lens)
     sparse, dense_runs, reasons = [], [], Counter()
+    ends_prompt = step_token_budget is not None and query_start_loc[-1] < step_token_budget
+    prompt_end = settings.gating.exact_prompt_end if ends_prompt else 0
     run_start = None
     for i in range(n + 1):
         dense = False
         if i < n:
             q_len = query_start_loc[i + 1] - query_start_loc[i]
             reason = _row_dense_reason(q_len, seq_lens[i], settings, allow_context, head_sets, row_heads, row_cost)
+            if reason is None and q_len <= prompt_end:
+                reason = DenseReason.PROMPT_END
             if reason is None:
-                sparse.append(SparseRow(i, query_start_loc[i], q_len, seq_lens[i] - q_len))
+                exact = min(q_len, max(settings.gating.exact_last_rows, prompt_end))
+                sparse.append(SparseRow(i, query_start_loc[i], q_len, seq_lens[i] - q_len, exact))
             else:
                 dense = q_len > 0
                 if reason is not _SHORT:

@@ -28,7 +28,7 @@ def run_sparse_rows(query, output, rows: list[SparseRow], kv_for_row: Callable, 
         est = estimate_index(query[s], k, row.ctx_len, heads, settings, scale, share)
         timing.lap("estimate")
         sparse_attention(query[s], k, v, est.index, row.ctx_len, scale, softcap, out=output[s])
-        if (n := min(settings.gating.exact_last_rows, row.q_len)) and not softcap:  # the answer's rows: every key
+        if (n := row.exact_rows) and not softcap:  # the answer's rows (the router's choice): every key
             output[s][-n:] = causal_attention(query[s][-n:], k, v, scale)
         timing.lap("kernel")
         outcome.sparse.append((row, est))
