@@ -67,6 +67,16 @@ def full_server(model_dir, tmp_path_factory):
     h.stop()
 
 
+@pytest.fixture(scope="module")
+def prompt_end_server(model_dir, tmp_path_factory):
+    # full_server's density 1, and a chunk that ends its prompt within 4096 queries runs dense
+    h = _server(model_dir, tmp_path_factory, "sparse-prompt-end",
+                {"VLLM_SPARSE_VERTICAL_SIZE": "100000", "VLLM_SPARSE_SLASH_SIZE": "100000",
+                 "VLLM_SPARSE_MAX_DENSITY": "1", "VLLM_SPARSE_EXACT_PROMPT_END": "4096"})
+    yield h
+    h.stop()
+
+
 def _mixed_head_config():
     return {
         "format": "vllm-sparse-head-config", "version": 1, "model": "tiny-llama", "num_layers": 2,
@@ -158,6 +168,28 @@ def test_dummy_weights_chunked_prefill_context_chunks_stay_dense_on_cpu(mixed_se
     after = _stats(mixed_server)
     assert after["sparse_query_tokens"] - before["sparse_query_tokens"] == 2 * 4096
     assert after["dense_reasons"].get("cached_context_on_cpu", 0) >= 1
+
+
+def test_dummy_weights_the_chunk_that_ends_its_prompt_runs_dense_a_cut_chunk_does_not(prompt_end_server):
+    """vLLM's scheduler cuts a prefill chunk only where the step's token budget (4096 here) runs
+    out, which is how exact_prompt_end tells the chunk that ends a prompt: a 3000-token prompt
+    ends in its one step, under the budget, and runs dense; a 6000-token prompt's first chunk fills
+    the budget, is taken as cut, and runs the sparse path (its second chunk has cached context,
+    dense on CPU for that reason)."""
+    s = prompt_end_server
+    before = _stats(s) if s.stats_path.exists() else {"dense_reasons": {}}
+
+    def grew(now, reason):
+        return now["dense_reasons"].get(reason, 0) - before["dense_reasons"].get(reason, 0)
+
+    assert len(_complete(s, _prompt(3000, 21))[0]) == MAX_TOKENS
+    mid = _stats(s)
+    assert grew(mid, DenseReason.PROMPT_END) >= 1 and grew(mid, DenseReason.EVERY_KEY) == 0
+    before = mid
+    assert len(_complete(s, _prompt(6000, 22))[0]) == MAX_TOKENS
+    after = _stats(s)
+    assert grew(after, DenseReason.EVERY_KEY) == 2  # the first chunk, in both layers, on the sparse path
+    assert grew(after, DenseReason.PROMPT_END) == 0 and grew(after, DenseReason.CACHED_CONTEXT_ON_CPU) >= 1
 
 
 def _failed_start_log(model_dir, tmp_path, head_config) -> str:
