@@ -1,6 +1,5 @@
-"""One attention layer's sparse rows: route (:mod:`.route`) -> estimate -> one launch, in place
-into vLLM's output; PyTorch on each row's K/V (CPU, kernel=torch), or Triton through the block
-table. Returns a :class:`.plan.LayerOutcome` that the caller records once (only the stage timer runs inside)."""
+"""One attention layer's sparse rows: route (:mod:`.route`) -> estimate -> one launch into vLLM's output (PyTorch on
+each row's K/V, or Triton through the block table); the caller records the :class:`.plan.LayerOutcome` once."""
 
 from __future__ import annotations
 
