@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata as _metadata
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The names `--attention-backend` accepts for us. vLLM looks up `value.upper()` in
 # AttentionBackendEnum, so "sparse-prefill" arrives as "SPARSE-PREFILL", which can never be a
@@ -223,12 +223,9 @@ def slice_rows(cm, a: int, b: int, seq_lens: list[int]):
 def last_tokens(one_row, n: int):
     """The last ``n`` tokens of a one-request batch (:func:`slice_rows` of one row) as a request
     of their own over the same sequence: their queries still see every earlier key."""
-    import dataclasses
-
     qsl = one_row.query_start_loc_cpu.new_tensor([0, n])
-    return dataclasses.replace(one_row, query_start_loc=qsl.to(one_row.query_start_loc.device, non_blocking=True),
-                               query_start_loc_cpu=qsl, num_actual_tokens=n, max_query_len=n,
-                               slot_mapping=one_row.slot_mapping[-n:])
+    return replace(one_row, query_start_loc=qsl.to(one_row.query_start_loc.device, non_blocking=True),
+                   query_start_loc_cpu=qsl, num_actual_tokens=n, max_query_len=n, slot_mapping=one_row.slot_mapping[-n:])
 
 
 def vllm_version_for_cli() -> None:
@@ -291,10 +288,7 @@ def summary_page_spec(spec):
     summaries. The page is then 1/block_size of the K/V page (a head size of values each for K
     and V per token, against two per block), so vLLM's block pool admits block_size times the
     tokens in the same memory. The spec fields: :data:`KV_PLACEMENT_HOOKS`."""
-    import dataclasses
-
-    return dataclasses.replace(spec, tokens_per_state=spec.block_size,
-                               state_content_bytes=2 * spec.head_size * spec.dtype.itemsize)
+    return replace(spec, tokens_per_state=spec.block_size, state_content_bytes=2 * spec.head_size * spec.dtype.itemsize)
 
 
 def kv_placement_hooks_missing() -> list[str]:
