@@ -84,12 +84,12 @@ class GatingSettings(BaseModel):
         "The last N queries of each sparse chunk attend every key (CUDA: FlashAttention after the sparse kernel; "
         "PyTorch path: exactly, not with a logits soft cap): the rows a prompt's answer starts from. 0 = off."))
     exact_prompt_end: int = Field(0, ge=0, le=1048576, description=(
-        "The chunk that ends a prompt (known when the step leaves part of vLLM's token budget unused) computes "
-        "its last N queries over every key, as exact_last_rows does (the larger of the two applies): the question's "
-        "rows and the text just before them; a chunk of at most N queries runs dense. A last chunk that fills the "
-        "budget exactly is taken as not ending its prompt; one cut short by another cap (long_prefill_token_threshold, "
-        "speculative decoding's draft slots) as ending it (exact where it need not be: slower, not less accurate). "
-        "0 = off."))
+        "The chunk that ends a prompt computes its last N queries over every key, as exact_last_rows does (the "
+        "larger of the two applies): the question's rows and the text just before them; a chunk of at most N "
+        "queries runs dense. vLLM's scheduler cuts at most one chunk per step, the newest request's, and only "
+        "where the step spends its whole token budget: every other chunk ends its prompt. The newest is taken to "
+        "be the row with the least cached context; where that guess or another cap (long_prefill_token_threshold, "
+        "speculative decoding's draft slots) misleads, a cut chunk runs exact (slower, not less accurate). 0 = off."))
     max_sparse_seq_len: int | None = Field(None, ge=1, description=(
         "Sequences (context + chunk) longer than this run dense: sparse only up to a length whose answers "
         "were checked (a long prompt's last chunks then run dense); none = no bound."))

@@ -2,7 +2,7 @@ import pytest
 
 from vllm_sparse_backend.settings import SparseSettings
 from vllm_sparse_backend.prefill.plan import SparseRow
-from vllm_sparse_backend.prefill.route import DenseReason, plan_step
+from vllm_sparse_backend.prefill.route import DenseReason, cut_row, plan_step
 
 
 def _qsl(lens):
@@ -274,9 +274,13 @@ def test_a_step_under_vllm_s_token_budget_ends_its_prompts_and_their_last_querie
     # under the budget: no chunk was cut, each ends its prompt; the tail is the larger setting
     plan = plan_step(_qsl(q), seq, s, step_token_budget=11002)
     assert plan.sparse_rows == [SparseRow(1, 1, 6000, 20000, 2048), SparseRow(2, 6001, 5000, 0, 2048)]
-    # a step that fills the budget is taken as cut: exact_last_rows alone
+    # a step that fills the budget: only the newest request can have been cut, the row with the
+    # least cached context (here the new prompt); the 6000-query chunk after 20000 ends its prompt
     plan = plan_step(_qsl(q), seq, s, step_token_budget=11001)
-    assert [r.exact_rows for r in plan.sparse_rows] == [64, 64]
+    assert [r.exact_rows for r in plan.sparse_rows] == [2048, 64]
+    # the same rows the other way round: still the one without context is taken as cut
+    plan = plan_step(_qsl([1, 5000, 6000]), [90, 5000, 26000], s, step_token_budget=11001)
+    assert [r.exact_rows for r in plan.sparse_rows] == [64, 2048]
     assert [r.exact_rows for r in plan_step(_qsl(q), seq, s).sparse_rows] == [64, 64]  # budget unknown
     # exact_last_rows above exact_prompt_end: it wins
     plan = plan_step(_qsl(q), seq, s.replace(exact_last_rows=1024, exact_prompt_end=512), step_token_budget=11002)
@@ -286,6 +290,20 @@ def test_a_step_under_vllm_s_token_budget_ends_its_prompts_and_their_last_querie
     assert plan.sparse_rows == [SparseRow(1, 1, 6000, 20000, 5000)]
     assert plan.dense_runs == [(0, 1), (2, 3)]
     assert plan.dense_reasons == {"chunk ending its prompt, within exact_prompt_end": 1}
+    # a full step with one prefill chunk (and decodes): that chunk is taken as cut
+    assert [r.exact_rows for r in plan_step(_qsl([1, 6000]), [90, 26000], s, step_token_budget=6001).sparse_rows] \
+        == [64]
     # off by default: no tail, whatever the budget
     assert [r.exact_rows for r in plan_step(_qsl(q), seq, SparseSettings(), step_token_budget=11002).sparse_rows] \
         == [0, 0]
+
+
+def test_in_a_full_step_only_the_newest_prefill_row_is_taken_as_cut():
+    # vLLM schedules running requests before waiting ones and stops where the budget runs out:
+    # a full step's cut chunk, if any, is its newest request's, the least cached context
+    assert cut_row([0, 10, 20], [10, 10], None) is None  # budget unknown
+    assert cut_row([0, 10, 20], [10, 10], 21) == -1  # under budget: none cut
+    assert cut_row([0, 1, 2], [50, 70], 2) == -1  # decodes only
+    assert cut_row([0, 1, 4000, 8192], [90, 12000, 4192], 8192) == 2  # a prompt's end, then a new one
+    assert cut_row([0, 4000, 8192], [4192, 12000], 8192) == 0  # the new one first in the batch
+    assert cut_row([0, 4000, 8192], [4000, 4192], 8192) == 1  # two new prompts: the later row

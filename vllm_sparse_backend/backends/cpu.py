@@ -36,7 +36,7 @@ class SparsePrefillCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         self.runtime = None  # only where the sparse backend is selected (else this is vLLM's CPU_ATTN)
         if sparse_backend_selected(vllm_config):
             self.runtime = runtime = worker_runtime()  # settings read and validated: a bad one fails at start-up
-            self._step_token_budget = step_token_budget(vllm_config)  # a step under it ends its chunks' prompts
+            self._step_token_budget = step_token_budget(vllm_config)  # which chunks end their prompt (route.cut_row)
             cfg = runtime.settings
             unsupported = None
             if self.is_cross_attention or self.is_encoder_only_attention or self.window_size != -1:

@@ -137,7 +137,7 @@ class SparsePrefillMetadataBuilder(FlashBuilderVersions, FlashAttentionMetadataB
         self._plan_from = cfg.gating.min_sparse_query_len if self.sparse_enabled else float("inf")
         # the stats file catches up once per step, not once per layer (stats.refresh)
         self._stats_file = cfg.observability.stats_file or None
-        # a step under it ends its chunks' prompts (gating.exact_prompt_end)
+        # which chunks end their prompt (gating.exact_prompt_end, route.cut_row)
         self._step_token_budget = step_token_budget(vllm_config)
 
     @classmethod

@@ -109,21 +109,17 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
     and for a chunk that ends its prompt at least ``exact_prompt_end`` (such a chunk of at most that
     many queries runs dense, :attr:`DenseReason.PROMPT_END`). ``step_token_budget`` (vLLM's
     scheduler budget, :func:`.._compat.step_token_budget`; None: unknown) tells which chunks end
-    their prompt: the scheduler cuts a prefill chunk short only where the step's budget runs out,
-    so in a step of fewer tokens than the budget every row ends its prompt. Other caps
-    (``long_prefill_token_threshold``, speculative decoding's draft slots, ``max_model_len``) can
-    also leave a step under budget: its cut chunks are then computed more exactly than needed,
-    slower but never less accurate. A last chunk that fills the budget exactly is taken as cut.
+    their prompt (:func:`cut_row`).
     """
     n = len(seq_lens)
     sparse, dense_runs, reasons = [], [], Counter()
-    ends_prompt = step_token_budget is not None and query_start_loc[-1] < step_token_budget
-    prompt_end = settings.gating.exact_prompt_end if ends_prompt else 0
+    cut = cut_row(query_start_loc, seq_lens, step_token_budget) if settings.gating.exact_prompt_end else None
     run_start = None
     for i in range(n + 1):
         dense = False
         if i < n:
             q_len = query_start_loc[i + 1] - query_start_loc[i]
+            prompt_end = settings.gating.exact_prompt_end if cut is not None and i != cut else 0
             reason = _row_dense_reason(q_len, seq_lens[i], settings, allow_context, head_sets, row_heads, row_cost)
             if reason is None and q_len <= prompt_end:
                 reason = DenseReason.PROMPT_END
@@ -140,6 +136,32 @@ def plan_step(query_start_loc: list[int], seq_lens: list[int], settings: SparseS
             dense_runs.append((run_start, i))
             run_start = None
     return StepPlan(sparse, dense_runs, reasons)
+
+
+def cut_row(query_start_loc: list[int], seq_lens: list[int], step_token_budget: int | None) -> int | None:
+    """The row whose chunk vLLM's scheduler may have cut short, -1 if none was, None if unknown
+    (no budget): every other row's chunk ends its prompt.
+
+    The scheduler gives each request it schedules all its remaining tokens, or what is left of
+    the step's budget; it stops once the budget is spent. So only the request it scheduled last
+    can have been cut, and only in a step that spends the whole budget; in a step under budget
+    no row was. In a full step that last request is the newest one: running requests go before
+    waiting ones, in the order they arrived. A prompt's last chunk therefore shares its step with
+    the next prompt's first chunk whenever one is waiting, and the newest row is taken to be the
+    one with the least cached context (ties: the later row; a row of one query is a decode).
+    Where that guess is wrong (a newer request with a long prefix-cache hit) a cut chunk gets a
+    prompt end's exact rows (slower, not less accurate) and the prompt's own end is taken as cut.
+    Other caps (``long_prefill_token_threshold``, speculative decoding's draft slots,
+    ``max_model_len``) can leave a step under budget with a chunk cut: also slower, not less
+    accurate. A step whose one prefill chunk fills the budget exactly is taken as cut."""
+    if step_token_budget is None:
+        return None
+    if query_start_loc[-1] < step_token_budget:
+        return -1
+    prefill = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] > 1]
+    if not prefill:
+        return -1
+    return min(reversed(prefill), key=lambda i: seq_lens[i] - (query_start_loc[i + 1] - query_start_loc[i]))
 
 
 _SHORT = object()  # a row below the length thresholds: dense, and not counted (the common case)
