@@ -39,8 +39,7 @@ def run_sparse_rows_paged(query, output, rows: list[SparseRow], key_cache, value
                           settings, scale: float, softcap: float, kernel: Callable, timing, *,
                           density_fallback: bool = False, k_scale=None, v_scale=None, history=None,
                           row_table=None, row_cost=ROW_COST) -> LayerOutcome:
-    """``density_fallback``: the caller has a dense kernel for single rows; the one host read is
-    the density flags', where :func:`.route.flags_on_host` says so."""
+    """``density_fallback``: rows estimated too dense may go to the caller's dense kernel (see ``flags_on_host``)."""
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     fallback = density_fallback and settings.gating.max_density < 1.0
     route = route_layer(rows, groups.head_counts, settings, query.shape[1], query.shape[2], density_fallback=fallback,
