@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import time
 
 import pytest
 
@@ -190,6 +191,39 @@ def test_dummy_weights_the_chunk_that_ends_its_prompt_runs_dense_a_cut_chunk_doe
     after = _stats(s)
     assert grew(after, DenseReason.EVERY_KEY) == 2  # the first chunk, in both layers, on the sparse path
     assert grew(after, DenseReason.PROMPT_END) == 0 and grew(after, DenseReason.CACHED_CONTEXT_ON_CPU) >= 1
+
+
+def test_dummy_weights_two_prompts_sharing_a_full_step_the_newest_is_cut_the_other_ends(prompt_end_server):
+    """Two 3000-token prompts scheduled in one step of vLLM's 4096-token budget: the first ends
+    in it, the second is cut after 1096 tokens. The full step must not make both look cut: one
+    chunk ends its prompt (dense, PROMPT_END), the cut one runs the sparse path in both layers, and
+    its rest has cached context (dense on CPU). A decoding request keeps the engine stepping, so
+    that the two prompts of one request arrive between steps and are scheduled together; a try in
+    which they still ran one after the other (each ends its prompt alone) is tried again."""
+    s = prompt_end_server
+    shared = 0
+    for attempt in range(3):
+        before = _stats(s) if s.stats_path.exists() else {"dense_reasons": {}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(s.request, "POST", "/v1/completions", {
+                "model": s.model(), "prompt": _prompt(16, 30 + attempt), "max_tokens": 1000, "temperature": 0,
+                "ignore_eos": True})
+            time.sleep(1.0)
+            out = s.request("POST", "/v1/completions", {
+                "model": s.model(), "prompt": [_prompt(3000, 40 + attempt), _prompt(3000, 50 + attempt)],
+                "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+            busy.result()
+        assert [c["finish_reason"] for c in out["choices"]] == ["length", "length"]
+        after = _stats(s)
+        grew = {r: after["dense_reasons"].get(r, 0) - before["dense_reasons"].get(r, 0) for r in DenseReason}
+        alone = {DenseReason.PROMPT_END: 2, DenseReason.EVERY_KEY: 0, DenseReason.CACHED_CONTEXT_ON_CPU: 0}
+        together = {DenseReason.PROMPT_END: 1, DenseReason.EVERY_KEY: 2, DenseReason.CACHED_CONTEXT_ON_CPU: 1}
+        seen = {r: grew[r] for r in alone}
+        assert seen in (alone, together), grew
+        if seen == together:
+            shared += 1
+            break
+    assert shared, "the two prompts never shared a step"
 
 
 def _failed_start_log(model_dir, tmp_path, head_config) -> str:
