@@ -26,6 +26,7 @@ after another: an idle server does not touch the GPU.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -190,6 +191,32 @@ def stats_delta(after: dict | None, before: dict | None, key: str) -> int:
     """How much the stats file's counter ``key`` grew from ``before`` to ``after`` (either may be
     None: the worker had not written the file yet)."""
     return int((after or {}).get(key, 0)) - int((before or {}).get(key, 0))
+
+
+def sparse_density(before: dict | None, after: dict | None) -> float | None:
+    """Computed / causal attention pairs of the rows that ran sparse between two reads of the
+    stats file (None: no row did)."""
+    causal = stats_delta(after, before, "causal_pairs")
+    return stats_delta(after, before, "computed_pairs") / causal if causal else None
+
+
+def serving_stack(cuda: bool) -> dict[str, str]:
+    """The device's name, the host and the vLLM and torch versions, for a result's record."""
+    import platform
+
+    import torch  # vLLM's dependency
+    import vllm
+
+    return {"device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+            "host": platform.node(), "vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def refuse_other_run(parser: argparse.ArgumentParser, path: pathlib.Path, old_meta: dict, now: dict) -> None:
+    """``--resume``: the parser's usage error naming the first field of ``now`` that the run in
+    ``path`` (its ``old_meta``) had another value of."""
+    for field_name, value in now.items():
+        if old_meta.get(field_name) != value:
+            parser.error(f"{path} was run with {field_name} {old_meta.get(field_name)}, not {value}")
 
 
 @dataclass
@@ -441,13 +468,26 @@ def overall(results: Sequence[Result], variants: Sequence[str]) -> dict[str, dic
     return out
 
 
-def _f(x, spec):
+def fmt(x: float | None, spec: str) -> str:
+    """A table cell: ``x`` in ``spec``, "-" for None."""
     return "-" if x is None else format(x, spec)
+
+
+def aligned(lines: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as left-aligned columns two spaces apart."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def describe_variants(variants: dict[str, dict | None]) -> str:
+    """A result's ``meta["variants"]`` in one line."""
+    return "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
+                                    for k, v in variants.items())
 
 
 def _dens(c: dict) -> str:
     d = c.get("density_all") if c.get("density_all") is not None else c.get("density")
-    return "1" if d is None or d >= 0.9995 else _f(d, ".3f")
+    return "1" if d is None or d >= 0.9995 else fmt(d, ".3f")
 
 
 def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
@@ -467,8 +507,8 @@ def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
             if c is None:
                 line += f" | {'':>26}"
             else:
-                spd = _f(c.get("speedup"), ".2f") + "x" if c.get("speedup") is not None else "-"
-                line += f" | {_f(c['accuracy'], '.2f'):>5} {_dens(c):>5} {_f(c['ttft_s'], '.2f') + 's':>7} {spd:>5}"
+                spd = fmt(c.get("speedup"), ".2f") + "x" if c.get("speedup") is not None else "-"
+                line += f" | {fmt(c['accuracy'], '.2f'):>5} {_dens(c):>5} {fmt(c['ttft_s'], '.2f') + 's':>7} {spd:>5}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -491,9 +531,9 @@ def format_length_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
             if c is None:
                 cells.append("")
             elif i == 0:
-                cells.append(f"{_f(c['accuracy'], '.2f')} ({_f(c['ttft_s'], '.2f')} s)")
+                cells.append(f"{fmt(c['accuracy'], '.2f')} ({fmt(c['ttft_s'], '.2f')} s)")
             else:
-                cells.append(f"{_f(c['accuracy'], '.2f')} ({_dens(c)}, {_f(c.get('speedup'), '.2f')}x)")
+                cells.append(f"{fmt(c['accuracy'], '.2f')} ({_dens(c)}, {fmt(c.get('speedup'), '.2f')}x)")
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
