@@ -34,13 +34,16 @@ import pathlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
 from .rope import scaled_max_positions, yarn_parameters
 from .tasks import Sample, score
 from .triton_cache import compiled_since, describe, snapshot
 from .variants import Variant
+
+if TYPE_CHECKING:
+    from .peers import Peer
 
 
 @dataclass
@@ -85,7 +88,7 @@ GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
-                max_num_seqs: int = 4, enforce_eager: bool = False) -> list[str]:
+                max_num_seqs: int = 4, enforce_eager: bool = False, worker_cls: str | None = None) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
     CPU, :data:`GPU_CHUNK` on CUDA, and with ``as_served`` on CUDA vLLM's own chunk (what
     ``vllm serve`` picks for the GPU: 8192 on an H100 / H200). ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
@@ -94,11 +97,16 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
     sparse alike; None leaves vLLM's default (the model's dtype).
     ``as_served``: CUDA graphs and prefix caching as ``vllm serve`` has them by default, instead
-    of eager mode and every prompt a whole prefill; ``enforce_eager`` then turns CUDA graphs off alone."""
-    if dense:
+    of eager mode and every prompt a whole prefill; ``enforce_eager`` then turns CUDA graphs off alone.
+    ``worker_cls``: a peer's vLLM worker (:mod:`.peers`) on FLASH_ATTN, eager (as the peer asks)."""
+    if worker_cls and not cuda:
+        raise ValueError(f"worker {worker_cls}: a peer runs on CUDA only (FLASH_ATTN)")
+    if dense or worker_cls:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
         args = ["--attention-backend", "sparse-prefill"]
+    if worker_cls:
+        args += ["--worker-cls", worker_cls]
     # A user's server takes vLLM's chunk, and the selection's answers depend on it (each chunk
     # estimates its own columns): a judge of the served answers must not choose another.
     if max_num_batched_tokens is None and not (as_served and cuda):
@@ -109,7 +117,7 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
              "--max-model-len", str(max_model_len),
              *([] if max_num_batched_tokens is None else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
              "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
-    if as_served and enforce_eager:
+    if as_served and (enforce_eager or worker_cls):
         args.append("--enforce-eager")
     if kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", kv_cache_dtype]
@@ -132,16 +140,21 @@ def yarn_model_dir(model_dir: str | os.PathLike, factor: float, workdir: str | o
     context from the factor, vLLM 0.32 from this field). Both spellings of the scaling are
     written (transformers 5 ``rope_parameters``, 4.x ``rope_scaling``), with the same values."""
     src = pathlib.Path(model_dir).resolve()
-    out = pathlib.Path(workdir) / f"{src.name}-yarn{factor:g}"
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "config.json" and not (out / f.name).exists():
-            (out / f.name).symlink_to(f)
     cfg = model_config(src)
     rope = yarn_parameters(cfg.get("rope_parameters"), cfg.get("rope_theta"), cfg["max_position_embeddings"], factor)
     cfg["rope_parameters"] = dict(rope)
     cfg["rope_scaling"] = {**rope, "type": "yarn"}
     cfg["max_position_embeddings"] = scaled_max_positions(rope, cfg["max_position_embeddings"])
+    return linked_copy(src, pathlib.Path(workdir) / f"{src.name}-yarn{factor:g}", cfg)
+
+
+def linked_copy(model_dir: str | os.PathLike, out: pathlib.Path, cfg: dict) -> pathlib.Path:
+    """``out``: links to ``model_dir``'s files (the weights are not copied) and ``cfg`` as its
+    ``config.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in pathlib.Path(model_dir).resolve().iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -238,7 +251,7 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
            shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
            as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
            stats_write_interval_s: float = 0, enforce_eager: bool = False,
-           prometheus_multiproc: bool = False) -> Launched:
+           prometheus_multiproc: bool = False, peer: Peer | None = None) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -252,7 +265,9 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     file after every sparse layer, for :func:`measure`'s per-prompt reads; a client that reads
     only totals leaves the timed prefills that work with the library's interval.
     ``prometheus_multiproc``: the server gets its own ``PROMETHEUS_MULTIPROC_DIR`` (as the
-    deployment docs set it), so that its metric writes cost what they cost in production."""
+    deployment docs set it), so that its metric writes cost what they cost in production.
+    ``peer``: how a peer variant is served (:mod:`.peers`): its worker, its copy of the model
+    folder, its PYTHONPATH."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -274,16 +289,22 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
         triton_cache = workdir / f"{label}-triton-cache"
         triton_cache.mkdir(exist_ok=True)
         env["TRITON_CACHE_DIR"] = str(triton_cache)
-    if not variant.dense:
+    if variant.peer:
+        if peer is None:
+            raise ValueError(f"variant {variant.label!r} is a peer: it needs the peer's worker (--peer-worker-cls)")
+        model_dir = peer.model_dir(model_dir, workdir)
+        env.update(peer.env())
+    if variant.ours:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
         env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=stats_write_interval_s,
                                **gating))
-    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
+    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=not variant.ours, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,
                                                  as_served=as_served, max_num_seqs=max_num_seqs,
-                                                 enforce_eager=enforce_eager), env,
+                                                 enforce_eager=enforce_eager,
+                                                 worker_cls=peer.worker_cls if variant.peer else None), env,
                          workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)
