@@ -40,9 +40,6 @@ import sys
 import tempfile
 import time
 
-# Run as a module from the repository root (python -m benchmarks.accuracy): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.accuracy ...")
 
@@ -157,13 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         # Results of tasks or lengths not asked for now stay (a later run may cover a subset);
         # those of prompts asked for again must be of the same prompts: same model and text,
         # and per (task, length, seed) the same depth and token count; and the same servers.
-        for field, now in (("model", model_name), ("text", text_name),
-                           ("min_sparse_query_len", gating["min_sparse_query_len"]),
-                           ("max_density", gating["max_density"]), ("yarn", args.yarn),
-                           ("max_num_batched_tokens", args.max_num_batched_tokens),
-                           ("kv_cache_dtype", args.kv_cache_dtype)):
-            if old["meta"].get(field) != now:
-                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {now}")
+        acc.refuse_other_run(p, out_json, old["meta"], {
+            "model": model_name, "text": text_name, **gating, "yarn": args.yarn,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype})
         prompts = {(s.task, s.target_tokens, s.seed): (s.depth, s.n_tokens) for s in samples}
         kept = [acc.Result(**r) for r in old["results"]]
         if any(prompts.get((r.task, r.target_tokens, r.seed), (r.depth, r.n_tokens))

@@ -32,9 +32,6 @@ import platform
 import sys
 import time
 
-# Run as a module from the repository root (python -m benchmarks.attention_recall): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.attention_recall ...")
 

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import platform
 import re
 import shlex
 import signal
@@ -110,12 +109,6 @@ def parse_printed(text: str) -> dict[str, float | None]:
     return out
 
 
-def density_of_run(before: dict | None, after: dict | None) -> float | None:
-    """Computed / causal attention pairs of the sparse rows between two reads of the stats file."""
-    causal = acc.stats_delta(after, before, "causal_pairs")
-    return acc.stats_delta(after, before, "computed_pairs") / causal if causal else None
-
-
 def missing_cells(runs: Sequence[dict], label: str, input_lens: Sequence[int],
                   num_prompts: Sequence[int]) -> list[tuple[int, int]]:
     """The (input length, prompts) cells of the grid that ``runs`` holds no run of for ``label``."""
@@ -147,17 +140,12 @@ def format_table(runs: Sequence[dict], labels: Sequence[str]) -> str:
                 continue
             p50, p99 = r.get("p50_ttft_ms"), r.get("p99_ttft_ms")
             density = f" d{r['density']:.2f}" if r.get("density") is not None else ""
-            line.append(f"{_num(p50, '.0f')}/{_num(p99, '.0f')}{density}")
-            line += [_num(r.get("request_throughput"), ".2f"), _num(r.get("total_token_throughput"), ".0f")]
+            line.append(f"{acc.fmt(p50, '.0f')}/{acc.fmt(p99, '.0f')}{density}")
+            line += [acc.fmt(r.get("request_throughput"), ".2f"), acc.fmt(r.get("total_token_throughput"), ".0f")]
             if i:
                 line.append(f"{base / p50:.2f}x" if base and p50 else "-")
         lines.append(line)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
-
-
-def _num(x: float | None, spec: str) -> str:
-    return "-" if x is None else f"{x:{spec}}"
+    return acc.aligned(lines)
 
 
 def run_client(cmd: list[str], result_path: pathlib.Path, log_path: pathlib.Path,
@@ -223,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
     greedy_flag = "--temperature" in client_options()
 
-    import torch  # noqa: PLC0415  (vLLM's dependency; the device's name for the record)
-    import vllm  # noqa: PLC0415
-
-    meta = {"model": model_name, "model_dir": str(served_dir), "device": device,
-            "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
-            "host": platform.node(), "date": date, "vllm": vllm.__version__, "torch": torch.__version__,
+    meta = {"model": model_name, "model_dir": str(served_dir), "device": device, **acc.serving_stack(cuda), "date": date,
             "yarn": args.yarn, "max_model_len": max_model_len, "input_lens": args.input_lens,
             "output_len": args.output_len, "num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
             "request_rate": args.request_rate, "client_temperature_flag": greedy_flag,
@@ -238,10 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
-        for field in ("model", "max_model_len", "input_lens", "output_len", "num_prompts", "max_concurrency",
-                      "request_rate", "yarn", "server_args"):
-            if old["meta"].get(field) != meta[field]:
-                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
+        acc.refuse_other_run(p, out_json, old["meta"], {f: meta[f] for f in (
+            "model", "max_model_len", "input_lens", "output_len", "num_prompts", "max_concurrency", "request_rate",
+            "yarn", "server_args")})
         runs = old["runs"]
         earlier = list(dict.fromkeys(r["variant"] for r in runs))
         todo = {v.label: missing_cells(runs, v.label, args.input_lens, args.num_prompts) for v in variants}
@@ -263,8 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); req/s and tok/s "
                 "(input + output) throughput; spd p50 = first variant's p50 TTFT / this one's",
                 table, "",
-                "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
-                                         for k, v in meta["variants"].items()),
+                acc.describe_variants(meta["variants"]),
                 "server flags (sparse; dense the same with its backend): " + shlex.join(meta["server_args"]),
                 f"$ {meta['command']}"]
         if meta.get("errors"):
@@ -301,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                     before = stats_now(target) if target.stats_path else None
                     numbers = run_client(bench_command(num_prompts=n, seed=seed, result_name=f"{name}.json", **common),
                                          folder / f"{name}.json", folder / f"{name}.log", args.run_timeout)
-                    density = density_of_run(before, stats_now(target)) if target.stats_path else None
+                    density = acc.sparse_density(before, stats_now(target)) if target.stats_path else None
                     runs.append({"variant": v.label, "input_len": input_len, "num_prompts": n, "seed": seed,
                                  "density": density, **numbers})
                     print(f"[{v.label}] input {input_len}, {n} prompts: ttft p50 {numbers['p50_ttft_ms']} ms, "

@@ -86,9 +86,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
-# Run as a module from the repository root (python -m benchmarks.decode_accuracy): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.decode_accuracy ...")
 
@@ -687,9 +684,7 @@ def run_prompt(model, attention: SelectorAttention, sample, variants: Sequence[V
 def format_table(rows: Sequence[dict], labels: Sequence[str]) -> str:
     """Per task and length, per variant: mean score, attended share, share of outputs equal to
     the first variant's."""
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
-
+    f = acc.fmt
     width = 20
     head = f"{'task':<18} {'tokens':>6} {'n':>2}" + "".join(f" | {label[:width]:^{width}}" for label in labels)
     sub = f"{'':<18} {'':>6} {'':>2}" + "".join(f" | {'acc':>5} {'attend':>7} {'same':>5}" for _ in labels)

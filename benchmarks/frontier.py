@@ -23,9 +23,6 @@ import pathlib
 import sys
 from typing import Any
 
-# Run as a module from the repository root (python -m benchmarks.frontier): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.frontier ...")
 

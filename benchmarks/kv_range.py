@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 
 import torch
 
-# Run as a module from the repository root (python -m benchmarks.kv_range): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.kv_range ...")
 

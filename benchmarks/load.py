@@ -78,9 +78,6 @@ import tempfile
 import time
 from typing import Any, Sequence
 
-# Run as a module from the repository root (python -m benchmarks.load): run by path, this
-# folder would come first on sys.path and its kernels.py would hide the `kernels` package
-# that transformers looks for.
 if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.load ...")
 

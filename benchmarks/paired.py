@@ -15,6 +15,9 @@ prompts sent alone and its ratio to the reference's.
         --lengths 65536 131072 --prompts 104 --concurrency 8 --variants dense default --gpus 0,1
     python -m benchmarks.paired --report a.json b.json --out merged   # runs made side by side
 
+A ``LABEL=peer`` variant is another project's sparse attention (``vllm_sparse_tools.evaluation.peers``:
+``--peer-worker-cls``, ``--peer-pythonpath``, ``--peer-sparse-config``); it runs eager, so then every server does.
+
 ``--split heldout`` uses only the texts and templates ``tune`` never uses (bible, gcide). Prompts
 are built in a process pool and cached per prompt (``--prompt-cache``). Servers start together
 (a fixed KV cache each where they share a GPU). First ``--ttft-prompts`` prompts per length go one
@@ -46,7 +49,7 @@ if not __package__:
 from vllm_sparse_tools import assets  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation import families, inputs, paired  # noqa: E402
+from vllm_sparse_tools.evaluation import families, inputs, paired, peers  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The sparse servers' stats file is rewritten at most this often (the library's default): only
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help=f"{', '.join(inputs.MODELS)}, or a model folder")
     p.add_argument("--variants", nargs="+", default=["dense", "default"],
-                   help="the reference first (normally dense); presets or LABEL=FIELD=VALUE[,...]")
+                   help="the reference first (normally dense); presets, LABEL=FIELD=VALUE[,...] or LABEL=peer")
+    peers.add_arguments(p)
     p.add_argument("--head-config-dir", default=str(REPO / "head_configs"))
     p.add_argument("--text", action="append", metavar="NAME=PATH",
                    help="a haystack text (plain, .xz or .gz); names: " + ", ".join(
@@ -157,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    model_dir, model_name, variants = inputs.model_and_variants(p, args)
+    model_dir, model_name, variants = inputs.model_and_variants(p, args, peers=True)
     labels = [v.label for v in variants]
     texts = parse_texts(p, args.text, args.split)
     cuda = cuda_available()
+    peer = peers.from_arguments(p, args, variants, cuda)
+    args.enforce_eager = args.enforce_eager or peer is not None  # the peer runs eager: TTFTs eager to eager
     device = "cuda" if cuda else "cpu"
     concurrency = args.concurrency or (8 if cuda else 1)
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -204,7 +210,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "texts": {n: paired.sha256_text(paired.read_text(t)) for n, t in texts.items()},
             "concurrency": concurrency, "ttft_prompts_per_length": args.ttft_prompts,
             "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": args.enforce_eager, "gpus": gpus if cuda else None,
-            "variants": {v.label: v.overrides for v in variants}, "commands": [" ".join(sys.argv)],
+            "variants": {v.label: "peer" if v.peer else v.overrides for v in variants}, "commands": [" ".join(sys.argv)],
+            "peer": peer and {"worker_cls": peer.worker_cls, "sparse_attention_config": peer.sparse_attention_config},
             "interval": "Newcombe method 10 (reference - variant hit rate, 95%)"}
     records = {s.key: paired.prompt_record(s) for s in samples}
     timed = paired.timed_subset([s for s in samples if all(s.key in todo[v] for v in labels)], args.ttft_prompts)
@@ -235,7 +242,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         min_sparse_query_len=None, max_density=None, cuda=cuda,
                         max_num_batched_tokens=args.max_num_batched_tokens, shared_gpu=len(idx) > 1,
                         as_served=True, max_num_seqs=max(concurrency, 2), stats_write_interval_s=STATS_INTERVAL_S,
-                        enforce_eager=args.enforce_eager, prometheus_multiproc=True,
+                        enforce_eager=args.enforce_eager, prometheus_multiproc=True, peer=peer,
                         env={"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)
             failed: dict[int, str] = {}
             stats_before: dict[int, dict | None] = {}
@@ -244,7 +251,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     log(f"[{labels[i]}] ready in {wait_ready(server.handle, args.start_timeout):.0f} s "
                         f"({server.handle.log_path})")
                     paired.warm_up(server, samples)
-                    stats_before[i] = None if variants[i].dense else stats_now(server)
+                    stats_before[i] = stats_now(server) if variants[i].ours else None
                 except SERVER_ERRORS as e:
                     failed[i] = str(e)
 
@@ -286,7 +293,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
                 list(pool.map(bulk, [i for i in servers if i not in failed]))
             for i in servers:
-                if i not in failed and not variants[i].dense:
+                if i not in failed and variants[i].ours:
                     meta.setdefault("density", {})[labels[i]] = paired.computed_density(
                         stats_before[i], stats_now(servers[i]), cfg, samples)
             for i, err in failed.items():  # no half variants in the tables

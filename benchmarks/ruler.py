@@ -45,7 +45,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import signal
 import subprocess
@@ -216,10 +215,6 @@ def _interval(c: dict | None, signed: bool = False) -> str:
     return f"{c['mean']:{spec}} [{c['low']:{spec}}, {c['high']:{spec}}]"
 
 
-def _opt(x: float | None, spec: str) -> str:
-    return "-" if x is None else f"{x:{spec}}"
-
-
 def format_table(rows: Sequence[dict], labels: Sequence[str]) -> str:
     """Task, length, n, then per variant its score [95% interval] and, after the first, the paired
     difference to the first [95% interval] and how many prompts changed score."""
@@ -244,8 +239,7 @@ def format_table(rows: Sequence[dict], labels: Sequence[str]) -> str:
                                                                        if c and "diff" in c else extra)
                             if c else "-")
         lines.append(line)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    return acc.aligned(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,9 +315,7 @@ def density_record(before: dict | None, after: dict | None, num_layers: int) -> 
     """What the sparse server's statistics file counted between two reads (every prompt of one
     length, all tasks): computed / causal pairs of the rows that ran sparse (None: no row did, the
     library's gating kept them dense) and how many query tokens per layer ran sparse."""
-    causal = acc.stats_delta(after, before, "causal_pairs")
-    computed = acc.stats_delta(after, before, "computed_pairs")
-    return {"density": computed / causal if causal else None,
+    return {"density": acc.sparse_density(before, after),
             "sparse_tokens_per_layer": acc.stats_delta(after, before, "sparse_query_tokens") / num_layers}
 
 
@@ -355,11 +347,10 @@ def write_result(out_json: pathlib.Path, out_txt: pathlib.Path, meta: dict[str, 
             f"{labels[0]} = paired difference on the same prompts [95% t interval] (prompts whose "
             "score changed)",
             format_table(rows, labels), "",
-            "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
-                                     for k, v in meta["variants"].items()),
+            acc.describe_variants(meta["variants"]),
             *([("sparse rows' computed density (query tokens per layer that ran sparse) per variant and "
                 "length, all tasks: " + "; ".join(
-                    f"{k} {_opt(d['density'], '.3f')} ({d['sparse_tokens_per_layer']:.0f})"
+                    f"{k} {acc.fmt(d['density'], '.3f')} ({d['sparse_tokens_per_layer']:.0f})"
                     for k, d in meta["density"].items()))] if meta.get("density") else []),
             *([f"note: {meta['merged']}"] if meta.get("merged") else []),
             *(f"$ {c}" for c in meta["commands"])]
@@ -492,13 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                                      f"ruler_{device}_{short_model_name(args.model, model_name)}_{date}")
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="vllm-sparse-ruler-"))
 
-    import torch  # noqa: PLC0415  (vLLM's dependency; the device's name for the record)
-    import vllm  # noqa: PLC0415
-
     meta: dict[str, Any] = {
-        "model": model_name, "model_dir": str(model_dir), "device": device,
-        "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
-        "host": platform.node(), "date": date, "vllm": vllm.__version__, "torch": torch.__version__,
+        "model": model_name, "model_dir": str(model_dir), "device": device, **acc.serving_stack(cuda), "date": date,
         "lm_eval": version, "tasks": args.tasks, "lengths": sorted(set(args.lengths)), "limit": args.limit,
         "generated_prompts": GENERATED_ALL if args.all_samples else GENERATED_LIMIT,
         "yarn": args.yarn, "apply_chat_template": args.apply_chat_template,
@@ -511,10 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and out_json.exists():
         old = json.loads(out_json.read_text())
         old["meta"].setdefault("generated_prompts", GENERATED_ALL)  # files from before the launcher
-        for field in ("model", "limit", "yarn", "apply_chat_template", "kv_cache_dtype", "max_num_batched_tokens",
-                      "generated_prompts"):
-            if old["meta"].get(field) != meta[field]:
-                p.error(f"{out_json} was run with {field} {old['meta'].get(field)}, not {meta[field]}")
+        acc.refuse_other_run(p, out_json, old["meta"], {f: meta[f] for f in (
+            "model", "limit", "yarn", "apply_chat_template", "kv_cache_dtype", "max_num_batched_tokens",
+            "generated_prompts")})
         samples = [SampleScore(**s) for s in old["samples"]]
         lmeval_scores = {(c["variant"], c["task"], c["length"]): c["score"] for c in old["lm_eval_scores"]}
         meta["commands"] = old["meta"]["commands"] + meta["commands"]

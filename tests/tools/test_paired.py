@@ -445,3 +445,154 @@ def test_run_times_prompts_alone_per_gpu_then_sends_the_rest_concurrently(tmp_pa
     wide = json.loads((tmp_path / "wide.json").read_text())
     meta, records, labels = P.merge([doc, wide])
     assert labels == ["dense", "default", "wide"] and P.compare(records, "dense", "wide")["n"] == 12
+
+
+# ---------------------------------------------------------------------------------------------
+# Peers: another project's sparse attention served beside ours (evaluation/peers.py)
+# ---------------------------------------------------------------------------------------------
+
+CALIBRATED = {"config_groups": {"group_0": {"algorithm": "skip_softmax", "targets": ["Qwen2Attention"],
+                                            "threshold_scale_factor": {"prefill": {"a": 7.9, "b": 8.6}},
+                                            "target_sparsity": {"prefill": 0.5}}},
+              "producer": {"name": "modelopt", "version": "0.47.0"}}
+
+
+def _model_folder(path):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 2,
+                                                 "num_key_value_heads": 1, "hidden_size": 64,
+                                                 "max_position_embeddings": 32768, "rope_theta": 1e6}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_peer_model_folder_links_the_weights_keeps_yarn_and_adds_the_sparse_config(tmp_path):
+    from vllm_sparse_tools.evaluation import accuracy as acc
+    from vllm_sparse_tools.evaluation.peers import Peer, read_sparse_attention_config
+
+    model = _model_folder(tmp_path / "qwen")
+    yarn = acc.yarn_model_dir(model, 4, tmp_path / "work")
+    out = Peer("modelopt_worker.ModelOptSparseWorker", "", CALIBRATED).model_dir(yarn, tmp_path / "work")
+    assert out not in (model, yarn)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (out / name).is_symlink() and (out / name).resolve() == (model / name).resolve()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg == {**json.loads((yarn / "config.json").read_text()), "sparse_attention_config": CALIBRATED}
+    assert cfg["rope_scaling"]["type"] == "yarn" and cfg["rope_scaling"]["factor"] == 4
+    assert cfg["max_position_embeddings"] == 4 * 32768
+    # the folders it was made from are left as they were
+    assert "sparse_attention_config" not in (model / "config.json").read_text() + (yarn / "config.json").read_text()
+
+    # the config: the exported config.json or the bare object; a file without groups is refused
+    (tmp_path / "export.json").write_text(json.dumps({"model_type": "qwen2", "sparse_attention_config": CALIBRATED}))
+    (tmp_path / "bare.json").write_text(json.dumps(CALIBRATED))
+    assert read_sparse_attention_config(tmp_path / "export.json") == CALIBRATED
+    assert read_sparse_attention_config(tmp_path / "bare.json") == CALIBRATED
+    for bad in ({"algorithm": "skip_softmax"}, {"config_groups": {"group_0": {"targets": []}}}, [1]):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"--peer-sparse-config .*bad.json: needs a 'config_groups'"):
+            read_sparse_attention_config(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="--peer-sparse-config .*missing.json"):
+        read_sparse_attention_config(tmp_path / "missing.json")
+
+
+def test_peer_server_runs_the_workers_class_on_flash_attn_eager_with_its_pythonpath(tmp_path, monkeypatch):
+    from vllm_sparse_tools.evaluation import accuracy as acc
+    from vllm_sparse_tools.evaluation.peers import UNCALIBRATED, Peer
+    from vllm_sparse_tools.evaluation.variants import parse_variant
+
+    started = []
+    monkeypatch.setattr(acc, "start_server", lambda model_dir, args, env, log: started.append((model_dir, args, env)))
+    monkeypatch.setenv("PYTHONPATH", "/caller")
+    model = _model_folder(tmp_path / "qwen")
+    peer = Peer("modelopt_worker.ModelOptSparseWorker", "/site-mo:/peers", UNCALIBRATED)
+    kw = dict(workdir=tmp_path / "work", max_model_len=131072, min_sparse_query_len=None, max_density=None,
+              cuda=True, as_served=True, shared_gpu=True, max_num_seqs=8, peer=peer)
+    for spec in ("modelopt=peer", "dense", "default"):
+        acc.launch(model, parse_variant(spec, peers=True), **kw)
+    (peer_dir, args, env), (dense_dir, dense_args, dense_env), (_, ours, ours_env) = started
+    assert args[args.index("--attention-backend") + 1] == "FLASH_ATTN"
+    assert args[args.index("--worker-cls") + 1] == "modelopt_worker.ModelOptSparseWorker"
+    assert args.count("--enforce-eager") == 1  # as served otherwise: the peer asks for eager itself
+    assert env["PYTHONPATH"] == "/site-mo:/peers:/caller"
+    assert not [k for k in env if k.startswith("VLLM_SPARSE_")]
+    assert json.loads((peer_dir / "config.json").read_text())["sparse_attention_config"] == UNCALIBRATED
+    # the reference and our variant: no worker, no peer path, the model as it is
+    assert dense_dir == model and "--worker-cls" not in dense_args + ours and "--enforce-eager" not in dense_args
+    assert "PYTHONPATH" not in dense_env and ours[ours.index("--attention-backend") + 1] == "sparse-prefill"
+    assert "VLLM_SPARSE_STATS_FILE" in ours_env
+    with pytest.raises(ValueError, match="'modelopt' is a peer: it needs the peer's worker \\(--peer-worker-cls\\)"):
+        acc.launch(model, parse_variant("modelopt=peer", peers=True), **{**kw, "peer": None})
+    with pytest.raises(ValueError, match="a peer runs on CUDA only"):
+        acc.server_args(model, 4096, dense=True, cuda=False, worker_cls="m.W")
+
+
+def test_peer_specs_and_the_errors_that_name_the_missing_flag(tmp_path, monkeypatch, capsys):
+    from benchmarks import paired as bench
+    from vllm_sparse_tools.evaluation.inputs import choose_variants
+    from vllm_sparse_tools.evaluation.variants import Variant, parse_variant
+
+    assert parse_variant("modelopt=peer", peers=True) == Variant("modelopt", None, peer=True)
+    v = parse_variant("modelopt=peer", peers=True)
+    assert (v.peer, v.dense, v.ours) == (True, False, False)
+    assert (parse_variant("dense").dense, parse_variant("default").ours) == (True, True)
+    with pytest.raises(ValueError, match="or LABEL=peer"):
+        parse_variant("peers")
+    # a benchmark that does not serve peers refuses them rather than serving one dense
+    with pytest.raises(ValueError, match="variant 'mo=peer': peers run in python -m benchmarks.paired only"):
+        choose_variants(["dense", "mo=peer"], tmp_path, "m", tmp_path)
+    with pytest.raises(ValueError, match="peers run in python -m benchmarks.paired only"):
+        parse_variant("mo=peer")  # load.py parses its specs so
+    assert choose_variants(["dense", "mo=peer"], tmp_path, "m", tmp_path, peers=True)[1].peer
+
+    model = _model_folder(tmp_path / "qwen")
+    (tmp_path / "austen.txt").write_text(TEXT[:1000])
+    monkeypatch.setattr(bench, "cuda_available", lambda: True)
+    argv = ["--model", str(model), "--text", f"austen={tmp_path / 'austen.txt'}", "--variants", "dense", "mo=peer",
+            "--out", str(tmp_path / "run")]
+    for extra, message in (([], "variant 'mo' is a peer: --peer-worker-cls MODULE.CLASS names its vLLM worker"),
+                           (["--peer-worker-cls", "m.W", "--peer-sparse-config", str(tmp_path / "qwen" / "config.json")],
+                            "--peer-sparse-config .*config.json: needs a 'config_groups' object")):
+        with pytest.raises(SystemExit):
+            bench.main(argv + extra)
+        assert re.search(message, capsys.readouterr().err)
+    monkeypatch.setattr(bench, "cuda_available", lambda: False)
+    with pytest.raises(SystemExit):
+        bench.main(argv + ["--peer-worker-cls", "m.W"])
+    assert "variant 'mo' is a peer: it runs on CUDA only" in capsys.readouterr().err
+
+
+def test_a_run_with_a_peer_serves_every_variant_eager_and_records_the_peer(tmp_path, monkeypatch):
+    from benchmarks import paired as bench
+    from vllm_sparse_tools.evaluation import accuracy as acc
+
+    model = _model_folder(tmp_path / "qwen")
+    (tmp_path / "austen.txt").write_text(TEXT[:300_000])
+    (tmp_path / "calibrated.json").write_text(json.dumps(CALIBRATED))
+    launched, log = [], []
+
+    def launch(model_dir, variant, **kw):
+        launched.append((variant.label, kw["enforce_eager"], kw["peer"]))
+        server = _FakeServer(variant.label, "0", "1234567", log)
+        return acc.Launched(variant, "native", server, tmp_path / f"{variant.label}-stats.json",
+                            acc.model_config(model_dir), kw["max_model_len"], None)
+
+    monkeypatch.setattr(P, "HFTokenizer", lambda _: PieceTokenizer())
+    monkeypatch.setattr(bench, "cuda_available", lambda: True)
+    monkeypatch.setattr(bench, "wait_ready", lambda handle, timeout: 0.0)
+    monkeypatch.setattr(bench, "STATS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(acc, "launch", launch)
+    assert bench.main(["--model", str(model), "--text", f"austen={tmp_path / 'austen.txt'}", "--lengths", "1200",
+                       "--prompts", "4", "--ttft-prompts", "1", "--variants", "dense", "modelopt=peer",
+                       "--peer-worker-cls", "modelopt_worker.ModelOptSparseWorker", "--peer-pythonpath", "/site-mo",
+                       "--peer-sparse-config", str(tmp_path / "calibrated.json"), "--build-workers", "1",
+                       "--prompt-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "run")]) == 0
+    peer = launched[0][2]
+    assert (peer.worker_cls, peer.pythonpath, peer.sparse_attention_config) == (
+        "modelopt_worker.ModelOptSparseWorker", "/site-mo", CALIBRATED)
+    assert launched == [("dense", True, peer), ("modelopt", True, peer)]  # eager both: TTFTs eager to eager
+    meta = json.loads((tmp_path / "run.json").read_text())["meta"]
+    assert meta["enforce_eager"] and meta["variants"] == {"dense": None, "modelopt": "peer"}
+    assert meta["peer"] == {"worker_cls": "modelopt_worker.ModelOptSparseWorker", "sparse_attention_config": CALIBRATED}
+    assert "density" not in meta  # the peer writes no statistics file of ours

@@ -8,6 +8,7 @@
 * :mod:`.attention_check`: Q/K/V captured from a real model's layers; per layer and pattern the
   softmax mass the sparse selection covers (recall) and the output error against dense.
 * :mod:`.inputs`: the benchmarks' names for models, texts and variants, resolved to cached assets.
+* :mod:`.peers`: another project's sparse attention served beside ours (a worker class).
 
 Nothing here is imported by the serving package (see :mod:`vllm_sparse_tools`).
 """

@@ -26,6 +26,7 @@ after another: an idle server does not touch the GPU.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -33,13 +34,16 @@ import pathlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
 from .rope import scaled_max_positions, yarn_parameters
 from .tasks import Sample, score
 from .triton_cache import compiled_since, describe, snapshot
 from .variants import Variant
+
+if TYPE_CHECKING:
+    from .peers import Peer
 
 
 @dataclass
@@ -84,7 +88,7 @@ GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend
 def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool, cuda: bool,
                 served_name: str = "eval-model", max_num_batched_tokens: int | None = None,
                 shared_gpu: bool = False, kv_cache_dtype: str | None = None, as_served: bool = False,
-                max_num_seqs: int = 4, enforce_eager: bool = False) -> list[str]:
+                max_num_seqs: int = 4, enforce_eager: bool = False, worker_cls: str | None = None) -> list[str]:
     """``vllm serve`` flags. ``max_num_batched_tokens`` None: the whole prompt in one step on
     CPU, :data:`GPU_CHUNK` on CUDA, and with ``as_served`` on CUDA vLLM's own chunk (what
     ``vllm serve`` picks for the GPU: 8192 on an H100 / H200). ``shared_gpu`` (CUDA): a fixed KV cache (one sequence of
@@ -93,11 +97,16 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
     ``kv_cache_dtype``: vLLM's ``--kv-cache-dtype`` (e.g. ``fp8``) for every server, dense and
     sparse alike; None leaves vLLM's default (the model's dtype).
     ``as_served``: CUDA graphs and prefix caching as ``vllm serve`` has them by default, instead
-    of eager mode and every prompt a whole prefill; ``enforce_eager`` then turns CUDA graphs off alone."""
-    if dense:
+    of eager mode and every prompt a whole prefill; ``enforce_eager`` then turns CUDA graphs off alone.
+    ``worker_cls``: a peer's vLLM worker (:mod:`.peers`) on FLASH_ATTN, eager (as the peer asks)."""
+    if worker_cls and not cuda:
+        raise ValueError(f"worker {worker_cls}: a peer runs on CUDA only (FLASH_ATTN)")
+    if dense or worker_cls:
         args = ["--attention-backend", "FLASH_ATTN"] if cuda else []
     else:
         args = ["--attention-backend", "sparse-prefill"]
+    if worker_cls:
+        args += ["--worker-cls", worker_cls]
     # A user's server takes vLLM's chunk, and the selection's answers depend on it (each chunk
     # estimates its own columns): a judge of the served answers must not choose another.
     if max_num_batched_tokens is None and not (as_served and cuda):
@@ -108,7 +117,7 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
              "--max-model-len", str(max_model_len),
              *([] if max_num_batched_tokens is None else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
              "--max-num-seqs", str(max_num_seqs), "--seed", "0"]
-    if as_served and enforce_eager:
+    if as_served and (enforce_eager or worker_cls):
         args.append("--enforce-eager")
     if kv_cache_dtype is not None:
         args += ["--kv-cache-dtype", kv_cache_dtype]
@@ -131,16 +140,21 @@ def yarn_model_dir(model_dir: str | os.PathLike, factor: float, workdir: str | o
     context from the factor, vLLM 0.32 from this field). Both spellings of the scaling are
     written (transformers 5 ``rope_parameters``, 4.x ``rope_scaling``), with the same values."""
     src = pathlib.Path(model_dir).resolve()
-    out = pathlib.Path(workdir) / f"{src.name}-yarn{factor:g}"
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.name != "config.json" and not (out / f.name).exists():
-            (out / f.name).symlink_to(f)
     cfg = model_config(src)
     rope = yarn_parameters(cfg.get("rope_parameters"), cfg.get("rope_theta"), cfg["max_position_embeddings"], factor)
     cfg["rope_parameters"] = dict(rope)
     cfg["rope_scaling"] = {**rope, "type": "yarn"}
     cfg["max_position_embeddings"] = scaled_max_positions(rope, cfg["max_position_embeddings"])
+    return linked_copy(src, pathlib.Path(workdir) / f"{src.name}-yarn{factor:g}", cfg)
+
+
+def linked_copy(model_dir: str | os.PathLike, out: pathlib.Path, cfg: dict) -> pathlib.Path:
+    """``out``: links to ``model_dir``'s files (the weights are not copied) and ``cfg`` as its
+    ``config.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in pathlib.Path(model_dir).resolve().iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -192,6 +206,32 @@ def stats_delta(after: dict | None, before: dict | None, key: str) -> int:
     return int((after or {}).get(key, 0)) - int((before or {}).get(key, 0))
 
 
+def sparse_density(before: dict | None, after: dict | None) -> float | None:
+    """Computed / causal attention pairs of the rows that ran sparse between two reads of the
+    stats file (None: no row did)."""
+    causal = stats_delta(after, before, "causal_pairs")
+    return stats_delta(after, before, "computed_pairs") / causal if causal else None
+
+
+def serving_stack(cuda: bool) -> dict[str, str]:
+    """The device's name, the host and the vLLM and torch versions, for a result's record."""
+    import platform
+
+    import torch  # vLLM's dependency
+    import vllm
+
+    return {"device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
+            "host": platform.node(), "vllm": vllm.__version__, "torch": torch.__version__}
+
+
+def refuse_other_run(parser: argparse.ArgumentParser, path: pathlib.Path, old_meta: dict, now: dict) -> None:
+    """``--resume``: the parser's usage error naming the first field of ``now`` that the run in
+    ``path`` (its ``old_meta``) had another value of."""
+    for field_name, value in now.items():
+        if old_meta.get(field_name) != value:
+            parser.error(f"{path} was run with {field_name} {old_meta.get(field_name)}, not {value}")
+
+
 @dataclass
 class Launched:
     """A server started for one variant on one model folder (native or YaRN)."""
@@ -211,7 +251,7 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
            shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
            as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
            stats_write_interval_s: float = 0, enforce_eager: bool = False,
-           prometheus_multiproc: bool = False) -> Launched:
+           prometheus_multiproc: bool = False, peer: Peer | None = None) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -225,7 +265,9 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     file after every sparse layer, for :func:`measure`'s per-prompt reads; a client that reads
     only totals leaves the timed prefills that work with the library's interval.
     ``prometheus_multiproc``: the server gets its own ``PROMETHEUS_MULTIPROC_DIR`` (as the
-    deployment docs set it), so that its metric writes cost what they cost in production."""
+    deployment docs set it), so that its metric writes cost what they cost in production.
+    ``peer``: how a peer variant is served (:mod:`.peers`): its worker, its copy of the model
+    folder, its PYTHONPATH."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -247,16 +289,22 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
         triton_cache = workdir / f"{label}-triton-cache"
         triton_cache.mkdir(exist_ok=True)
         env["TRITON_CACHE_DIR"] = str(triton_cache)
-    if not variant.dense:
+    if variant.peer:
+        if peer is None:
+            raise ValueError(f"variant {variant.label!r} is a peer: it needs the peer's worker (--peer-worker-cls)")
+        model_dir = peer.model_dir(model_dir, workdir)
+        env.update(peer.env())
+    if variant.ours:
         gating = {k: v for k, v in (("min_sparse_query_len", min_sparse_query_len),
                                     ("max_density", max_density)) if v is not None}
         env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=stats_write_interval_s,
                                **gating))
-    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=variant.dense, cuda=cuda,
+    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=not variant.ours, cuda=cuda,
                                                  max_num_batched_tokens=max_num_batched_tokens,
                                                  shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,
                                                  as_served=as_served, max_num_seqs=max_num_seqs,
-                                                 enforce_eager=enforce_eager), env,
+                                                 enforce_eager=enforce_eager,
+                                                 worker_cls=peer.worker_cls if variant.peer else None), env,
                          workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)
@@ -441,13 +489,26 @@ def overall(results: Sequence[Result], variants: Sequence[str]) -> dict[str, dic
     return out
 
 
-def _f(x, spec):
+def fmt(x: float | None, spec: str) -> str:
+    """A table cell: ``x`` in ``spec``, "-" for None."""
     return "-" if x is None else format(x, spec)
+
+
+def aligned(lines: Sequence[Sequence[str]]) -> str:
+    """Rows of cells as left-aligned columns two spaces apart."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def describe_variants(variants: dict[str, dict | None]) -> str:
+    """A result's ``meta["variants"]`` in one line."""
+    return "variants: " + "; ".join(f"{k} = {'vLLM dense' if v is None else (v or 'library defaults')}"
+                                    for k, v in variants.items())
 
 
 def _dens(c: dict) -> str:
     d = c.get("density_all") if c.get("density_all") is not None else c.get("density")
-    return "1" if d is None or d >= 0.9995 else _f(d, ".3f")
+    return "1" if d is None or d >= 0.9995 else fmt(d, ".3f")
 
 
 def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
@@ -467,8 +528,8 @@ def format_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
             if c is None:
                 line += f" | {'':>26}"
             else:
-                spd = _f(c.get("speedup"), ".2f") + "x" if c.get("speedup") is not None else "-"
-                line += f" | {_f(c['accuracy'], '.2f'):>5} {_dens(c):>5} {_f(c['ttft_s'], '.2f') + 's':>7} {spd:>5}"
+                spd = fmt(c.get("speedup"), ".2f") + "x" if c.get("speedup") is not None else "-"
+                line += f" | {fmt(c['accuracy'], '.2f'):>5} {_dens(c):>5} {fmt(c['ttft_s'], '.2f') + 's':>7} {spd:>5}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -491,9 +552,9 @@ def format_length_table(rows: Sequence[dict], variants: Sequence[str]) -> str:
             if c is None:
                 cells.append("")
             elif i == 0:
-                cells.append(f"{_f(c['accuracy'], '.2f')} ({_f(c['ttft_s'], '.2f')} s)")
+                cells.append(f"{fmt(c['accuracy'], '.2f')} ({fmt(c['ttft_s'], '.2f')} s)")
             else:
-                cells.append(f"{_f(c['accuracy'], '.2f')} ({_dens(c)}, {_f(c.get('speedup'), '.2f')}x)")
+                cells.append(f"{fmt(c['accuracy'], '.2f')} ({_dens(c)}, {fmt(c.get('speedup'), '.2f')}x)")
         lines.append(f"| {v} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

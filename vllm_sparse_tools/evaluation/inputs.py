@@ -52,19 +52,19 @@ def short_model_name(spec: str, model_name: str) -> str:
 
 
 def choose_variants(specs: Sequence[str], model_dir: pathlib.Path, model_name: str,
-                    head_config_dir: str | pathlib.Path, *, add_searched: bool = False
-                    ) -> list[Variant]:
+                    head_config_dir: str | pathlib.Path, *, add_searched: bool = False,
+                    peers: bool = False) -> list[Variant]:
     """Parse variant specs (see :mod:`.variants`). ``searched`` names the model's per-head file
     ``<head_config_dir>/<model folder or name>.json``; with ``add_searched`` (the benchmarks'
     default variant lists) it is appended when such a file exists, so that a shipped
-    configuration is measured without being asked for."""
+    configuration is measured without being asked for. ``LABEL=peer`` only where ``peers``."""
     searched = searched_variant([model_dir.name, model_name, model_name.lower()], head_config_dir)
     if "searched" in specs and searched is None:
         raise ValueError(f"variant 'searched': no head config for {model_name} in "
                          f"{head_config_dir}")
     if add_searched and searched is not None and "searched" not in specs:
         specs = [*specs, "searched"]
-    variants = [searched if spec == "searched" else parse_variant(spec) for spec in specs]
+    variants = [searched if spec == "searched" else parse_variant(spec, peers) for spec in specs]
     labels = [v.label for v in variants]
     if len(set(labels)) != len(labels):
         raise ValueError(f"variant labels must be unique: {labels}")
@@ -135,12 +135,13 @@ def add_model_and_variants_arguments(parser: argparse.ArgumentParser, variants_h
     parser.add_argument("--head-config-dir", default=str(head_config_dir))
 
 
-def model_and_variants(parser: argparse.ArgumentParser, args: argparse.Namespace
+def model_and_variants(parser: argparse.ArgumentParser, args: argparse.Namespace, peers: bool = False
                        ) -> tuple[pathlib.Path, str, list[Variant]]:
-    """``args.model`` resolved and ``args.variants`` parsed as given (no ``searched`` added);
-    a bad name ends the program with the parser's usage error."""
+    """``args.model`` resolved and ``args.variants`` parsed as given (no ``searched`` added; peers
+    where ``peers``); a bad name ends the program with the parser's usage error."""
     try:
         model_dir, model_name = resolve_model(args.model)
-        return model_dir, model_name, choose_variants(args.variants, model_dir, model_name, args.head_config_dir)
+        return model_dir, model_name, choose_variants(args.variants, model_dir, model_name, args.head_config_dir,
+                                                      peers=peers)
     except ValueError as e:
         parser.error(str(e))

@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from . import families
-from .accuracy import Launched, causal_pairs_all, length_label, stats_delta, stream_completion
+from .accuracy import Launched, causal_pairs_all, fmt, length_label, stats_delta, stream_completion
 from .intervals import mcnemar_exact_p, newcombe_paired_interval
 from .tasks import HFTokenizer, Sample
 from ..demo import ServerError
@@ -282,10 +282,6 @@ def summarize(records: Sequence[dict], labels: Sequence[str]) -> list[dict[str, 
     return rows
 
 
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def format_tables(rows: Sequence[dict], labels: Sequence[str]) -> str:
     ref = labels[0]
     head = (f"{'length':>6} {'family':<17} {'variant':<12} {'n':>4} {'ref':>4} {'hits':>4} {'lost':>4} "
@@ -295,7 +291,7 @@ def format_tables(rows: Sequence[dict], labels: Sequence[str]) -> str:
         t_ref = row["ttft"][ref]
         lines.append(f"{length_label(row['length']):>6} {row['family']:<17} {ref[:12]:<12} "
                      f"{'':>4} {'':>4} {'':>4} {'':>4} {'':>4} {'':>4} {'':>6} {'':>22} "
-                     f"{_f(t_ref['median_s'], '.2f') + ('*' if t_ref['loaded'] else ''):>7} {'1':>5}")
+                     f"{fmt(t_ref['median_s'], '.2f') + ('*' if t_ref['loaded'] else ''):>7} {'1':>5}")
         for v in labels[1:]:
             c, t = row["vs_reference"][v], row["ttft"][v]
             if not c["n"]:
@@ -304,8 +300,8 @@ def format_tables(rows: Sequence[dict], labels: Sequence[str]) -> str:
             interval = f"{c['diff']:+.3f} [{c['diff_low']:+.3f},{c['diff_high']:+.3f}]"
             lines.append(f"{'':>6} {'':<17} {v[:12]:<12} {c['n']:>4} {c['ref_hits']:>4} {c['hits']:>4} "
                          f"{c['lost']:>4} {c['gained']:>4} {c['changed']:>4} {c['p_mcnemar']:>6.3f} "
-                         f"{interval:>22} {_f(t['median_s'], '.2f') + ('*' if t['loaded'] else ''):>7} "
-                         f"{_f(t['ratio'], '.2f'):>5}")
+                         f"{interval:>22} {fmt(t['median_s'], '.2f') + ('*' if t['loaded'] else ''):>7} "
+                         f"{fmt(t['ratio'], '.2f'):>5}")
         if row["family"] == "all":
             lines.append("")
     return "\n".join(lines)
@@ -331,7 +327,7 @@ def write(out_json: pathlib.Path, out_txt: pathlib.Path, meta: dict, records: Se
     text = "\n".join([title, LEGEND, "", format_tables(rows, labels)])
     if meta.get("density"):
         text += "\ncomputed share of the prompts' causal attention pairs (sparse servers, every prompt): " + ", ".join(
-            f"{v} {_f(d['all'], '.3f')} (rows run sparse: {_f(d['sparse_rows'], '.3f')})"
+            f"{v} {fmt(d['all'], '.3f')} (rows run sparse: {fmt(d['sparse_rows'], '.3f')})"
             for v, d in meta["density"].items())
     missing = [v for v in labels if not any(v in r["outputs"] for r in records)]
     if missing:

@@ -7,7 +7,8 @@ settings in process, so both measure the same selections.
 
 Spec strings (command lines): a preset name (``dense``, ``vs``, ``flex0.9``, ...), or
 ``LABEL=FIELD=VALUE[,FIELD=VALUE...]`` with settings field names, e.g.
-``vs-small=vertical_size=250,slash_size=500`` or ``searched=head_config=qwen.json``.
+``vs-small=vertical_size=250,slash_size=500`` or ``searched=head_config=qwen.json``; or
+``LABEL=peer``: another project's sparse attention in the same ``vllm serve`` (:mod:`.peers`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,23 @@ PRESETS: dict[str, dict[str, Any] | None] = {
 }
 
 
+PEER = "peer"  # the spec LABEL=peer: a peer variant (.peers)
+
+
 @dataclass(frozen=True)
 class Variant:
     label: str
-    overrides: dict[str, Any] | None  # None: dense baseline
+    overrides: dict[str, Any] | None  # None: dense baseline, or a peer
+    peer: bool = False  # served by a peer's worker class on FLASH_ATTN, without this plugin
 
     @property
     def dense(self) -> bool:
-        return self.overrides is None
+        return self.overrides is None and not self.peer
+
+    @property
+    def ours(self) -> bool:
+        """Served by this plugin: ``VLLM_SPARSE_*`` settings and a statistics file."""
+        return self.overrides is not None
 
     def settings(self, **base: Any) -> SparseSettings:
         """Settings of this variant on top of ``base`` (e.g. gating used by every variant); either
@@ -57,14 +67,19 @@ class Variant:
                 if v is not None}
 
 
-def parse_variant(spec: str) -> Variant:
-    """A preset name or ``LABEL=FIELD=VALUE[,FIELD=VALUE...]`` (see the module docstring)."""
+def parse_variant(spec: str, peers: bool = False) -> Variant:
+    """A preset name or ``LABEL=FIELD=VALUE[,FIELD=VALUE...]`` (see the module docstring);
+    ``LABEL=peer`` only where ``peers``: a benchmark that does not serve peers would serve one dense."""
     if "=" not in spec:
         if spec not in PRESETS:
             raise ValueError(f"unknown variant {spec!r}: presets are {', '.join(PRESETS)}, or "
-                             "LABEL=FIELD=VALUE[,FIELD=VALUE...]")
+                             f"LABEL=FIELD=VALUE[,FIELD=VALUE...], or LABEL={PEER}")
         return Variant(spec, PRESETS[spec])
     label, _, rest = spec.partition("=")
+    if rest == PEER:
+        if not peers:
+            raise ValueError(f"variant {spec!r}: peers run in python -m benchmarks.paired only")
+        return Variant(label, None, peer=True)
     overrides: dict[str, Any] = {}
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
