@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.kernels,
 
 def haystack() -> str:
     """The tools tests' made-up text (tests/tools/test_tasks.py, another folder of tests)."""
-    spec = importlib.util.spec_from_file_location("tools_test_tasks", Path(__file__).parents[1] / "tools" / "test_tasks.py")
+    path = Path(__file__).parents[1] / "tools" / "test_tasks.py"
+    spec = importlib.util.spec_from_file_location("tools_test_tasks", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.TEXT
