@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"torch {meta['torch']}, {date}: random token ids, output {args.output_len} tokens, ignore_eos, "
                 f"greedy; concurrency {args.max_concurrency or 'all'}, request rate {args.request_rate}"
                 + (f", YaRN x{args.yarn:g}" if args.yarn else ""),
-                "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); req/s and tok/s "
-                "(input + output) throughput; spd p50 = first variant's p50 TTFT / this one's",
+                "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); itl p50 ms: the client's median "
+                "gap between streamed tokens; req/s and tok/s (input + output); spd p50 = first's p50 TTFT / this one's",
                 table, "",
                 acc.describe_variants(meta["variants"]),
                 "server flags (sparse; dense the same with its backend): " + shlex.join(meta["server_args"]),

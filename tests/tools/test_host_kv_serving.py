@@ -144,3 +144,33 @@ def test_paired_serves_the_host_kv_variant_with_the_flag(tmp_path, monkeypatch):
     args, env = started.value.args
     assert _flag_value(args, "--num-gpu-blocks-override") == "244" and "--enforce-eager" in args
     assert (Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "sitecustomize.py").is_file()
+
+
+def test_bench_serves_host_kv_server_as_paireds_and_its_table_shows_vllms_itl(tmp_path, monkeypatch):
+    import argparse
+
+    from benchmarks import bench_serve, load
+
+    started = []
+    monkeypatch.setattr(load, "start_server", lambda model_dir, args, env, log: started.append((args, env)) or
+                        type("Handle", (), {"url": "http://x", "log_path": log})())
+    model = _model_folder(tmp_path / "qwen")
+    args = argparse.Namespace(max_num_batched_tokens=8192, max_num_seqs=4, server_args="", min_sparse_query_len=None,
+                              unverified_host_kv=True)
+    for spec in ("dense", HOST):
+        load.start_target(spec.partition("=")[0], parse_variant(spec), model, tmp_path / "work", cuda=True,
+                          max_model_len=4096, args=args, stats_write_interval_s=None)
+    (dense, dense_env), (host, host_env) = started
+    assert "--num-gpu-blocks-override" not in dense and "PYTHONPATH" not in dense_env
+    assert (_flag_value(host, "--block-size"), _flag_value(host, "--num-gpu-blocks-override")) == ("16", "244")
+    assert "--enforce-eager" in host and (Path(host_env["PYTHONPATH"].split(os.pathsep)[0]) / "sitecustomize.py").is_file()
+
+    # vLLM's client prints (and saves) the p50 inter-token latency asked for with --metric-percentiles 50
+    printed = "P50 TTFT (ms):                           812.50    \nP50 ITL (ms):                            3.09      \n"
+    assert bench_serve.parse_printed(printed)["p50_itl_ms"] == 3.09
+    assert bench_serve.parse_result_json({"p50_itl_ms": 3.04, "p50_tpot_ms": 3.1})["p50_itl_ms"] == 3.04
+    runs = [{"variant": v, "input_len": 130000, "num_prompts": 1, "p50_ttft_ms": t, "p99_ttft_ms": t, "p50_itl_ms": i}
+            for v, t, i in (("dense", 2600.0, 3.09), ("hostkv", 20000.0, 9.87))]
+    head, row = bench_serve.format_table(runs, ["dense", "hostkv"]).splitlines()[:2]
+    assert re.split(r"\s{2,}", head)[3] == "dense itl p50 ms" and re.split(r"\s{2,}", row)[3] == "3.09"
+    assert "hostkv itl p50 ms" in head and "9.87" in row.split()
