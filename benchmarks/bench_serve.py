@@ -8,7 +8,8 @@ graphs and prefix caching as vLLM serves by default on CUDA). Against each, per
 then one ``vllm bench serve`` run per ``--num-prompts`` value with its random dataset (random token
 ids, ``--random-input-len`` / ``--random-output-len``, ``--ignore-eos``, greedy), every run with a
 seed of its own (no prefix-cache hit between runs) and the same seeds on every server (the same
-prompts). Its saved result (``--save-result``) gives TTFT mean / p50 / p99 and the throughputs;
+prompts). Its saved result (``--save-result``) gives TTFT mean / p50 / p99, the median inter-token
+latency (ITL: the decode step as the client sees it) and TPOT, and the throughputs;
 they are printed side by side with each variant's p50 TTFT speedup over the first variant, and the
 sparse servers' computed attention density over each run (their statistics file, written at the
 library's bounded rate so that no write is timed).
@@ -43,7 +44,7 @@ if not __package__:
     raise SystemExit("run from the repository root: python -m benchmarks.bench_serve ...")
 
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
-from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation import accuracy as acc, host_kv  # noqa: E402
 from vllm_sparse_tools.evaluation.inputs import (add_model_and_variants_arguments, model_and_variants,  # noqa: E402
                                                  result_paths, short_model_name)
 
@@ -52,12 +53,13 @@ from .paired import stats_now  # noqa: E402  (the stats file once the library ha
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # What the table reports from a result, under vLLM's own names (the saved JSON's keys).
-METRICS = ("completed", "failed", "duration", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms",
-           "request_throughput", "output_throughput", "total_token_throughput")
+METRICS = ("completed", "failed", "duration", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "p50_itl_ms",
+           "p50_tpot_ms", "request_throughput", "output_throughput", "total_token_throughput")
 # The printed block's labels of the same numbers.
 PRINTED = {
     "completed": "Successful requests", "failed": "Failed requests", "duration": "Benchmark duration (s)",
     "mean_ttft_ms": "Mean TTFT (ms)", "p50_ttft_ms": "P50 TTFT (ms)", "p99_ttft_ms": "P99 TTFT (ms)",
+    "p50_itl_ms": "P50 ITL (ms)", "p50_tpot_ms": "P50 TPOT (ms)",
     "request_throughput": "Request throughput (req/s)", "output_throughput": "Output token throughput (tok/s)",
     "total_token_throughput": "Total token throughput (tok/s)",
 }
@@ -122,11 +124,12 @@ def cell_index(input_lens: Sequence[int], num_prompts: Sequence[int], input_len:
 
 
 def format_table(runs: Sequence[dict], labels: Sequence[str]) -> str:
-    """Per (input length, prompts): each variant's TTFT p50 / p99 (ms), requests/s and total
-    tokens/s, and after the first its p50 speedup (first's p50 / its p50)."""
+    """Per (input length, prompts): each variant's TTFT p50 / p99 (ms), p50 ITL (ms), requests/s
+    and total tokens/s, and after the first its p50 TTFT speedup (first's p50 / its p50)."""
     head = ["input", "prompts"]
     for i, label in enumerate(labels):
-        head += [f"{label} ttft p50/p99 ms", f"{label} req/s", f"{label} tok/s"] + (["spd p50"] if i else [])
+        head += [f"{label} ttft p50/p99 ms", f"{label} itl p50 ms", f"{label} req/s", f"{label} tok/s"] + \
+            (["spd p50"] if i else [])
     lines = [head]
     keys = sorted({(r["input_len"], r["num_prompts"]) for r in runs})
     for input_len, n in keys:
@@ -136,12 +139,13 @@ def format_table(runs: Sequence[dict], labels: Sequence[str]) -> str:
         for i, label in enumerate(labels):
             r = by.get(label)
             if r is None:
-                line += ["-", "-", "-"] + (["-"] if i else [])
+                line += ["-"] * 4 + (["-"] if i else [])
                 continue
             p50, p99 = r.get("p50_ttft_ms"), r.get("p99_ttft_ms")
             density = f" d{r['density']:.2f}" if r.get("density") is not None else ""
             line.append(f"{acc.fmt(p50, '.0f')}/{acc.fmt(p99, '.0f')}{density}")
-            line += [acc.fmt(r.get("request_throughput"), ".2f"), acc.fmt(r.get("total_token_throughput"), ".0f")]
+            line += [acc.fmt(r.get("p50_itl_ms"), ".2f"), acc.fmt(r.get("request_throughput"), ".2f"),
+                     acc.fmt(r.get("total_token_throughput"), ".0f")]
             if i:
                 line.append(f"{base / p50:.2f}x" if base and p50 else "-")
         lines.append(line)
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_and_variants_arguments(
         p, "dense, presets or LABEL=FIELD=VALUE[,...] (benchmarks/accuracy.py's); the first is the reference of "
            "the speedups", REPO / "head_configs")
+    host_kv.add_argument(p)
     p.add_argument("--input-lens", nargs="+", type=int, default=[1024], help="--random-input-len values")
     p.add_argument("--output-len", type=int, default=16, help="--random-output-len")
     p.add_argument("--num-prompts", nargs="+", type=int, default=[1, 4], help="one run per value")
@@ -242,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"torch {meta['torch']}, {date}: random token ids, output {args.output_len} tokens, ignore_eos, "
                 f"greedy; concurrency {args.max_concurrency or 'all'}, request rate {args.request_rate}"
                 + (f", YaRN x{args.yarn:g}" if args.yarn else ""),
-                "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); req/s and tok/s "
-                "(input + output) throughput; spd p50 = first variant's p50 TTFT / this one's",
+                "# ttft p50/p99 ms (dN: the sparse rows' computed density over the run); itl p50 ms: the client's median "
+                "gap between streamed tokens; req/s and tok/s (input + output); spd p50 = first's p50 TTFT / this one's",
                 table, "",
                 acc.describe_variants(meta["variants"]),
                 "server flags (sparse; dense the same with its backend): " + shlex.join(meta["server_args"]),

@@ -86,6 +86,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from vllm_sparse_tools.demo import ServerError, ServerHandle, cuda_available, start_server, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
+from vllm_sparse_tools.evaluation.host_kv import host_kv_server  # noqa: E402
 from vllm_sparse_tools.evaluation.inputs import resolve_model, resolve_text  # noqa: E402
 from vllm_sparse_tools.evaluation.variants import Variant, parse_variant  # noqa: E402
 
@@ -751,7 +752,7 @@ def server_args(model_dir: pathlib.Path, *, sparse: bool, cuda: bool, max_model_
     backend = "sparse-prefill" if sparse else ("FLASH_ATTN" if cuda else None)
     out = ["--attention-backend", backend] if backend else []
     chunk = args.max_num_batched_tokens or (min(acc.GPU_CHUNK, max_model_len) if cuda else max_model_len)
-    out += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", "bfloat16" if cuda else "float32",
+    out += ["--served-model-name", SERVED_MODEL_NAME, "--dtype", acc.serving_dtype(cuda),
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(chunk), "--seed", "0"]
     if not cuda:
@@ -776,9 +777,13 @@ def start_target(label: str, variant: Variant, model_dir: pathlib.Path, workdir:
         if stats_write_interval_s is not None:
             gating["stats_write_interval_s"] = stats_write_interval_s
         env.update(variant.env(stats_file=str(stats_path), **gating))
-    handle = start_server(model_dir, server_args(model_dir, sparse=not variant.dense, cuda=cuda,
-                                                 max_model_len=max_model_len, args=args),
-                          env, folder / "server.log")
+    flags = server_args(model_dir, sparse=not variant.dense, cuda=cuda, max_model_len=max_model_len, args=args)
+    host = host_kv_server(variant, acc.model_config(model_dir), folder, cuda=cuda, dtype=acc.serving_dtype(cuda),
+                          unverified=getattr(args, "unverified_host_kv", False))  # bench_serve's flag
+    if host:
+        env.update(host.env())
+        flags = host.server_args(flags)
+    handle = start_server(model_dir, flags, env, folder / "server.log")
     settings = ", ".join(f"{k}={v}" for k, v in env.items() if k.startswith("VLLM_SPARSE_") and "FILE" not in k)
     description = ("vLLM's dense backend" + (" (FLASH_ATTN)" if cuda else " (CPU)")) if variant.dense else \
         f"sparse-prefill {settings or '(library defaults)'}"

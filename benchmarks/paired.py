@@ -17,6 +17,7 @@ prompts sent alone and its ratio to the reference's.
 
 A ``LABEL=peer`` variant is another project's sparse attention (``vllm_sparse_tools.evaluation.peers``:
 ``--peer-worker-cls``, ``--peer-pythonpath``, ``--peer-sparse-config``); it runs eager, so then every server does.
+A ``kv_placement=host`` variant runs only with ``--unverified-host-kv`` (``vllm_sparse_tools.evaluation.host_kv``).
 
 ``--split heldout`` uses only the texts and templates ``tune`` never uses (bible, gcide). Prompts
 are built in a process pool and cached per prompt (``--prompt-cache``). Servers start together
@@ -49,7 +50,7 @@ if not __package__:
 from vllm_sparse_tools import assets  # noqa: E402
 from vllm_sparse_tools.demo import ServerError, cuda_available, wait_ready  # noqa: E402
 from vllm_sparse_tools.evaluation import accuracy as acc  # noqa: E402
-from vllm_sparse_tools.evaluation import families, inputs, paired, peers  # noqa: E402
+from vllm_sparse_tools.evaluation import families, host_kv, inputs, paired, peers  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The sparse servers' stats file is rewritten at most this often (the library's default): only
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=["dense", "default"],
                    help="the reference first (normally dense); presets, LABEL=FIELD=VALUE[,...] or LABEL=peer")
     peers.add_arguments(p)
+    host_kv.add_argument(p)
     p.add_argument("--head-config-dir", default=str(REPO / "head_configs"))
     p.add_argument("--text", action="append", metavar="NAME=PATH",
                    help="a haystack text (plain, .xz or .gz); names: " + ", ".join(
@@ -209,7 +211,8 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "shard": args.shard, "families": args.families, "seed": args.seed, "yarn": args.yarn, "max_model_len": max_model_len,
             "texts": {n: paired.sha256_text(paired.read_text(t)) for n, t in texts.items()},
             "concurrency": concurrency, "ttft_prompts_per_length": args.ttft_prompts,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": args.enforce_eager, "gpus": gpus if cuda else None,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "enforce_eager": args.enforce_eager,
+            "unverified_host_kv": args.unverified_host_kv, "gpus": gpus if cuda else None,
             "variants": {v.label: "peer" if v.peer else v.overrides for v in variants}, "commands": [" ".join(sys.argv)],
             "peer": peer and {"worker_cls": peer.worker_cls, "sparse_attention_config": peer.sparse_attention_config},
             "interval": "Newcombe method 10 (reference - variant hit rate, 95%)"}
@@ -243,6 +246,7 @@ def run(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                         max_num_batched_tokens=args.max_num_batched_tokens, shared_gpu=len(idx) > 1,
                         as_served=True, max_num_seqs=max(concurrency, 2), stats_write_interval_s=STATS_INTERVAL_S,
                         enforce_eager=args.enforce_eager, prometheus_multiproc=True, peer=peer,
+                        unverified_host_kv=args.unverified_host_kv,
                         env={"CUDA_VISIBLE_DEVICES": gpu} if cuda else None)
             failed: dict[int, str] = {}
             stats_before: dict[int, dict | None] = {}

@@ -28,7 +28,8 @@ from ..settings import SparseSettings
 from ..decode.placed import fold_page_summaries, topk_decode_placed
 from ..decode.topk import TopkDecodeBudget
 from ..kv_placement.base import KVLayout
-from ..kv_placement.host import HostPlacement, HotPages, hot_slots_needed, pool_block_bytes, storage_dtype
+from ..kv_placement.host import (HostPlacement, HotPages, hot_slots_needed, pool_block_bytes, pool_capacity,
+                                 storage_dtype)
 from ..startup import report_startup_error
 from ..prefill.placed import dense_prefill_placed, selected_prefill_placed
 
@@ -222,7 +223,7 @@ def check_pool_holds_vllm_blocks(settings: SparseSettings, layout: KVLayout) -> 
     """ConfigError unless ``host_kv_pool_bytes`` holds a pool entry for every block id vLLM
     made (``layout.num_blocks``), naming the flag that caps vLLM's blocks."""
     block_bytes = pool_block_bytes(layout, settings.host_kv_dtype)
-    holds = (settings.host_kv_pool_bytes or 0) // block_bytes
+    holds = pool_capacity(layout, settings.host_kv_pool_bytes or 0, settings.host_kv_dtype)
     if layout.num_blocks > holds:
         raise ConfigError(f"kv_placement=host: vLLM made {layout.num_blocks} KV-cache blocks but host_kv_pool_bytes="
                           f"{settings.host_kv_pool_bytes} holds {holds} (one block of all {layout.num_layers} layers "

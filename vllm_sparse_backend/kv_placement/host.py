@@ -68,6 +68,12 @@ def pool_block_bytes(layout: KVLayout, host_kv_dtype: str = "auto") -> int:
     return layout.num_layers * (2 * page_elems * dtype.itemsize + scale_bytes)
 
 
+def pool_capacity(layout: KVLayout, pool_bytes: int, host_kv_dtype: str = "auto") -> int:
+    """The blocks a pool of ``pool_bytes`` holds (``layout.num_blocks`` is not read): the most
+    vLLM may make, ``--num-gpu-blocks-override`` of a host-KV server."""
+    return pool_bytes // pool_block_bytes(layout, host_kv_dtype)
+
+
 def hot_slots_needed(sink_pages: int, recent_pages: int, budget_pages: int, num_kv_heads: int, page_size: int,
                      num_blocks: int, max_num_seqs: int, max_model_len: int) -> int:
     """The hot slots per layer that make :class:`HotCacheTooSmall` impossible in a decode step.
@@ -112,7 +118,7 @@ class HostKVPool:
         self.dtype = storage_dtype(host_kv_dtype, layout.dtype)
         self.quantized = self.dtype == FP8
         self.block_bytes = pool_block_bytes(layout, host_kv_dtype)
-        self.capacity = pool_bytes // self.block_bytes
+        self.capacity = pool_capacity(layout, pool_bytes, host_kv_dtype)
         if self.capacity < 1:
             raise ValueError(f"host_kv_pool_bytes={pool_bytes} holds no block: one block of every layer takes "
                              f"{self.block_bytes} bytes")

@@ -9,6 +9,7 @@
   softmax mass the sparse selection covers (recall) and the output error against dense.
 * :mod:`.inputs`: the benchmarks' names for models, texts and variants, resolved to cached assets.
 * :mod:`.peers`: another project's sparse attention served beside ours (a worker class).
+* :mod:`.host_kv`: a kv_placement=host variant's server before a GPU has run the mode (``--unverified-host-kv``).
 
 Nothing here is imported by the serving package (see :mod:`vllm_sparse_tools`).
 """

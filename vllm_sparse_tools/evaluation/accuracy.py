@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..demo import ServerError, ServerHandle, read_stats, start_server, wait_ready
+from .host_kv import host_kv_server
 from .rope import scaled_max_positions, yarn_parameters
 from .tasks import Sample, score
 from .triton_cache import compiled_since, describe, snapshot
@@ -82,6 +83,12 @@ def kv_cache_bytes(cfg: dict, max_model_len: int, dtype_bytes: int = 4) -> int:
     return -(-need // (64 << 20)) * (64 << 20)
 
 
+def serving_dtype(cuda: bool) -> str:
+    """The servers' ``--dtype``: bf16 on CUDA; fp32 on CPU, where without avx512_bf16 bf16
+    compute is several times slower."""
+    return "bfloat16" if cuda else "float32"
+
+
 GPU_CHUNK = 16384  # tokens per prefill step on CUDA: the chunk size the backend is tuned for
 
 
@@ -111,8 +118,7 @@ def server_args(model_dir: str | os.PathLike, max_model_len: int, *, dense: bool
     # estimates its own columns): a judge of the served answers must not choose another.
     if max_num_batched_tokens is None and not (as_served and cuda):
         max_num_batched_tokens = min(GPU_CHUNK, max_model_len) if cuda else max_model_len
-    # fp32 on CPU: without avx512_bf16, bf16 compute is several times slower there.
-    args += ["--served-model-name", served_name, "--dtype", "bfloat16" if cuda else "float32",
+    args += ["--served-model-name", served_name, "--dtype", serving_dtype(cuda),
              *([] if as_served else ["--enforce-eager", "--no-enable-prefix-caching"]),
              "--max-model-len", str(max_model_len),
              *([] if max_num_batched_tokens is None else ["--max-num-batched-tokens", str(max_num_batched_tokens)]),
@@ -251,7 +257,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
            shared_gpu: bool = False, own_triton_cache: bool = False, kv_cache_dtype: str | None = None,
            as_served: bool = False, max_num_seqs: int = 4, env: dict[str, str] | None = None,
            stats_write_interval_s: float = 0, enforce_eager: bool = False,
-           prometheus_multiproc: bool = False, peer: Peer | None = None) -> Launched:
+           prometheus_multiproc: bool = False, peer: Peer | None = None, unverified_host_kv: bool = False
+           ) -> Launched:
     """Start (do not wait for) the server of ``variant`` on ``model_dir``.
 
     ``min_sparse_query_len`` / ``max_density``: the sparse servers' gating; None keeps the
@@ -267,7 +274,8 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
     ``prometheus_multiproc``: the server gets its own ``PROMETHEUS_MULTIPROC_DIR`` (as the
     deployment docs set it), so that its metric writes cost what they cost in production.
     ``peer``: how a peer variant is served (:mod:`.peers`): its worker, its copy of the model
-    folder, its PYTHONPATH."""
+    folder, its PYTHONPATH. ``unverified_host_kv``: serve a kv_placement=host variant
+    (:mod:`.host_kv`: its refusal lifted for this server, its blocks, eager); ValueError without."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     label = f"{variant.label}-{rope}".replace("/", "_")
@@ -299,13 +307,16 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
                                     ("max_density", max_density)) if v is not None}
         env.update(variant.env(stats_file=str(stats_path), stats_write_interval_s=stats_write_interval_s,
                                **gating))
-    handle = start_server(model_dir, server_args(model_dir, max_model_len, dense=not variant.ours, cuda=cuda,
-                                                 max_num_batched_tokens=max_num_batched_tokens,
-                                                 shared_gpu=shared_gpu, kv_cache_dtype=kv_cache_dtype,
-                                                 as_served=as_served, max_num_seqs=max_num_seqs,
-                                                 enforce_eager=enforce_eager,
-                                                 worker_cls=peer.worker_cls if variant.peer else None), env,
-                         workdir / f"{label}.log")
+    args = server_args(model_dir, max_model_len, dense=not variant.ours, cuda=cuda,
+                       max_num_batched_tokens=max_num_batched_tokens, shared_gpu=shared_gpu,
+                       kv_cache_dtype=kv_cache_dtype, as_served=as_served, max_num_seqs=max_num_seqs,
+                       enforce_eager=enforce_eager, worker_cls=peer.worker_cls if variant.peer else None)
+    host = host_kv_server(variant, model_config(model_dir), workdir, cuda=cuda, dtype=serving_dtype(cuda),
+                          unverified=unverified_host_kv)
+    if host:
+        env.update(host.env())
+        args = host.server_args(args)
+    handle = start_server(model_dir, args, env, workdir / f"{label}.log")
     return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
                     max_num_batched_tokens, triton_cache)
 

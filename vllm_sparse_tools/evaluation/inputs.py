@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import assets
+from . import host_kv
 from .variants import PRESETS, Variant, parse_variant, searched_variant
 
 # Name on the command line -> (asset in vllm_sparse_tools.assets, the model's own name).
@@ -138,10 +139,12 @@ def add_model_and_variants_arguments(parser: argparse.ArgumentParser, variants_h
 def model_and_variants(parser: argparse.ArgumentParser, args: argparse.Namespace, peers: bool = False
                        ) -> tuple[pathlib.Path, str, list[Variant]]:
     """``args.model`` resolved and ``args.variants`` parsed as given (no ``searched`` added; peers
-    where ``peers``); a bad name ends the program with the parser's usage error."""
+    where ``peers``; kv_placement=host where ``args`` has :data:`.host_kv.FLAG`); a bad name ends
+    the program with the parser's usage error."""
     try:
         model_dir, model_name = resolve_model(args.model)
-        return model_dir, model_name, choose_variants(args.variants, model_dir, model_name, args.head_config_dir,
-                                                      peers=peers)
+        variants = choose_variants(args.variants, model_dir, model_name, args.head_config_dir, peers=peers)
+        host_kv.refuse_unflagged(variants, args)
+        return model_dir, model_name, variants
     except ValueError as e:
         parser.error(str(e))
