@@ -311,14 +311,13 @@ def launch(model_dir: str | os.PathLike, variant: Variant, *, workdir: str | os.
                        max_num_batched_tokens=max_num_batched_tokens, shared_gpu=shared_gpu,
                        kv_cache_dtype=kv_cache_dtype, as_served=as_served, max_num_seqs=max_num_seqs,
                        enforce_eager=enforce_eager, worker_cls=peer.worker_cls if variant.peer else None)
-    host = host_kv_server(variant, model_config(model_dir), workdir, cuda=cuda, dtype=serving_dtype(cuda),
-                          unverified=unverified_host_kv)
+    cfg = model_config(model_dir)
+    host = host_kv_server(variant, cfg, workdir, cuda=cuda, dtype=serving_dtype(cuda), unverified=unverified_host_kv)
     if host:
         env.update(host.env())
         args = host.server_args(args)
     handle = start_server(model_dir, args, env, workdir / f"{label}.log")
-    return Launched(variant, rope, handle, stats_path, model_config(model_dir), max_model_len,
-                    max_num_batched_tokens, triton_cache)
+    return Launched(variant, rope, handle, stats_path, cfg, max_model_len, max_num_batched_tokens, triton_cache)
 
 
 def settled_stats(path: pathlib.Path, timeout: float = 10.0) -> dict | None:
